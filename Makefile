@@ -1,0 +1,36 @@
+# The two entry points a newcomer needs: `make demo` and `make test`. Both set up .venv
+# first (scripts/setup_env.sh: idempotent, a no-op when up to date).
+SHELL := /bin/bash
+VENV := .venv
+PYTHON := $(VENV)/bin/python
+export HF_HUB_OFFLINE := 1
+export DISABLE_VERSION_CHECK := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: venv demo test test-fast test-gpu native clean help
+
+help:
+	@echo "make demo   - set up .venv if needed, then run harvest's CPU demo"
+	@echo "make test   - set up .venv if needed, then run the whole test suite"
+
+venv:
+	@bash scripts/setup_env.sh
+
+demo: venv
+	$(VENV)/bin/harvest demo
+
+test: venv
+	$(PYTHON) -m pytest -q -ra tests
+
+# Policy and mechanism tests only (no SGLang server start-ups): seconds, for iteration.
+test-fast: venv
+	$(PYTHON) -m pytest -q -ra -m "not sglang and not slow" tests
+
+test-gpu: venv
+	$(PYTHON) -m pytest -q -ra -m gpu tests
+
+native: venv
+	$(PYTHON) -m pip install --no-build-isolation --no-deps -q -e .
+
+clean:
+	rm -rf build .cache/tiny-models .pytest_cache

@@ -1,0 +1,36 @@
+"""The one place harvest reads ``HARVEST_*`` environment variables.
+
+Every other module asks here, so the full list of knobs is this file, and a bad value is
+rejected with the variable's name instead of being silently ignored.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+
+
+def cache_dir() -> Path:
+    """HARVEST_CACHE_DIR: where built artefacts (tiny models, ...) are cached.
+
+    Default: ``<project>/.cache`` for a source checkout, ``~/.cache/harvest`` otherwise.
+    """
+    value = os.environ.get("HARVEST_CACHE_DIR")
+    if value:
+        return Path(value).expanduser()
+    if (PROJECT_ROOT / "pyproject.toml").is_file():
+        return PROJECT_ROOT / ".cache"
+    return Path.home() / ".cache" / "harvest"
+
+
+def native_lib_dir() -> Path | None:
+    """HARVEST_NATIVE_DIR: a directory holding libharvest_*.so, searched first."""
+    value = os.environ.get("HARVEST_NATIVE_DIR")
+    if not value:
+        return None
+    path = Path(value).expanduser()
+    if not path.is_dir():
+        raise ValueError(f"HARVEST_NATIVE_DIR={value!r} is not a directory")
+    return path

@@ -1,0 +1,205 @@
+"""`harvest doctor`: what this machine offers harvest (versions, GPU, VMM, green contexts).
+
+Everything is probed through harvest's own native libraries (the driver API, opened at run
+time), so the answer is what harvest itself will see. Without a driver or GPU it says
+so plainly; that is a valid configuration (CPU development), not an error.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import importlib.metadata
+import platform
+import sys
+from typing import Any
+
+from harvest import native
+
+
+class _GreenCtxDeviceInfo(ctypes.Structure):
+    # Mirrors hgc_device_info_t in csrc/greenctx/hgc.h.
+    _fields_ = [
+        ("name", ctypes.c_char * 256),
+        ("driver_version", ctypes.c_int),
+        ("sm_count", ctypes.c_int),
+        ("cc_major", ctypes.c_int),
+        ("cc_minor", ctypes.c_int),
+        ("total_memory_bytes", ctypes.c_uint64),
+        ("green_contexts_supported", ctypes.c_int),
+        ("min_sm_partition_size", ctypes.c_int),
+        ("sm_coscheduled_alignment", ctypes.c_int),
+    ]
+
+
+class _VmmProbe(ctypes.Structure):
+    # Mirrors hvmm_cuda_probe_t in csrc/vmm_allocator/hvmm.h.
+    _fields_ = [
+        ("driver_version", ctypes.c_int),
+        ("device_count", ctypes.c_int),
+        ("vmm_supported", ctypes.c_int),
+        ("granularity_bytes", ctypes.c_uint64),
+    ]
+
+
+HGC_ERR_NO_DRIVER = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuInfo:
+    ordinal: int
+    name: str
+    sm_count: int
+    compute_capability: str
+    total_memory_bytes: int
+    vmm_supported: bool
+    vmm_granularity_bytes: int
+    green_contexts_supported: bool
+    min_sm_partition_size: int  # 0: not reported by the driver
+    sm_coscheduled_alignment: int  # 0: not reported by the driver
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _native_libraries() -> dict[str, dict[str, Any]]:
+    result: dict[str, dict[str, Any]] = {}
+    for name, version_fn in (("vmm", "hvmm_version"), ("greenctx", "hgc_version")):
+        try:
+            lib = native.load(name)
+            version = native.bind(lib, version_fn, ctypes.c_char_p)().decode()
+            result[name] = {"path": str(native.library_path(name)), "version": version}
+        except (native.NativeLibraryNotFound, OSError) as exc:
+            result[name] = {"path": None, "error": str(exc)}
+    return result
+
+
+def probe_gpus() -> tuple[list[GpuInfo], str | None, int | None]:
+    """(GPUs, reason there are none or None, driver version or None)."""
+    try:
+        hgc = native.load("greenctx")
+        hvmm = native.load("vmm")
+    except (native.NativeLibraryNotFound, OSError) as exc:
+        return [], f"native libraries unavailable: {exc}", None
+    device_info = native.bind(hgc, "hgc_device_info", ctypes.c_int, ctypes.c_int, ctypes.POINTER(_GreenCtxDeviceInfo))
+    hgc_error = native.bind(hgc, "hgc_last_error", ctypes.c_char_p)
+    vmm_probe = native.bind(hvmm, "hvmm_cuda_probe", ctypes.c_int, ctypes.c_int, ctypes.POINTER(_VmmProbe))
+    vmm_error = native.bind(hvmm, "hvmm_last_error", ctypes.c_char_p)
+
+    probe = _VmmProbe()
+    status = vmm_probe(0, ctypes.byref(probe))
+    if status == HGC_ERR_NO_DRIVER:
+        return [], vmm_error().decode(), None
+    if probe.device_count == 0:
+        return [], "CUDA driver present but no GPU visible", probe.driver_version
+    gpus = []
+    for ordinal in range(probe.device_count):
+        info = _GreenCtxDeviceInfo()
+        if device_info(ordinal, ctypes.byref(info)) != 0:
+            raise RuntimeError(f"hgc_device_info({ordinal}): {hgc_error().decode()}")
+        if vmm_probe(ordinal, ctypes.byref(probe)) != 0:
+            raise RuntimeError(f"hvmm_cuda_probe({ordinal}): {vmm_error().decode()}")
+        gpus.append(
+            GpuInfo(
+                ordinal=ordinal,
+                name=info.name.decode(errors="replace"),
+                sm_count=info.sm_count,
+                compute_capability=f"{info.cc_major}.{info.cc_minor}",
+                total_memory_bytes=info.total_memory_bytes,
+                vmm_supported=bool(probe.vmm_supported),
+                vmm_granularity_bytes=probe.granularity_bytes,
+                green_contexts_supported=bool(info.green_contexts_supported),
+                min_sm_partition_size=info.min_sm_partition_size,
+                sm_coscheduled_alignment=info.sm_coscheduled_alignment,
+            )
+        )
+    return gpus, None, probe.driver_version
+
+
+def collect() -> dict[str, Any]:
+    """The full report as a JSON-able dict (the schema of `harvest doctor --json`)."""
+    import torch
+
+    gpus, no_gpu_reason, driver_version = probe_gpus()
+    return {
+        "harvest": _version("harvest"),
+        "python": platform.python_version(),
+        "platform": f"{platform.system()} {platform.machine()}",
+        "packages": {
+            "torch": torch.__version__,
+            "torch_cuda": torch.version.cuda,
+            "sglang": _version("sglang"),
+            "llamafactory": _version("llamafactory"),
+            "transformers": _version("transformers"),
+            "peft": _version("peft"),
+            "scikit-learn": _version("scikit-learn"),
+            "prometheus-client": _version("prometheus-client"),
+            "nvidia-ml-py": _version("nvidia-ml-py"),
+            "cuda-python": _version("cuda-python"),
+        },
+        "cuda_driver": {
+            "present": driver_version is not None,
+            "version": _format_driver_version(driver_version),
+        },
+        "gpu_present": bool(gpus),
+        "no_gpu_reason": no_gpu_reason,
+        "gpus": [dataclasses.asdict(g) for g in gpus],
+        "native_libraries": _native_libraries(),
+    }
+
+
+def _format_driver_version(version: int | None) -> str | None:
+    if version is None:
+        return None
+    return f"{version // 1000}.{(version % 1000) // 10}"
+
+
+def render_text(report: dict[str, Any]) -> str:
+    lines = [f"harvest {report['harvest']}  (Python {report['python']}, {report['platform']})"]
+    pkgs = report["packages"]
+    lines.append(
+        "packages: " + ", ".join(f"{k} {v if v is not None else '(not installed)'}" for k, v in pkgs.items())
+    )
+    for name, lib in report["native_libraries"].items():
+        lines.append(f"native {name}: " + (f"{lib['version']} at {lib['path']}" if lib.get("path") else lib["error"]))
+    driver = report["cuda_driver"]
+    lines.append(f"CUDA driver: {driver['version'] if driver['present'] else 'none'}")
+    if not report["gpu_present"]:
+        lines.append(f"GPU: none ({report['no_gpu_reason']})")
+        lines.append("harvest runs here in CPU mode: host VMM backend, one SM level (no spatial partitioning).")
+    for gpu in report["gpus"]:
+        constraints = (
+            f"min partition {gpu['min_sm_partition_size']} SMs, alignment {gpu['sm_coscheduled_alignment']}"
+            if gpu["min_sm_partition_size"]
+            else "partition constraints not reported by the driver (arch rules apply)"
+        )
+        lines.append(
+            f"GPU {gpu['ordinal']}: {gpu['name']}, {gpu['sm_count']} SMs, cc {gpu['compute_capability']}, "
+            f"{gpu['total_memory_bytes'] / 2**30:.1f} GiB; VMM {'yes' if gpu['vmm_supported'] else 'NO'}"
+            f" (page {gpu['vmm_granularity_bytes'] // 2**20} MiB); green contexts "
+            f"{'yes' if gpu['green_contexts_supported'] else 'NO'} ({constraints})"
+        )
+    return "\n".join(lines)
+
+
+HELP = "report versions, GPU, VMM and green-context support"
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
+
+
+def run(args) -> int:
+    import json
+
+    report = collect()
+    if args.json:
+        json.dump(report, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        print(render_text(report))
+    return 0

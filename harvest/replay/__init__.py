@@ -1,0 +1,1 @@
+"""Trace-driven replay of a decode instance (trace reading now; the simulator later)."""

@@ -1,0 +1,48 @@
+"""Shared fixtures: tiny models built once per run, GPU detection, SGLang env.
+
+Tests marked ``gpu`` run only where a CUDA driver and GPU are present (through the same
+probe `harvest doctor` uses); elsewhere they are skipped with the reason.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("DISABLE_VERSION_CHECK", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@functools.lru_cache(maxsize=1)
+def gpu_unavailable_reason() -> str | None:
+    from harvest import doctor
+
+    gpus, reason, _ = doctor.probe_gpus()
+    return None if gpus else reason
+
+
+def pytest_collection_modifyitems(config, items):
+    reason = gpu_unavailable_reason() if any("gpu" in item.keywords for item in items) else None
+    if reason is None:
+        return
+    skip = pytest.mark.skip(reason=f"needs an NVIDIA GPU: {reason}")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_path():
+    from harvest.tiny_model import TINY_LLAMA, ensure_tiny_model
+
+    return ensure_tiny_model(TINY_LLAMA)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_path():
+    from harvest.tiny_model import TINY_QWEN2, ensure_tiny_model
+
+    return ensure_tiny_model(TINY_QWEN2)
