@@ -34,3 +34,14 @@ def native_lib_dir() -> Path | None:
     if not path.is_dir():
         raise ValueError(f"HARVEST_NATIVE_DIR={value!r} is not a directory")
     return path
+
+
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+def log_level() -> str:
+    """HARVEST_LOG_LEVEL: one of DEBUG, INFO (default), WARNING, ERROR."""
+    value = os.environ.get("HARVEST_LOG_LEVEL", "INFO").upper()
+    if value not in _LOG_LEVELS:
+        raise ValueError(f"HARVEST_LOG_LEVEL={value!r} is not one of {', '.join(_LOG_LEVELS)}")
+    return value

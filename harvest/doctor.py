@@ -161,8 +161,9 @@ def _format_driver_version(version: int | None) -> str | None:
 def render_text(report: dict[str, Any]) -> str:
     lines = [f"harvest {report['harvest']}  (Python {report['python']}, {report['platform']})"]
     pkgs = report["packages"]
+    shown = {**pkgs, "torch_cuda": pkgs["torch_cuda"] or "none (CPU build)"}
     lines.append(
-        "packages: " + ", ".join(f"{k} {v if v is not None else '(not installed)'}" for k, v in pkgs.items())
+        "packages: " + ", ".join(f"{k} {v if v is not None else '(not installed)'}" for k, v in shown.items())
     )
     for name, lib in report["native_libraries"].items():
         lines.append(f"native {name}: " + (f"{lib['version']} at {lib['path']}" if lib.get("path") else lib["error"]))
