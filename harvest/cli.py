@@ -17,6 +17,7 @@ import harvest
 COMMANDS = {
     "doctor": "harvest.doctor",
     "demo": "harvest.demo",
+    "launch": "harvest.sglang.launch",
 }
 
 

@@ -45,3 +45,23 @@ def log_level() -> str:
     if value not in _LOG_LEVELS:
         raise ValueError(f"HARVEST_LOG_LEVEL={value!r} is not one of {', '.join(_LOG_LEVELS)}")
     return value
+
+
+# Set by the plugin in the launcher process (from --enable-harvest/--harvest-config) so that
+# SGLang's scheduler subprocesses, which inherit the environment, know harvest is on.
+ENABLED_VAR = "HARVEST_ENABLED"
+CONFIG_VAR = "HARVEST_CONFIG"
+
+
+def harvest_enabled() -> bool:
+    """HARVEST_ENABLED: "1" turns co-location on in SGLang processes (set by --enable-harvest)."""
+    value = os.environ.get(ENABLED_VAR, "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"{ENABLED_VAR}={value!r} must be 0 or 1")
+    return value == "1"
+
+
+def harvest_config_path() -> Path | None:
+    """HARVEST_CONFIG: path of harvest.yaml (set by --harvest-config); None = defaults."""
+    value = os.environ.get(CONFIG_VAR)
+    return Path(value) if value else None

@@ -1,26 +1,42 @@
 """Entry point of harvest's SGLang plugin (group ``sglang.srt.plugins``).
 
-SGLang calls :func:`load` in every process it starts (the engine and each scheduler
-subprocess). For now the plugin only checks the SGLang version and says that it loaded;
-the co-location hooks arrive with the co-location issue.
+SGLang calls :func:`load` in every process it starts (launcher, engine, each scheduler
+subprocess). It registers harvest's hooks with SGLang's ``HookRegistry``:
 
-SGLang catches and logs any exception a plugin's ``load`` raises (``sglang.srt.plugins.
-load_plugins``), so raising here cannot stop a server; a version mismatch is therefore
-logged as an error and no hook is installed. Refusing to start belongs to a hook on the
-start-up path, where an exception does propagate.
+- ``ServerArgs.add_cli_args`` (AFTER): adds ``--enable-harvest`` and ``--harvest-config``.
+- ``ServerArgs.from_cli_args`` (AROUND): validates harvest.yaml in the launcher and hands
+  "enabled + config path" to the subprocesses through the environment (``ServerArgs`` is
+  a msgspec Struct: it cannot carry extra fields).
+- the co-location hooks of :mod:`harvest.sglang.hooks`, active only when enabled.
+
+Two failure rules. SGLang catches and logs any exception a plugin's ``load`` raises, and
+``HookRegistry.apply_hooks`` logs and skips a target that does not resolve, so neither can
+stop a server. harvest therefore checks the SGLang version and resolves every hook target
+itself in ``load``; if something is wrong *and harvest is enabled*, the refusal is raised
+from ``from_cli_args`` (launcher) or ``Scheduler.__init__`` (subprocess), where exceptions
+do stop start-up. A server without ``--enable-harvest`` is never affected.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
 import os
+import pkgutil
 
+from harvest import config_env
 from harvest.logs import get_logger
 from harvest.sglang import SUPPORTED_SGLANG_VERSION
 
 logger = get_logger(__name__)
 
 LOADED_MESSAGE = "harvest plugin loaded"
+
+SERVER_ARGS = "sglang.srt.server_args.ServerArgs"
+SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
+
+
+class HarvestStartupError(RuntimeError):
+    """harvest is enabled but cannot run on this server: refuse to start."""
 
 
 def version_problem(version: str) -> str | None:
@@ -30,16 +46,85 @@ def version_problem(version: str) -> str | None:
     # Hooks target SGLang internals that move between versions: never guess.
     return (
         f"harvest supports sglang=={SUPPORTED_SGLANG_VERSION}, found {version}; "
-        "install the supported version or uninstall harvest"
+        "install the supported version or run without --enable-harvest"
     )
 
 
+def unresolvable_targets(targets: list[str]) -> list[str]:
+    missing = []
+    for target in targets:
+        try:
+            pkgutil.resolve_name(target)
+        except (ImportError, AttributeError, ValueError):
+            missing.append(target)
+    return missing
+
+
+def _add_cli_args(result, parser):
+    group = parser.add_argument_group("harvest (LoRA finetuning in idle decode capacity)")
+    group.add_argument("--enable-harvest", action="store_true", help="co-locate the finetune job(s) of --harvest-config")
+    group.add_argument("--harvest-config", type=str, default=None, help="path of harvest.yaml (default: built-in defaults)")
+    return result
+
+
+def _from_cli_args(original, cls, args):
+    enabled = getattr(args, "enable_harvest", False)
+    config_path = getattr(args, "harvest_config", None)
+    if config_path and not enabled:
+        raise HarvestStartupError("--harvest-config given without --enable-harvest")
+    if enabled:
+        _refuse_if_broken()
+        from harvest.config import load
+
+        if config_path:
+            config = load(config_path)  # ConfigError names the bad field
+            config_path = str(config.source)
+        os.environ[config_env.ENABLED_VAR] = "1"
+        if config_path:
+            os.environ[config_env.CONFIG_VAR] = config_path
+        logger.info("harvest enabled (config: %s)", config_path or "defaults")
+    return original(cls, args)
+
+
+_problems: list[str] = []
+
+
+def _refuse_if_broken() -> None:
+    if _problems:
+        raise HarvestStartupError("harvest cannot run on this SGLang: " + "; ".join(_problems))
+
+
 def load() -> bool:
-    """Plugin entry point. Returns whether harvest's hooks were installed."""
+    """Plugin entry point. Returns whether harvest's hooks were registered."""
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    from harvest.sglang import hooks
+
     version = importlib.metadata.version("sglang")
+    _problems.clear()
     problem = version_problem(version)
     if problem is not None:
-        logger.error("harvest plugin NOT active: %s", problem)
+        _problems.append(problem)
+    missing = unresolvable_targets([f"{SERVER_ARGS}.add_cli_args", f"{SERVER_ARGS}.from_cli_args", *hooks.TARGETS])
+    if missing:
+        _problems.append("hook target(s) not found: " + ", ".join(missing))
+
+    # The flags are registered whatever happens, so `--enable-harvest` on a broken
+    # install reaches _from_cli_args and refuses loudly instead of "unknown flag".
+    if f"{SERVER_ARGS}.add_cli_args" not in missing:
+        HookRegistry.register(f"{SERVER_ARGS}.add_cli_args", _add_cli_args, HookType.AFTER)
+    if f"{SERVER_ARGS}.from_cli_args" not in missing:
+        HookRegistry.register(f"{SERVER_ARGS}.from_cli_args", _from_cli_args, HookType.AROUND)
+    if _problems:
+        if config_env.harvest_enabled():
+            # A subprocess of a launcher that enabled harvest: refuse in Scheduler.__init__.
+            HookRegistry.register(f"{SCHEDULER}.__init__", _refuse_in_scheduler, HookType.BEFORE)
+        logger.error("harvest plugin NOT active: %s", "; ".join(_problems))
         return False
+    hooks.register(HookRegistry, HookType)
     logger.info("%s (sglang %s, pid %d)", LOADED_MESSAGE, version, os.getpid())
     return True
+
+
+def _refuse_in_scheduler(*args, **kwargs):
+    _refuse_if_broken()
