@@ -1,0 +1,1 @@
+"""Prometheus metrics (prometheus-client, imported lazily) and GPU telemetry (nvidia-ml-py)."""
