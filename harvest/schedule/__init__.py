@@ -1,0 +1,38 @@
+"""The QoS scheduler (Harli §6.2, DESIGN.md §4): before every decode step, choose the SM
+level whose predicted co-located latency is closest under the TPOT target, or pause the
+trainer. Pure policy: standard library only (no torch, numpy or scikit-learn)."""
+
+from harvest.schedule.config import SchedulerConfig
+from harvest.schedule.controller import QoSController, SchedulerStats
+from harvest.schedule.margin import is_violation, margin_after
+from harvest.schedule.rule import advance, choose, closest_under, safest_under
+from harvest.schedule.snapshots import (
+    WHOLE_GPU,
+    Decision,
+    DecisionReason,
+    SchedulerInput,
+    SchedulerLadder,
+    SchedulerState,
+    TrainerAction,
+    TrainerState,
+)
+
+__all__ = [
+    "WHOLE_GPU",
+    "Decision",
+    "DecisionReason",
+    "QoSController",
+    "SchedulerConfig",
+    "SchedulerInput",
+    "SchedulerLadder",
+    "SchedulerState",
+    "SchedulerStats",
+    "TrainerAction",
+    "TrainerState",
+    "advance",
+    "choose",
+    "closest_under",
+    "is_violation",
+    "margin_after",
+    "safest_under",
+]

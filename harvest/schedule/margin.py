@@ -1,0 +1,34 @@
+"""The feedback margin: how a measured step moves the headroom the rule keeps.
+
+The predictor is wrong sometimes (Harli §8.4: stage 2 within 5% on average, more on
+unseen loads, and a Python trainer thread adds GIL noise the profile never saw). A
+measured violation of a co-located step adds ``margin_growth``; a co-located step within
+target removes ``margin_decay``; the margin stays within [initial_margin, max_margin].
+
+Additive steps, not a jump to the margin that would have avoided the violation: a single
+outlier (a GC pause, the trainer holding the GIL) would otherwise shut the trainer out
+for as long as the decay takes to undo it, while a systematic under-prediction repeats
+and is caught after a few violations anyway.
+
+Only co-located steps move the margin: it decides which co-located level fits, and a
+step with the trainer paused says nothing about the co-location prediction's error.
+"""
+
+from __future__ import annotations
+
+from harvest.schedule.config import SchedulerConfig
+
+
+def is_violation(config: SchedulerConfig, measured_ms: float) -> bool:
+    """A measured step over the TPOT target (a step exactly on target meets it)."""
+    return measured_ms > config.target_tpot_ms
+
+
+def margin_after(config: SchedulerConfig, margin: float, measured_ms: float, colocated: bool) -> float:
+    """The margin in force after a step measured at ``measured_ms``; ``colocated``: the
+    trainer ran during the step."""
+    if not colocated:
+        return margin
+    if measured_ms > config.target_tpot_ms:
+        return min(config.max_margin, margin + config.margin_growth)
+    return max(config.initial_margin, margin - config.margin_decay)

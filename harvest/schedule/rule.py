@@ -1,0 +1,174 @@
+"""The scheduling rule as pure functions: ``choose`` a decision for one decode step and
+``advance`` the scheduler's state past it. Nothing here mutates anything, so the whole
+policy can be replayed and tested step by step (STYLE: query first, mutate second).
+
+Harli's rule (§6.2): predict each SM level's co-located decode latency and run the level
+closest to, but under, the QoS target; if none fits, pause the trainer and give decode
+the whole GPU; if the trainer is starved waiting on a swap-in, give decode every SM for
+that step. "Closest under" is the throughput choice: finetune throughput is highest when
+decode runs just under its target, because decode then leaves the most memory bandwidth
+to the trainer (§5.2.3). harvest adds (DESIGN.md, "Beyond Harli"):
+
+- a feedback margin: "under" means under ``target × (1 − margin)`` (see ``margin.py``);
+- hysteresis: a level change QoS requires (the level in force no longer fits) happens at
+  once; one it does not (a better level exists, or the trainer could resume after a
+  pause) waits until it has been available for ``hysteresis_steps`` consecutive steps,
+  or happens at once if it gains at least ``hysteresis_gain`` × target of predicted
+  latency. Each change moves the trainer's work to another partition, so flapping
+  between neighbouring levels buys nothing and costs a stream switch per step;
+- a minimum-progress floor: after ``floor_after_paused_steps`` steps of a runnable but
+  paused trainer, one step on the safest level that predicts under the floor's relaxed
+  target — never one predicted over it.
+
+Cost: one pass over the levels plus one Decision per step (a second pass only when the
+floor fires).
+"""
+
+from __future__ import annotations
+
+import math
+
+from harvest.schedule.config import SchedulerConfig
+from harvest.schedule.snapshots import (
+    WHOLE_GPU,
+    Decision,
+    DecisionReason,
+    SchedulerInput,
+    SchedulerLadder,
+    SchedulerState,
+    TrainerAction,
+    TrainerState,
+)
+
+_RUN, _PAUSE = TrainerAction.RUN, TrainerAction.PAUSE
+_FITS, _HOLD, _FLOOR, _NONE_FITS = (
+    DecisionReason.FITS,
+    DecisionReason.HYSTERESIS_HOLD,
+    DecisionReason.FLOOR,
+    DecisionReason.NONE_FITS,
+)
+_REASON_WHEN_TRAINER_CANNOT_RUN = {
+    TrainerState.STARVED: DecisionReason.TRAINER_STARVED,
+    TrainerState.PAUSED: DecisionReason.TRAINER_PAUSED,
+    TrainerState.STOPPED: DecisionReason.TRAINER_STOPPED,
+    TrainerState.ABSENT: DecisionReason.NO_TRAINER,
+}
+TRAINER_CANNOT_RUN_REASONS = frozenset(_REASON_WHEN_TRAINER_CANNOT_RUN.values())
+
+
+def closest_under(ladder: SchedulerLadder, colo_ms: tuple[float, ...], budget_ms: float) -> int:
+    """Harli's choice: the trainer level with the highest predicted latency ≤ ``budget_ms``,
+    or WHOLE_GPU if none. Ties go to more trainer SMs, then the lower index. Predictions
+    that are NaN, ±inf or ≤ 0 never fit (the chained comparison is False for them)."""
+    trainer_sms = ladder.trainer_sms
+    best, best_ms, best_sms = WHOLE_GPU, -math.inf, -1
+    for level in ladder.trainer_levels:
+        ms = colo_ms[level]
+        if 0.0 < ms <= budget_ms and (ms > best_ms or (ms == best_ms and trainer_sms[level] > best_sms)):
+            best, best_ms, best_sms = level, ms, trainer_sms[level]
+    return best
+
+
+def safest_under(ladder: SchedulerLadder, colo_ms: tuple[float, ...], budget_ms: float) -> int:
+    """The floor's choice: the trainer level with the lowest predicted latency ≤
+    ``budget_ms`` (the least QoS risk), or WHOLE_GPU. Ties as in :func:`closest_under`."""
+    trainer_sms = ladder.trainer_sms
+    best, best_ms, best_sms = WHOLE_GPU, math.inf, -1
+    for level in ladder.trainer_levels:
+        ms = colo_ms[level]
+        if 0.0 < ms <= budget_ms and (ms < best_ms or (ms == best_ms and trainer_sms[level] > best_sms)):
+            best, best_ms, best_sms = level, ms, trainer_sms[level]
+    return best
+
+
+def choose(
+    config: SchedulerConfig, ladder: SchedulerLadder, state: SchedulerState, snapshot: SchedulerInput
+) -> Decision:
+    """The decision for the next decode step. Pure: raises ValueError on a snapshot that
+    does not match the ladder, and changes nothing either way."""
+    colo = snapshot.predicted_colo_ms
+    if len(colo) != len(ladder.trainer_sms):
+        raise ValueError(
+            f"SchedulerInput.predicted_colo_ms has {len(colo)} entries for a ladder of "
+            f"{len(ladder.trainer_sms)} levels; give one prediction per level (NaN where there is none)"
+        )
+    margin = state.margin
+    budget = config.target_tpot_ms * (1.0 - margin)
+    trainer_state = snapshot.trainer_state
+    if trainer_state is not TrainerState.RUNNING:
+        # The class check refuses plain strings, which compare equal to str-valued enums.
+        reason = None
+        if trainer_state.__class__ is TrainerState:
+            reason = _REASON_WHEN_TRAINER_CANNOT_RUN.get(trainer_state)
+        if reason is None:
+            raise ValueError(
+                f"SchedulerInput.trainer_state={trainer_state!r}: must be a TrainerState "
+                f"({', '.join(s.name for s in TrainerState)})"
+            )
+        return Decision(state.step, WHOLE_GPU, _PAUSE, reason, margin, budget, snapshot.predicted_whole_gpu_ms)
+    try:
+        best = closest_under(ladder, colo, budget)
+    except TypeError:
+        raise ValueError(
+            f"SchedulerInput.predicted_colo_ms={colo!r}: every entry must be a number "
+            "(NaN where there is no prediction)"
+        ) from None
+
+    if best == WHOLE_GPU:
+        return _floor_or_pause(config, ladder, state, snapshot, budget, _NONE_FITS)
+    reference = state.reference_level
+    if best == reference:
+        return Decision(state.step, best, _RUN, _FITS, margin, budget, colo[best])
+    if reference == WHOLE_GPU:
+        # Resuming after a QoS pause: wait out the hysteresis, so a load hovering at the
+        # threshold does not pause and resume the trainer on alternate steps.
+        if state.hold_streak + 1 >= config.hysteresis_steps:
+            return Decision(state.step, best, _RUN, _FITS, margin, budget, colo[best])
+        return _floor_or_pause(config, ladder, state, snapshot, budget, _HOLD)
+    reference_ms = colo[reference]
+    if not 0.0 < reference_ms <= budget:
+        # QoS first: the level in force is predicted over budget, move now.
+        return Decision(state.step, best, _RUN, _FITS, margin, budget, colo[best])
+    gain = config.hysteresis_gain
+    if state.hold_streak + 1 >= config.hysteresis_steps or (
+        gain is not None and colo[best] - reference_ms >= gain * config.target_tpot_ms
+    ):
+        return Decision(state.step, best, _RUN, _FITS, margin, budget, colo[best])
+    return Decision(state.step, reference, _RUN, _HOLD, margin, budget, reference_ms)
+
+
+def _floor_or_pause(
+    config: SchedulerConfig,
+    ladder: SchedulerLadder,
+    state: SchedulerState,
+    snapshot: SchedulerInput,
+    budget: float,
+    reason: DecisionReason,
+) -> Decision:
+    """Pause a runnable trainer for ``reason`` — unless it has been paused long enough for
+    the floor and some level predicts under the floor's relaxed target."""
+    after = config.floor_after_paused_steps
+    if after is not None and state.paused_steps >= after:
+        floor_budget = config.target_tpot_ms * (1.0 - config.floor_margin)
+        level = safest_under(ladder, snapshot.predicted_colo_ms, floor_budget)
+        if level != WHOLE_GPU:
+            return Decision(
+                state.step, level, _RUN, _FLOOR, state.margin, floor_budget, snapshot.predicted_colo_ms[level]
+            )
+    return Decision(state.step, WHOLE_GPU, _PAUSE, reason, state.margin, budget, snapshot.predicted_whole_gpu_ms)
+
+
+def advance(state: SchedulerState, decision: Decision) -> SchedulerState:
+    """The state after ``decision`` was applied (the margin changes only with measurements,
+    see :func:`harvest.schedule.margin.margin_after`)."""
+    reason, step = decision.reason, state.step + 1
+    if reason is _FITS or reason is _FLOOR:
+        return SchedulerState(step, decision.level_index, 0, 0, state.margin)
+    if reason is _HOLD:
+        paused_steps = state.paused_steps + 1 if decision.level_index == WHOLE_GPU else 0
+        return SchedulerState(step, state.reference_level, state.hold_streak + 1, paused_steps, state.margin)
+    if reason is _NONE_FITS:
+        return SchedulerState(step, WHOLE_GPU, 0, state.paused_steps + 1, state.margin)
+    # The trainer could not run: neither a QoS pause nor progress, so the hysteresis and
+    # floor counters stand still and the trainer returns to its level when it can.
+    return SchedulerState(step, state.reference_level, state.hold_streak, state.paused_steps, state.margin)

@@ -1,0 +1,46 @@
+"""Policy imports no torch: every harvest.schedule module imports and decides in a fresh
+interpreter where torch, numpy, scikit-learn, scipy and the serving stack are unimportable."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+SCHEDULE_DIR = Path(__file__).resolve().parents[2] / "harvest" / "schedule"
+BLOCKED = ["torch", "numpy", "sklearn", "scipy", "sglang", "llamafactory", "transformers", "peft", "prometheus_client"]
+
+
+@pytest.mark.timeout(120)
+def test_schedule_imports_and_decides_without_torch_numpy_sklearn():
+    stems = [path.stem for path in sorted(SCHEDULE_DIR.glob("*.py")) if path.stem != "__init__"]
+    modules = ["harvest.schedule"] + [f"harvest.schedule.{stem}" for stem in stems]
+    assert len(modules) >= 5, modules
+    code = textwrap.dedent(
+        f"""
+        import importlib, importlib.abc, sys
+        BLOCKED = {BLOCKED!r}
+        class Refuse(importlib.abc.MetaPathFinder):
+            def find_spec(self, name, path=None, target=None):
+                if name.split(".")[0] in BLOCKED:
+                    raise ImportError(f"{{name}} is blocked for this test")
+        sys.meta_path.insert(0, Refuse())
+        for module in {modules!r}:
+            importlib.import_module(module)
+        from harvest.schedule import QoSController, SchedulerConfig, SchedulerInput, TrainerState
+        ctl = QoSController(SchedulerConfig(hysteresis_steps=1), [(100, 32), (64, 68)])
+        for state in TrainerState:
+            d = ctl.decide(SchedulerInput((30.0, 37.0), state, 20.0))
+            ctl.observe_measurement(41.0)
+        ctl.recent_decisions(); ctl.stats().to_dict()
+        loaded = sorted(m for m in sys.modules if m.split(".")[0] in BLOCKED)
+        assert not loaded, loaded
+        print("ok", d.reason.value)
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=110)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok no_trainer"
