@@ -15,21 +15,7 @@ import sys
 from typing import Any
 
 from harvest import native
-
-
-class _GreenCtxDeviceInfo(ctypes.Structure):
-    # Mirrors hgc_device_info_t in csrc/greenctx/hgc.h.
-    _fields_ = [
-        ("name", ctypes.c_char * 256),
-        ("driver_version", ctypes.c_int),
-        ("sm_count", ctypes.c_int),
-        ("cc_major", ctypes.c_int),
-        ("cc_minor", ctypes.c_int),
-        ("total_memory_bytes", ctypes.c_uint64),
-        ("green_contexts_supported", ctypes.c_int),
-        ("min_sm_partition_size", ctypes.c_int),
-        ("sm_coscheduled_alignment", ctypes.c_int),
-    ]
+from harvest.compute.greenctx_lib import DeviceInfoStruct
 
 
 class _VmmProbe(ctypes.Structure):
@@ -85,7 +71,7 @@ def probe_gpus() -> tuple[list[GpuInfo], str | None, int | None]:
         hvmm = native.load("vmm")
     except (native.NativeLibraryNotFound, OSError) as exc:
         return [], f"native libraries unavailable: {exc}", None
-    device_info = native.bind(hgc, "hgc_device_info", ctypes.c_int, ctypes.c_int, ctypes.POINTER(_GreenCtxDeviceInfo))
+    device_info = native.bind(hgc, "hgc_device_info", ctypes.c_int, ctypes.c_int, ctypes.POINTER(DeviceInfoStruct))
     hgc_error = native.bind(hgc, "hgc_last_error", ctypes.c_char_p)
     vmm_probe = native.bind(hvmm, "hvmm_cuda_probe", ctypes.c_int, ctypes.c_int, ctypes.POINTER(_VmmProbe))
     vmm_error = native.bind(hvmm, "hvmm_last_error", ctypes.c_char_p)
@@ -98,7 +84,7 @@ def probe_gpus() -> tuple[list[GpuInfo], str | None, int | None]:
         return [], "CUDA driver present but no GPU visible", probe.driver_version
     gpus = []
     for ordinal in range(probe.device_count):
-        info = _GreenCtxDeviceInfo()
+        info = DeviceInfoStruct()
         if device_info(ordinal, ctypes.byref(info)) != 0:
             raise RuntimeError(f"hgc_device_info({ordinal}): {hgc_error().decode()}")
         if vmm_probe(ordinal, ctypes.byref(probe)) != 0:
@@ -149,7 +135,15 @@ def collect() -> dict[str, Any]:
         "no_gpu_reason": no_gpu_reason,
         "gpus": [dataclasses.asdict(g) for g in gpus],
         "native_libraries": _native_libraries(),
+        "ladder": _ladder(gpus),
     }
+
+
+def _ladder(gpus: list[GpuInfo]) -> dict[str, Any]:
+    """The SM ladder harvest would build here (GPU 0), or the one shared level on CPU."""
+    from harvest.compute.factory import ladder_report
+
+    return ladder_report("cuda:0" if gpus else "cpu")
 
 
 def _format_driver_version(version: int | None) -> str | None:
@@ -184,6 +178,16 @@ def render_text(report: dict[str, Any]) -> str:
             f" (page {gpu['vmm_granularity_bytes'] // 2**20} MiB); green contexts "
             f"{'yes' if gpu['green_contexts_supported'] else 'NO'} ({constraints})"
         )
+    ladder = report.get("ladder")
+    if ladder is not None:
+        if ladder["spatial"]:
+            pairs = ", ".join(f"{lv['decode_sms']}/{lv['trainer_sms']}" for lv in ladder["levels"])
+            lines.append(
+                f"SM ladder (decode/trainer SMs): {pairs}; constraints: {ladder['constraints']['source']}"
+            )
+            lines.extend(f"  note: {note}" for note in ladder["preview_notes"])
+        else:
+            lines.append(f"SM ladder: 1 level, no spatial partitioning ({ladder['note']})")
     return "\n".join(lines)
 
 

@@ -55,6 +55,9 @@ namespace harvest {
   X(cuStreamDestroy, 4000, true)                      \
   X(cuStreamSynchronize, 2000, true)                  \
   X(cuStreamWaitEvent, 3020, true)                    \
+  X(cuLibraryLoadData, 12000, true)                   \
+  X(cuLibraryGetKernel, 12000, true)                  \
+  X(cuLaunchKernel, 4000, true)                       \
   X(cuDeviceGetDevResource, 12040, false)             \
   X(cuDevSmResourceSplitByCount, 12040, false)        \
   X(cuDevResourceGenerateDesc, 12040, false)          \

@@ -1,0 +1,40 @@
+"""SM partitioning between decode and the finetune trainer (DESIGN.md §4).
+
+``ladder`` plans the levels (pure Python), ``greenctx_lib`` binds csrc/greenctx,
+``partitioner`` defines the interface and the whole-device fallback,
+``green_partitioner`` builds the ladder with CUDA green contexts, and ``factory`` picks
+one. Nothing here imports torch at module level.
+"""
+
+from harvest.compute.factory import create_partitioner
+from harvest.compute.greenctx_lib import GreenContextError, GreenContextsUnavailable
+from harvest.compute.ladder import (
+    DEFAULT_NUM_LEVELS,
+    MAX_LEVELS,
+    LadderError,
+    LadderPlan,
+    LevelPlan,
+    PartitionConstraints,
+    arch_constraints,
+    device_constraints,
+    plan_ladder,
+)
+from harvest.compute.partitioner import BasePartitioner, Level, WholeDevicePartitioner
+
+__all__ = [
+    "DEFAULT_NUM_LEVELS",
+    "MAX_LEVELS",
+    "BasePartitioner",
+    "GreenContextError",
+    "GreenContextsUnavailable",
+    "LadderError",
+    "LadderPlan",
+    "Level",
+    "LevelPlan",
+    "PartitionConstraints",
+    "WholeDevicePartitioner",
+    "arch_constraints",
+    "create_partitioner",
+    "device_constraints",
+    "plan_ladder",
+]

@@ -1,0 +1,293 @@
+"""Planning the SM ladder: which (decode SMs, trainer SMs) levels to build. Pure Python.
+
+A *level* splits the GPU's streaming multiprocessors (SMs) between decode and the
+finetune trainer. The ladder is built once at start-up (csrc/greenctx, Note [SM ladder])
+and the scheduler picks one level per decode step, so the ladder must be short (at most
+``MAX_LEVELS``: decode may keep one CUDA graph set per level) and every level must be
+realisable by the driver.
+
+How realisable counts are computed. A partial level is one
+``cuDevSmResourceSplitByCount`` of the whole device: decode gets the split's group and
+the trainer gets the REMAINDER, ``total - decode``. The driver rounds the group up to its
+granularity, so a decode count ``d`` is realised exactly when
+``d >= min_decode_sms`` and ``d % step_sms == 0``; the remainder needs no alignment
+(132 - 8k on Hopper is fine) but must leave the trainer at least ``min_trainer_sms``.
+``min_decode_sms``/``step_sms`` are what the driver reports (CUDA 13:
+``minSmPartitionSize``, ``smCoscheduledAlignment``) or else the architecture rules below.
+The whole-device level (decode ``total``, trainer 0: trainer paused) is always present.
+On a GPU the driver's own split is the final word: ``greenctx.preview_ladder`` replaces
+planned counts with the ones a dry-run split yields.
+
+This module imports nothing outside the standard library (policy imports no torch).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+MAX_LEVELS = 8  # same bound as HGC_MAX_LEVELS in csrc/greenctx/hgc.h
+DEFAULT_NUM_LEVELS = 6
+MIN_GREEN_CONTEXT_DRIVER = 12040  # cuGreenCtxCreate and the split API: driver 12.4
+
+# Compute capability major -> (minimum partition SMs, step SMs) when the driver does not
+# report them. 7.x-9.x as DESIGN.md §4 and the CUDA 13 cuda.h green-context notes give
+# them (9.0+ covers Blackwell too). 6.x is 1/1 as SGLang's pdmux_context uses it; the
+# CUDA 13 header says 2/2 for 6.x, but CUDA 13 no longer targets Pascal and any driver
+# that can build the ladder reports its own numbers on 13.0+.
+_ARCH_RULES: dict[int, tuple[int, int]] = {6: (1, 1), 7: (2, 2), 8: (4, 2)}
+_HOPPER_AND_NEWER = (8, 8)
+
+
+class LadderError(ValueError):
+    """A ladder request that cannot be met; the message names the constraint and a fix."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PartitionConstraints:
+    """What makes a split realisable on one device.
+
+    ``min_decode_sms``: smallest group the split can make; ``step_sms``: group sizes are
+    multiples of it; ``min_trainer_sms``: smallest remainder harvest accepts for the
+    trainer; ``source``: where the numbers came from (for error messages and doctor).
+    """
+
+    min_decode_sms: int
+    step_sms: int
+    min_trainer_sms: int
+    source: str
+
+    def __post_init__(self) -> None:
+        for field in ("min_decode_sms", "step_sms", "min_trainer_sms"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise LadderError(f"PartitionConstraints.{field}={value!r}: must be an integer >= 1")
+
+    @property
+    def smallest_decode_sms(self) -> int:
+        """The smallest decode count a split can realise exactly."""
+        return _round_up(self.min_decode_sms, self.step_sms)
+
+
+@dataclasses.dataclass(frozen=True)
+class LevelPlan:
+    """One level. ``shared``: no spatial partitioning, decode and trainer both run on the
+    whole device (``decode_sms == trainer_sms == total``); otherwise the two counts are
+    disjoint and ``trainer_sms == 0`` means the trainer is paused."""
+
+    decode_sms: int
+    trainer_sms: int
+    shared: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class LadderPlan:
+    """Levels in ascending decode SMs; the last one gives decode the whole device.
+
+    ``constraints`` is None for a device without spatial partitioning, and ``note`` then
+    says why (CPU, driver too old, ...).
+    """
+
+    total_sms: int
+    constraints: PartitionConstraints | None
+    levels: tuple[LevelPlan, ...]
+    note: str = ""
+
+    @property
+    def spatial(self) -> bool:
+        return not any(level.shared for level in self.levels)
+
+    @property
+    def whole_device_index(self) -> int:
+        return len(self.levels) - 1
+
+    def describe(self) -> str:
+        if not self.spatial:
+            return f"1 level, no spatial partitioning: decode and trainer share the device ({self.note})"
+        pairs = ", ".join(f"{level.decode_sms}/{level.trainer_sms}" for level in self.levels)
+        return f"{len(self.levels)} levels of {self.total_sms} SMs (decode/trainer): {pairs}"
+
+    def as_dict(self) -> dict:
+        return {
+            "spatial": self.spatial,
+            "total_sms": self.total_sms,
+            "constraints": None if self.constraints is None else dataclasses.asdict(self.constraints),
+            "levels": [dataclasses.asdict(level) for level in self.levels],
+            "note": self.note,
+        }
+
+
+def _round_up(value: int, step: int) -> int:
+    return -(-value // step) * step
+
+
+def _parse_compute_capability(compute_capability) -> tuple[int, int]:
+    if isinstance(compute_capability, str):
+        parts = compute_capability.split(".")
+        if len(parts) == 2 and all(p.isdigit() for p in parts):
+            return int(parts[0]), int(parts[1])
+    elif (
+        isinstance(compute_capability, Sequence)
+        and len(compute_capability) == 2
+        and all(isinstance(p, int) and not isinstance(p, bool) and p >= 0 for p in compute_capability)
+    ):
+        return compute_capability[0], compute_capability[1]
+    raise LadderError(f"compute_capability={compute_capability!r}: give (major, minor) such as (9, 0) or '9.0'")
+
+
+def arch_constraints(compute_capability, min_trainer_sms: int | None = None) -> PartitionConstraints:
+    """The known split rules for an architecture, for drivers that do not report them."""
+    major, minor = _parse_compute_capability(compute_capability)
+    if major < 6:
+        raise LadderError(
+            f"compute capability {major}.{minor}: green contexts need compute capability 6.0 or newer"
+        )
+    min_sms, step = _ARCH_RULES.get(major, _HOPPER_AND_NEWER)
+    return PartitionConstraints(
+        min_decode_sms=min_sms,
+        step_sms=step,
+        min_trainer_sms=min_sms if min_trainer_sms is None else min_trainer_sms,
+        source=f"arch rules for cc {major}.x (min {min_sms}, step {step})",
+    )
+
+
+def device_constraints(
+    compute_capability,
+    min_sm_partition_size: int = 0,
+    sm_coscheduled_alignment: int = 0,
+    min_trainer_sms: int | None = None,
+) -> PartitionConstraints:
+    """Constraints from what the driver reports (0 = not reported: arch rule used instead)."""
+    rules = arch_constraints(compute_capability)
+    if min_sm_partition_size <= 0 and sm_coscheduled_alignment <= 0:
+        return arch_constraints(compute_capability, min_trainer_sms)
+    min_sms = min_sm_partition_size if min_sm_partition_size > 0 else rules.min_decode_sms
+    step = sm_coscheduled_alignment if sm_coscheduled_alignment > 0 else rules.step_sms
+    return PartitionConstraints(
+        min_decode_sms=min_sms,
+        step_sms=step,
+        min_trainer_sms=min_sms if min_trainer_sms is None else min_trainer_sms,
+        source=f"driver (min partition {min_sms}, alignment {step})",
+    )
+
+
+def check_driver_version(driver_version: int | None) -> None:
+    """Raise LadderError unless the driver is new enough for green contexts (12.4)."""
+    if driver_version is None:
+        raise LadderError("no CUDA driver: green contexts need a CUDA driver >= 12.4")
+    if driver_version < MIN_GREEN_CONTEXT_DRIVER:
+        found = f"{driver_version // 1000}.{(driver_version % 1000) // 10}"
+        raise LadderError(f"CUDA driver {found} is too old: green contexts need a CUDA driver >= 12.4")
+
+
+def _check_decode_request(decode_sms, total_sms: int, c: PartitionConstraints) -> None:
+    if isinstance(decode_sms, bool) or not isinstance(decode_sms, int):
+        raise LadderError(f"level {decode_sms!r}: decode SM counts must be integers")
+    if decode_sms > total_sms:
+        raise LadderError(f"level {decode_sms}: asks for more SMs than the device's {total_sms}")
+    if decode_sms == total_sms:
+        return
+    if decode_sms < c.min_decode_sms:
+        raise LadderError(
+            f"level {decode_sms}: fewer decode SMs than the minimum partition of {c.min_decode_sms} ({c.source})"
+        )
+    if decode_sms % c.step_sms:
+        lower = decode_sms - decode_sms % c.step_sms
+        realisable = realisable_decode_counts(total_sms, c)
+        nearest = " or ".join(str(n) for n in (lower, lower + c.step_sms) if n in realisable)
+        raise LadderError(
+            f"level {decode_sms}: decode SMs must be a multiple of {c.step_sms} ({c.source}); "
+            f"nearest realisable: {nearest or 'none'}"
+        )
+    if total_sms - decode_sms < c.min_trainer_sms:
+        realisable = realisable_decode_counts(total_sms, c)
+        largest = realisable[-1] if realisable else "none"
+        raise LadderError(
+            f"level {decode_sms}: leaves the trainer {total_sms - decode_sms} SMs, under its minimum of "
+            f"{c.min_trainer_sms}; the largest realisable decode count is {largest}"
+        )
+
+
+def realisable_decode_counts(total_sms: int, constraints: PartitionConstraints) -> list[int]:
+    """Every decode count a partial level can have on this device, ascending."""
+    largest = total_sms - constraints.min_trainer_sms
+    return list(range(constraints.smallest_decode_sms, largest + 1, constraints.step_sms))
+
+
+def _nearest_to_fractions(candidates: list[int], total_sms: int, num_levels: int) -> list[int]:
+    """For i = 1..num_levels-1, the candidate nearest to i/num_levels of the device (ties
+    go to the larger decode share: QoS first), without repeats."""
+    chosen: list[int] = []
+    for i in range(1, num_levels):
+        target = total_sms * i / num_levels
+        best = min(candidates, key=lambda d: (abs(d - target), -d))
+        if best not in chosen:
+            chosen.append(best)
+    return sorted(chosen)
+
+
+def plan_ladder(
+    total_sms: int,
+    compute_capability,
+    levels: int | Sequence[int] = DEFAULT_NUM_LEVELS,
+    constraints: PartitionConstraints | None = None,
+) -> LadderPlan:
+    """Choose the ladder's levels.
+
+    ``levels``: an int N (2..MAX_LEVELS) asks for N levels: decode gets the realisable
+    count nearest to i/N of the device for i = 1..N-1 (fewer levels when two fractions
+    round to the same count), plus the whole device; a sequence gives the
+    decode SM counts explicitly (each must be realisable; the whole-device level is added
+    if absent). ``constraints`` default to the architecture rules of
+    ``compute_capability``. Raises LadderError naming the broken constraint.
+    """
+    if isinstance(total_sms, bool) or not isinstance(total_sms, int) or total_sms < 1:
+        raise LadderError(f"total_sms={total_sms!r}: must be a positive integer (the device's SM count)")
+    c = arch_constraints(compute_capability) if constraints is None else constraints
+
+    if isinstance(levels, int) and not isinstance(levels, bool):
+        if not 2 <= levels <= MAX_LEVELS:
+            raise LadderError(
+                f"levels={levels}: ask for 2 to {MAX_LEVELS} levels (one is always the whole device)"
+            )
+        candidates = realisable_decode_counts(total_sms, c)
+        if not candidates:
+            raise LadderError(
+                f"no partial level fits {total_sms} SMs: decode needs >= {c.smallest_decode_sms} "
+                f"and the trainer >= {c.min_trainer_sms} ({c.source})"
+            )
+        partial = _nearest_to_fractions(candidates, total_sms, levels)
+    elif isinstance(levels, Sequence) and not isinstance(levels, str):
+        if len(levels) == 0:
+            raise LadderError("levels is empty: give decode SM counts, e.g. [32, 64, 96], or a number of levels")
+        for decode_sms in levels:
+            _check_decode_request(decode_sms, total_sms, c)
+        duplicates = sorted({d for d in levels if list(levels).count(d) > 1})
+        if duplicates:
+            raise LadderError(f"levels lists {duplicates} more than once: each decode SM count once")
+        partial = sorted(d for d in levels if d != total_sms)
+        if not partial:
+            raise LadderError(
+                f"levels={list(levels)} has no partial level: the trainer would never get SMs; "
+                f"add decode counts below {total_sms}"
+            )
+        if len(partial) + 1 > MAX_LEVELS:
+            raise LadderError(
+                f"levels gives {len(partial)} partial levels: at most {MAX_LEVELS - 1} "
+                f"(plus the whole-device level, {MAX_LEVELS} in all)"
+            )
+    else:
+        raise LadderError(f"levels={levels!r}: give a number of levels or a list of decode SM counts")
+
+    plans = [LevelPlan(decode_sms=d, trainer_sms=total_sms - d) for d in partial]
+    plans.append(LevelPlan(decode_sms=total_sms, trainer_sms=0))
+    return LadderPlan(total_sms=total_sms, constraints=c, levels=tuple(plans))
+
+
+def whole_device_plan(total_sms: int, reason: str) -> LadderPlan:
+    """The one-level ladder of a device without spatial partitioning (CPU, old driver):
+    decode and trainer share all ``total_sms`` SMs."""
+    if isinstance(total_sms, bool) or not isinstance(total_sms, int) or total_sms < 1:
+        raise LadderError(f"total_sms={total_sms!r}: must be a positive integer")
+    level = LevelPlan(decode_sms=total_sms, trainer_sms=total_sms, shared=True)
+    return LadderPlan(total_sms=total_sms, constraints=None, levels=(level,), note=reason)
