@@ -1,0 +1,80 @@
+// allocator.h — the unified allocator: one page pool behind the KV arena, the general
+// arena and the small pool, and the lend/reclaim moves between the first two.
+//
+// Locks (see hvmm.h): remap_mu_ serializes lend, reclaim and check_integrity; state_mu_
+// guards chunk states, slot liveness and arena bookkeeping and is never held across a
+// driver call. A lend/reclaim validates and marks its chunks busy under state_mu_, moves
+// the mappings with only remap_mu_ held (arena alloc/free and slot marking go on
+// meanwhile), then publishes the new state. On a driver failure the move is undone by
+// the opposite convergence; if that fails too the chunks are marked broken.
+#pragma once
+
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "backend.h"
+#include "general_arena.h"
+#include "geometry.h"
+#include "hvmm.h"
+#include "kv_arena.h"
+#include "page_pool.h"
+#include "small_pool.h"
+
+namespace harvest::vmm {
+
+class Allocator {
+ public:
+  explicit Allocator(const hvmm_config_t& config);
+  Allocator(const Allocator&) = delete;
+  Allocator& operator=(const Allocator&) = delete;
+
+  hvmm_geometry_t describe() const;
+
+  void mark_slots(const int64_t* slots, int64_t count, bool live);
+  hvmm_chunk_info_t chunk_info(int64_t chunk);
+  void chunk_table(hvmm_chunk_info_t* out, int64_t capacity);
+  bool can_lend(int64_t chunk);
+  bool can_reclaim(int64_t chunk);
+  void lend(const int64_t* chunks, int64_t count);
+  void reclaim(const int64_t* chunks, int64_t count);
+
+  va_t arena_allocate(int64_t num_bytes);  // 0: exhausted right now
+  void arena_free(va_t address, const uint64_t* streams, int64_t num_streams);
+  va_t small_allocate(int64_t num_bytes);  // 0: exhausted right now
+  void small_free(va_t address);
+  SmallPool& small_pool();
+
+  hvmm_stats_t stats();
+  hvmm_counters_t counters() const;
+  Backend& backend() { return *backend_; }
+  void check_integrity();
+
+ private:
+  std::vector<ChunkRun> validate_chunks_locked(const int64_t* chunks, int64_t count, bool lend) const;
+  void set_states_locked(const std::vector<ChunkRun>& runs, int32_t state);
+  void check_chunk_id(int64_t chunk) const;
+  // Undo a failed move with `undo`; on success restore `state_before`, else mark broken.
+  // Always throws: the original error, annotated.
+  template <typename Undo>
+  [[noreturn]] void roll_back(const std::vector<ChunkRun>& runs, const std::exception& error, int32_t state_before,
+                              Undo&& undo);
+
+  int32_t backend_kind_;
+  int32_t device_ordinal_;
+  // Member order is teardown order, reversed: mapping tables (each unmaps, then frees its
+  // range) go first, then the physical pages, then the backend.
+  std::unique_ptr<Backend> backend_;
+  Geometry geometry_;
+  PagePool pool_;
+  std::unique_ptr<KvArena> kv_;
+  std::unique_ptr<GeneralArena> arena_;
+  std::unique_ptr<SmallPool> small_;  // null when small_pool_bytes == 0
+  uint64_t create_at_init_ = 0;
+
+  std::mutex remap_mu_;
+  std::mutex state_mu_;
+  std::vector<int32_t> states_;  // hvmm_chunk_state per chunk
+};
+
+}  // namespace harvest::vmm

@@ -1,0 +1,158 @@
+// backend.h — the seven memory operations the allocator needs, behind one interface.
+//
+// Both backends give the same semantics: `reserve` makes an inaccessible virtual range,
+// `create_page` commits one physical page, `map` puts a page at a page-aligned address
+// inside a reserved range (inaccessible until `set_access`), `unmap` takes a contiguous
+// run of mapped pages out again (the range stays reserved), and fences order reuse after
+// the streams that used memory. Which backend is in use changes nothing above this file.
+//
+// Every public call is counted by kind (hvmm_counters_t) so tests and the benchmark can
+// assert exactly how many driver calls an operation made, and can be made to fail on
+// purpose (inject_failure) to test rollback. Failures throw Error naming the call.
+#pragma once
+
+#include <array>
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace harvest::vmm {
+
+using va_t = uint64_t;           // a virtual address (device or host)
+using phys_handle_t = uint64_t;  // a backend's handle of one physical page
+using stream_t = uint64_t;       // a CUstream (0: the legacy default stream)
+using event_t = uint64_t;        // a backend's fence event handle
+
+// Order matches the fields of hvmm_counters_t.
+enum class CallKind : int {
+  kReserve = 0,
+  kFreeRange,
+  kCreate,
+  kRelease,
+  kMap,
+  kUnmap,
+  kSetAccess,
+  kEventCreate,
+  kFenceRecord,
+  kFenceQuery,
+  kFenceWait,
+  kCount,
+};
+constexpr int kNumCallKinds = static_cast<int>(CallKind::kCount);
+const char* call_kind_name(CallKind kind);
+
+class Backend {
+ public:
+  Backend(const Backend&) = delete;
+  Backend& operator=(const Backend&) = delete;
+  virtual ~Backend() = default;
+
+  virtual const char* name() const = 0;
+  uint64_t page_bytes() const { return page_bytes_; }
+
+  va_t reserve(uint64_t bytes);
+  void free_range(va_t va, uint64_t bytes);
+  phys_handle_t create_page();
+  void release_page(phys_handle_t page);
+  void map(va_t va, phys_handle_t page);  // exactly one page at va
+  void unmap(va_t va, uint64_t bytes);    // a contiguous run of whole mapped pages
+  void set_access(va_t va, uint64_t bytes);
+  // A fence on `stream`; recycle it with release_fence once it has passed.
+  event_t record_fence(stream_t stream);
+  bool fence_passed(event_t event);
+  void wait_fence(event_t event);
+  void release_fence(event_t event) noexcept;
+
+  uint64_t count(CallKind kind) const { return counts_[static_cast<int>(kind)].load(std::memory_order_relaxed); }
+  // The (after_calls + 1)-th next call of `kind` fails; after_calls < 0 disarms.
+  void inject_failure(CallKind kind, int64_t after_calls);
+
+ protected:
+  explicit Backend(uint64_t page_bytes) : page_bytes_(page_bytes) {
+    for (auto& remaining : fail_after_) remaining.store(-1);
+  }
+  // The status a real failure of this backend's calls carries (driver or OS).
+  virtual int failure_status() const = 0;
+  virtual const char* call_text(CallKind kind) const = 0;
+
+  virtual va_t do_reserve(uint64_t bytes) = 0;
+  virtual void do_free_range(va_t va, uint64_t bytes) = 0;
+  virtual phys_handle_t do_create_page() = 0;
+  virtual void do_release_page(phys_handle_t page) = 0;
+  virtual void do_map(va_t va, phys_handle_t page) = 0;
+  virtual void do_unmap(va_t va, uint64_t bytes) = 0;
+  virtual void do_set_access(va_t va, uint64_t bytes) = 0;
+  virtual event_t do_create_event() = 0;
+  virtual void do_destroy_event(event_t event) noexcept = 0;
+  virtual void do_record_fence(event_t event, stream_t stream) = 0;
+  virtual bool do_fence_passed(event_t event) = 0;
+  virtual void do_wait_fence(event_t event) = 0;
+
+  // Subclass destructors call this first: it destroys pooled events while the
+  // subclass (and its driver context) still exists.
+  void destroy_pooled_events() noexcept;
+
+ private:
+  void before_call(CallKind kind);
+
+  uint64_t page_bytes_;
+  std::array<std::atomic<uint64_t>, kNumCallKinds> counts_{};
+  std::array<std::atomic<int64_t>, kNumCallKinds> fail_after_{};
+  std::atomic<bool> any_injection_{false};
+  std::mutex event_pool_mu_;
+  std::vector<event_t> event_pool_;  // recorded-and-passed events, ready for reuse
+};
+
+// page_bytes: a power of two, a multiple of the OS page size (host) or of the device's
+// VMM granularity (cuda); 0 picks the default. Throws Error on a bad value or when the
+// backend cannot start (no driver, device without VMM, ...).
+std::unique_ptr<Backend> make_host_backend(uint64_t page_bytes);
+std::unique_ptr<Backend> make_cuda_backend(int device_ordinal, uint64_t page_bytes);
+
+// ------------------------------------------------------------ RAII for backend handles
+// Non-copyable, movable; destructors release and log failures, never throw. Teardown
+// order (Allocator): mapping tables (each unmaps, then frees its virtual range), then
+// the physical pages, then the backend.
+
+class VaRange {
+ public:
+  VaRange() = default;
+  VaRange(Backend& backend, uint64_t bytes);
+  VaRange(VaRange&& other) noexcept;
+  VaRange& operator=(VaRange&& other) noexcept;
+  VaRange(const VaRange&) = delete;
+  VaRange& operator=(const VaRange&) = delete;
+  ~VaRange();
+
+  va_t base() const { return base_; }
+  uint64_t bytes() const { return bytes_; }
+
+ private:
+  void reset() noexcept;
+  Backend* backend_ = nullptr;
+  va_t base_ = 0;
+  uint64_t bytes_ = 0;
+};
+
+class PhysPage {
+ public:
+  PhysPage() = default;
+  explicit PhysPage(Backend& backend);
+  PhysPage(PhysPage&& other) noexcept;
+  PhysPage& operator=(PhysPage&& other) noexcept;
+  PhysPage(const PhysPage&) = delete;
+  PhysPage& operator=(const PhysPage&) = delete;
+  ~PhysPage();
+
+  phys_handle_t handle() const { return handle_; }
+
+ private:
+  void reset() noexcept;
+  Backend* backend_ = nullptr;
+  phys_handle_t handle_ = 0;
+};
+
+}  // namespace harvest::vmm

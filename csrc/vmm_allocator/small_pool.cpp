@@ -1,0 +1,202 @@
+#include "small_pool.h"
+
+#include <algorithm>
+
+#include "errors.h"
+
+namespace harvest::vmm {
+
+SmallPool::SmallPool(Backend& backend, const PagePool& pool, const Geometry& geometry, page_id_t first_page,
+                     uint64_t num_pages)
+    : geometry_(geometry), table_(backend, pool, num_pages) {
+  const uint64_t blocks_per_page = geometry.page_bytes / kBlockBytes;
+  while ((1ull << top_order_) < blocks_per_page) ++top_order_;
+  num_blocks_ = num_pages * blocks_per_page;
+  if (num_blocks_ >= (1ull << 31)) throw_invalid("small_pool_bytes is too large (more than 2^31 blocks of 2 KiB)");
+  for (uint64_t i = 0; i < num_pages; ++i) table_.map(i, static_cast<page_id_t>(first_page + i));
+  table_.set_access_run(0, num_pages);
+  next_.assign(num_blocks_, -1);
+  prev_.assign(num_blocks_, -1);
+  order_.assign(num_blocks_, 0);
+  state_.assign(num_blocks_, kInterior);
+  requested_.assign(num_blocks_, 0);
+  free_head_.assign(top_order_ + 1, -1);
+  for (uint64_t page = num_pages; page-- > 0;) {
+    const int32_t head = static_cast<int32_t>(page * blocks_per_page);
+    state_[head] = kFreeHead;
+    order_[head] = static_cast<uint8_t>(top_order_);
+    push_locked(head, top_order_);
+  }
+}
+
+void SmallPool::push_locked(int32_t block, int order) {
+  const int32_t head = free_head_[order];
+  next_[block] = head;
+  prev_[block] = -1;
+  if (head != -1) prev_[head] = block;
+  free_head_[order] = block;
+  nonempty_orders_ |= 1ull << order;
+}
+
+void SmallPool::unlink_locked(int32_t block, int order) {
+  const int32_t before = prev_[block];
+  const int32_t after = next_[block];
+  if (before != -1) {
+    next_[before] = after;
+  } else {
+    free_head_[order] = after;
+  }
+  if (after != -1) prev_[after] = before;
+  if (free_head_[order] == -1) nonempty_orders_ &= ~(1ull << order);
+}
+
+va_t SmallPool::allocate(int64_t num_bytes) {
+  if (num_bytes <= 0) {
+    throw_invalid("num_bytes=" + std::to_string(num_bytes) + " must be positive");
+  }
+  if (static_cast<uint64_t>(num_bytes) >= geometry_.page_bytes) {
+    throw_invalid("num_bytes=" + std::to_string(num_bytes) + " is not under one page (" +
+                  std::to_string(geometry_.page_bytes) + " bytes); allocate it from the general arena");
+  }
+  const uint64_t blocks = (static_cast<uint64_t>(num_bytes) + kBlockBytes - 1) / kBlockBytes;
+  const int order = blocks <= 1 ? 0 : 64 - __builtin_clzll(blocks - 1);
+  std::lock_guard<std::mutex> lock(mu_);
+  const uint64_t candidates = nonempty_orders_ >> order;
+  if (candidates == 0) return 0;
+  int current = order + __builtin_ctzll(candidates);
+  const int32_t block = free_head_[current];
+  unlink_locked(block, current);
+  while (current > order) {
+    --current;
+    const int32_t buddy = block + (1 << current);
+    state_[buddy] = kFreeHead;
+    order_[buddy] = static_cast<uint8_t>(current);
+    push_locked(buddy, current);
+  }
+  state_[block] = kUsedHead;
+  order_[block] = static_cast<uint8_t>(order);
+  requested_[block] = static_cast<uint64_t>(num_bytes);
+  used_bytes_ += kBlockBytes << order;
+  requested_bytes_ += static_cast<uint64_t>(num_bytes);
+  ++allocations_;
+  return table_.base() + static_cast<uint64_t>(block) * kBlockBytes;
+}
+
+void SmallPool::free(va_t address) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const va_t base = table_.base();
+  if (address < base || address >= base + table_.bytes()) {
+    throw_invalid(hex(address) + " is not in the small pool [" + hex(base) + ", " +
+                  hex(base + table_.bytes()) + ") (unknown pointer)");
+  }
+  if ((address - base) % kBlockBytes != 0) {
+    throw_invalid(hex(address) + " is not at a 2 KiB block start (unknown pointer)");
+  }
+  int32_t block = static_cast<int32_t>((address - base) / kBlockBytes);
+  if (state_[block] == kFreeHead) throw_invalid(hex(address) + " is already free (double free)");
+  if (state_[block] != kUsedHead) {
+    throw_invalid(hex(address) + " is inside a block, not an allocation's start (unknown pointer)");
+  }
+  int order = order_[block];
+  used_bytes_ -= kBlockBytes << order;
+  requested_bytes_ -= requested_[block];
+  --allocations_;
+  while (order < top_order_) {
+    const int32_t buddy = block ^ (1 << order);
+    if (state_[buddy] != kFreeHead || order_[buddy] != order) break;
+    unlink_locked(buddy, order);
+    state_[std::max(block, buddy)] = kInterior;
+    block = std::min(block, buddy);
+    ++order;
+  }
+  state_[block] = kFreeHead;
+  order_[block] = static_cast<uint8_t>(order);
+  push_locked(block, order);
+}
+
+SmallPool::Usage SmallPool::usage() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  Usage usage;
+  usage.used_bytes = used_bytes_;
+  usage.requested_bytes = requested_bytes_;
+  usage.allocations = allocations_;
+  usage.largest_free_bytes = nonempty_orders_ == 0 ? 0 : kBlockBytes << (63 - __builtin_clzll(nonempty_orders_));
+  return usage;
+}
+
+void SmallPool::check(std::string& violation) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  const uint64_t blocks_per_page = 1ull << top_order_;
+  std::vector<uint64_t> free_per_order(top_order_ + 1, 0);
+  uint64_t used = 0;
+  uint64_t requested = 0;
+  uint64_t allocations = 0;
+  for (uint64_t s = 0; s < table_.num_slots(); ++s) {
+    if (!table_.accessible(s)) {
+      violation = "small pool: page slot " + std::to_string(s) + " is not mapped with access";
+      return;
+    }
+  }
+  // Walk each page's blocks head by head: they must tile the page exactly.
+  for (uint64_t b = 0; b < num_blocks_;) {
+    const int order = order_[b];
+    const uint64_t size = 1ull << order;
+    const bool fits_page = (b % blocks_per_page) + size <= blocks_per_page;
+    if (state_[b] == kInterior || order > top_order_ || b % size != 0 || !fits_page) {
+      violation = "small pool: block " + std::to_string(b) + " is not a well-formed head (state " +
+                  std::to_string(state_[b]) + ", order " + std::to_string(order) + ")";
+      return;
+    }
+    for (uint64_t inner = b + 1; inner < b + size; ++inner) {
+      if (state_[inner] != kInterior) {
+        violation = "small pool: block " + std::to_string(inner) + " is a head inside block " + std::to_string(b);
+        return;
+      }
+    }
+    if (state_[b] == kFreeHead) {
+      ++free_per_order[order];
+      const uint64_t buddy = b ^ size;
+      if (order < top_order_ && state_[buddy] == kFreeHead && order_[buddy] == order) {
+        violation = "small pool: free buddies " + std::to_string(b) + " and " + std::to_string(buddy) +
+                    " were not merged";
+        return;
+      }
+    } else {
+      used += kBlockBytes << order;
+      requested += requested_[b];
+      ++allocations;
+    }
+    b += size;
+  }
+  if (used != used_bytes_ || requested != requested_bytes_ || allocations != allocations_) {
+    violation = "small pool: counters (used " + std::to_string(used_bytes_) + ", requested " +
+                std::to_string(requested_bytes_) + ", allocations " + std::to_string(allocations_) +
+                ") do not match the blocks (" + std::to_string(used) + ", " + std::to_string(requested) + ", " +
+                std::to_string(allocations) + ")";
+    return;
+  }
+  uint64_t free_bytes = 0;
+  for (int k = 0; k <= top_order_; ++k) free_bytes += free_per_order[k] * (kBlockBytes << k);
+  if (used + free_bytes != table_.bytes()) {
+    violation = "small pool: used + free bytes do not add up to the pool size";
+    return;
+  }
+  for (int k = 0; k <= top_order_; ++k) {
+    uint64_t listed = 0;
+    int32_t previous = -1;
+    for (int32_t b = free_head_[k]; b != -1; b = next_[b]) {
+      if (state_[b] != kFreeHead || order_[b] != k || prev_[b] != previous || ++listed > free_per_order[k]) {
+        violation = "small pool: free list of order " + std::to_string(k) + " is corrupt at block " + std::to_string(b);
+        return;
+      }
+      previous = b;
+    }
+    if (listed != free_per_order[k] || ((nonempty_orders_ >> k) & 1) != (listed != 0 ? 1u : 0u)) {
+      violation = "small pool: free list of order " + std::to_string(k) + " holds " + std::to_string(listed) +
+                  " blocks, expected " + std::to_string(free_per_order[k]) + " (or its non-empty bit is wrong)";
+      return;
+    }
+  }
+}
+
+}  // namespace harvest::vmm

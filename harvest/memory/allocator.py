@@ -1,0 +1,338 @@
+"""UnifiedAllocator: SGLang's KV cache and the trainer's tensors on one page pool.
+
+The Python face of libharvest_vmm (hvmm.h has the design note). Typical life:
+
+    alloc = UnifiedAllocator(num_layers=32, kv_heads=8, head_dim=128, dtype_bytes=2,
+                             max_tokens=200_000, small_pool_bytes=256 << 20, backend="cuda")
+    k0 = alloc.kv_tensor(0, "k", torch.float16, (alloc.geometry.token_capacity, 8, 128))
+    alloc.mark_slots_live(slots)            # from the serving side's slot allocator
+    if alloc.can_lend(c): alloc.lend(c)     # query first, mutate second
+    block = alloc.allocate(64 << 20)        # trainer memory, or None right now
+    t = block.tensor(torch.bfloat16, shape)
+    block.free(streams=[trainer_stream])    # fence: reclaim waits for the stream
+    if alloc.can_reclaim(c): alloc.reclaim(c)
+
+Every method is safe to call from several threads; calls that can block (lend,
+reclaim, fence waits) release the GIL (ctypes does so for every foreign call).
+Transient exhaustion returns None; bad input raises VmmInvalidArgument and changes
+nothing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import operator
+import weakref
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+from harvest.memory import _lib
+from harvest.memory.errors import VmmInvalidArgument
+from harvest.memory.geometry import KvGeometry
+from harvest.memory.stats import AllocatorStats, BackendCounters, ChunkInfo, ChunkState
+
+ARENA = "arena"
+SMALL = "small"
+
+
+def _int_array(values: Any, what: str) -> np.ndarray:
+    """A contiguous int64 array from a list, numpy array or torch tensor of integers."""
+    if hasattr(values, "detach"):  # torch tensor, possibly on a device
+        values = values.detach().to("cpu").numpy()
+    if isinstance(values, int):
+        values = [values]
+    array = np.asarray(values)
+    if array.size and array.dtype.kind not in "iu":
+        raise TypeError(f"{what} must be integers, got dtype {array.dtype}")
+    return np.ascontiguousarray(array.reshape(-1), dtype=np.int64)
+
+
+def _invalid(message: str) -> VmmInvalidArgument:
+    """The error the library itself raises for bad input, for checks made in Python."""
+    return VmmInvalidArgument(message, _lib.HVMM_ERR_INVALID)
+
+
+def _as_int(value: Any, field: str) -> int:
+    if isinstance(value, bool):
+        raise TypeError(f"{field} must be an int, got bool")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{field} must be an int, got {type(value).__name__}") from None
+
+
+class Allocation:
+    """A live block of the general arena (whole pages) or of the small pool."""
+
+    def __init__(self, allocator: "UnifiedAllocator", address: int, num_bytes: int, pool: str):
+        self.allocator = allocator
+        self.address = address
+        self.num_bytes = num_bytes
+        self.pool = pool
+        self.freed = False
+
+    def tensor(self, dtype=None, shape: Sequence[int] | None = None):
+        """A tensor view of this block (no copy); uint8 over all of it by default."""
+        if self.freed:
+            raise _invalid(f"allocation at {self.address:#x} was freed")
+        return self.allocator.tensor_view(self.address, self.num_bytes, dtype, shape)
+
+    def free(self, streams: Iterable[int] | None = None) -> None:
+        """Give the block back. Arena blocks get a fence on each of `streams` (CUstream
+        handles; None: torch's current stream on CUDA, none on host) that reclaim waits on."""
+        if self.freed:
+            raise _invalid(f"allocation at {self.address:#x} is already free (double free)")
+        self.allocator.free_address(self.address, self.pool, streams)
+        self.freed = True
+
+    def __repr__(self) -> str:
+        state = "freed" if self.freed else "live"
+        return f"Allocation({self.pool}, {self.address:#x}, {self.num_bytes} bytes, {state})"
+
+
+class UnifiedAllocator:
+    """One allocator per device: KV arena, general arena and small pool on one page pool."""
+
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype_bytes: int,
+        max_tokens: int,
+        small_pool_bytes: int = 0,
+        backend: str = "host",
+        page_bytes: int = 0,
+        device: int = 0,
+    ):
+        if backend not in _lib.BACKENDS:
+            raise ValueError(f"backend={backend!r} is unknown; use one of {sorted(_lib.BACKENDS)}")
+        config = _lib.Config(
+            backend=_lib.BACKENDS[backend],
+            device_ordinal=_as_int(device, "device"),
+            page_bytes=_as_int(page_bytes, "page_bytes"),
+            num_layers=_as_int(num_layers, "num_layers"),
+            kv_heads=_as_int(kv_heads, "kv_heads"),
+            head_dim=_as_int(head_dim, "head_dim"),
+            dtype_bytes=_as_int(dtype_bytes, "dtype_bytes"),
+            max_tokens=_as_int(max_tokens, "max_tokens"),
+            small_pool_bytes=_as_int(small_pool_bytes, "small_pool_bytes"),
+        )
+        self._lib = _lib.lib()
+        self._handle = ctypes.c_void_p()
+        _lib.check(self._lib.create(ctypes.byref(config), ctypes.byref(self._handle)))
+        self._live_views: set[int] = set()  # ids of buffers that tensor views keep alive
+        raw = _lib.Geometry()
+        _lib.check(self._lib.geometry(self._handle, ctypes.byref(raw)))
+        fields = {name: getattr(raw, name) for name, _ in _lib.Geometry._fields_}
+        fields["backend"] = backend
+        fields["device"] = fields.pop("device_ordinal")
+        self.geometry = KvGeometry(**fields)
+
+    # ------------------------------------------------------------------ lifetime
+    @property
+    def closed(self) -> bool:
+        return not self._handle
+
+    def _h(self) -> ctypes.c_void_p:
+        if not self._handle:
+            raise _invalid("the allocator is closed")
+        return self._handle
+
+    def close(self) -> None:
+        """Unmap and release everything. Refused while tensor views of its memory live."""
+        if not self._handle:
+            return
+        if self._live_views:
+            gc.collect()  # views caught in reference cycles
+        if self._live_views:
+            raise _invalid(
+                f"{len(self._live_views)} tensor views still point into allocator memory; drop them before close()"
+            )
+        _lib.check(self._lib.destroy(self._handle))
+        self._handle = ctypes.c_void_p()
+
+    def __enter__(self) -> "UnifiedAllocator":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        # Views hold a reference to the allocator, so none is alive when this runs.
+        if getattr(self, "_handle", None):
+            self._lib.destroy(self._handle)
+            self._handle = ctypes.c_void_p()
+
+    # ------------------------------------------------------------------ views
+    def tensor_view(self, address: int, num_bytes: int, dtype=None, shape: Sequence[int] | None = None):
+        """A torch tensor over [address, address + num_bytes) of this allocator's memory."""
+        import torch
+
+        from harvest.memory import views
+
+        g = self.geometry
+        inside = any(
+            base <= address and address + num_bytes <= base + size
+            for base, size in (
+                (g.kv_base, g.kv_range_bytes * g.pages_per_chunk),
+                (g.arena_base, g.arena_bytes),
+                (g.small_base, g.small_bytes),
+            )
+        )
+        if num_bytes <= 0 or not inside:
+            raise _invalid(f"[{address:#x}, +{num_bytes}) is not inside this allocator's memory")
+        self._h()
+        buffer = views.make_buffer(address, num_bytes, g.backend, g.device, self)
+        self._live_views.add(id(buffer))
+        weakref.finalize(buffer, self._live_views.discard, id(buffer))
+        return views.tensor_from_buffer(buffer, num_bytes, dtype or torch.uint8, shape, g.backend, g.device)
+
+    def kv_tensor(self, layer: int, kind: str, dtype, shape: Sequence[int] | None = None):
+        """A layer's whole K or V buffer ([token_capacity, ...] slots) as a tensor."""
+        g = self.geometry
+        return self.tensor_view(g.kv_range_address(layer, kind), g.kv_range_bytes, dtype, shape)
+
+    # ------------------------------------------------------------------ token slots
+    def mark_slots_live(self, slots: Any) -> None:
+        """The serving side handed out these token slots (all or nothing)."""
+        self._mark(slots, 1)
+
+    def mark_slots_free(self, slots: Any) -> None:
+        """The serving side took these token slots back (all or nothing)."""
+        self._mark(slots, 0)
+
+    def _mark(self, slots: Any, live: int) -> None:
+        array = _int_array(slots, "slots")
+        pointer = array.ctypes.data_as(ctypes.POINTER(ctypes.c_int64))
+        _lib.check(self._lib.mark_slots(self._h(), pointer, array.size, live))
+
+    # ------------------------------------------------------------------ chunks
+    def chunk_info(self, chunk: int) -> ChunkInfo:
+        """One chunk's state; queries its fences (fence_pending is exact)."""
+        info = _lib.ChunkInfo()
+        _lib.check(self._lib.chunk_info(self._h(), _as_int(chunk, "chunk"), ctypes.byref(info)))
+        return ChunkInfo.from_c(chunk, info)
+
+    def chunk_table(self) -> list[ChunkInfo]:
+        """Every chunk's state in one call (fence_pending: fences not yet seen to pass)."""
+        n = self.geometry.num_chunks
+        table = (_lib.ChunkInfo * n)()
+        _lib.check(self._lib.chunk_table(self._h(), table, n))
+        return [ChunkInfo.from_c(i, table[i]) for i in range(n)]
+
+    def can_lend(self, chunk: int) -> bool:
+        ok = ctypes.c_int32()
+        _lib.check(self._lib.can_lend(self._h(), _as_int(chunk, "chunk"), ctypes.byref(ok)))
+        return bool(ok.value)
+
+    def can_reclaim(self, chunk: int) -> bool:
+        ok = ctypes.c_int32()
+        _lib.check(self._lib.can_reclaim(self._h(), _as_int(chunk, "chunk"), ctypes.byref(ok)))
+        return bool(ok.value)
+
+    def lendable_chunks(self) -> list[int]:
+        return [c.chunk for c in self.chunk_table() if c.state == ChunkState.MAPPED and c.live_slots == 0]
+
+    def reclaimable_chunks(self) -> list[int]:
+        return [c.chunk for c in self.chunk_table() if c.state == ChunkState.LENT and c.used_pages == 0]
+
+    def lend(self, chunks: int | Iterable[int]) -> None:
+        """Move whole free chunks to the general arena, as one batch (all or none)."""
+        self._move(self._lib.lend, chunks)
+
+    def reclaim(self, chunks: int | Iterable[int]) -> None:
+        """Give unused lent chunks back to the KV cache (waits on their fences)."""
+        self._move(self._lib.reclaim, chunks)
+
+    def _move(self, fn, chunks: int | Iterable[int]) -> None:
+        array = _int_array(chunks, "chunk ids")
+        _lib.check(fn(self._h(), array.ctypes.data_as(ctypes.POINTER(ctypes.c_int64)), array.size))
+
+    # ------------------------------------------------------------------ allocation
+    def allocate(self, num_bytes: int) -> Allocation | None:
+        """Under one page from the small pool, else whole pages from the general arena.
+        None when that pool has no room right now (transient: back off, lend, retry)."""
+        num_bytes = _as_int(num_bytes, "num_bytes")
+        if 0 < num_bytes < self.geometry.page_bytes and self.geometry.small_pages:
+            return self.small_allocate(num_bytes)
+        return self.arena_allocate(num_bytes)
+
+    def arena_allocate(self, num_bytes: int) -> Allocation | None:
+        address = ctypes.c_uint64()
+        status = self._lib.arena_alloc(self._h(), _as_int(num_bytes, "num_bytes"), ctypes.byref(address))
+        if status == _lib.HVMM_ERR_EXHAUSTED:
+            return None
+        _lib.check(status)
+        return Allocation(self, address.value, num_bytes, ARENA)
+
+    def small_allocate(self, num_bytes: int) -> Allocation | None:
+        address = ctypes.c_uint64()
+        status = self._lib.small_alloc(self._h(), _as_int(num_bytes, "num_bytes"), ctypes.byref(address))
+        if status == _lib.HVMM_ERR_EXHAUSTED:
+            return None
+        _lib.check(status)
+        return Allocation(self, address.value, num_bytes, SMALL)
+
+    def free_address(self, address: int, pool: str, streams: Iterable[int] | None = None) -> None:
+        """Free by raw address (Allocation.free is the usual way). The library itself
+        rejects double frees and unknown pointers."""
+        address = _as_int(address, "address")
+        if streams is None:
+            streams = self._default_streams()
+        if pool == SMALL:
+            _lib.check(self._lib.small_free(self._h(), address))
+        elif pool == ARENA:
+            handles = np.ascontiguousarray([_as_int(s, "stream") for s in streams], dtype=np.uint64)
+            pointer = handles.ctypes.data_as(ctypes.POINTER(ctypes.c_uint64))
+            _lib.check(self._lib.arena_free(self._h(), address, pointer, handles.size))
+        else:
+            raise ValueError(f"pool={pool!r} must be {ARENA!r} or {SMALL!r}")
+
+    def _default_streams(self) -> list[int]:
+        if self.geometry.backend != "cuda":
+            return []
+        import torch
+
+        return [torch.cuda.current_stream(self.geometry.device).cuda_stream]
+
+    def empty(self, shape: Sequence[int], dtype) -> tuple[Any, Allocation] | None:
+        """A new tensor from the pools and the Allocation to free once it is dead, or None."""
+        import torch
+
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        num_bytes = max(1, itemsize * int(np.prod(shape, dtype=np.int64)))
+        block = self.allocate(num_bytes)
+        return None if block is None else (block.tensor(dtype, shape), block)
+
+    # ------------------------------------------------------------------ observation
+    def stats(self) -> AllocatorStats:
+        raw = _lib.Stats()
+        _lib.check(self._lib.stats(self._h(), ctypes.byref(raw)))
+        return AllocatorStats.from_c(raw)
+
+    def counters(self) -> BackendCounters:
+        raw = _lib.Counters()
+        _lib.check(self._lib.counters(self._h(), ctypes.byref(raw)))
+        return BackendCounters.from_c(raw)
+
+    def check_integrity(self) -> None:
+        """Raise VmmIntegrityError naming the first broken invariant, if any."""
+        _lib.check(self._lib.check_integrity(self._h()))
+
+    def inject_failure(self, call: str, after_calls: int = 0) -> None:
+        """Tests only: make the (after_calls + 1)-th next backend call of a kind fail."""
+        kinds = _lib.COUNTER_FIELDS
+        if call not in kinds:
+            raise ValueError(f"call={call!r} must be one of {kinds}")
+        _lib.check(self._lib.inject_failure(self._h(), kinds.index(call), after_calls))
+
+    def __repr__(self) -> str:
+        g = self.geometry
+        return (
+            f"UnifiedAllocator({g.backend}, {g.num_chunks} chunks x {g.tokens_per_chunk} tokens, "
+            f"page {g.page_bytes} B{', closed' if self.closed else ''})"
+        )

@@ -1,0 +1,247 @@
+#!/usr/bin/env python3
+"""Benchmark of the unified allocator (libharvest_vmm through harvest.memory).
+
+    python scripts/bench_vmm.py --json [--backend host|cuda] [--fuzz-ops 100000]
+
+The last stdout line is one JSON object. What each figure measures:
+
+  map_calls_per_lend, unmap_calls_per_lend, access_calls_per_lend
+      Backend calls (counted inside the library) to lend ONE chunk of a Llama-like
+      geometry (2 MiB pages, 8 pages per chunk). Per page: one unmap out of its KV
+      range, one map of the dummy page into that KV slot, one map into the general
+      arena; access is set once per contiguous run (one per KV range + one for the
+      arena). access_calls_per_lend_of_4 is the same for 4 adjacent chunks lent as one
+      batch (still one access call per KV range run).
+  create_calls_after_init
+      cuMemCreate-equivalent calls after start-up, summed over every allocator this
+      run made (all the work below included). Must be 0.
+  lend_us_median, reclaim_us_median
+      Wall time of one lend / reclaim of one chunk (median of 50).
+  small_alloc_free_ns_median, small_vs_malloc_ratio
+      Timed in C++ (hvmm_bench_small_pool): one random sequence of 200,000 allocations
+      and frees (sizes log-uniform in [512 B, 256 KiB], up to 256 live), replayed on the
+      small pool and on glibc malloc/free alternately, 9 repetitions; ns per alloc+free
+      pair, median; ratio = pool median / malloc median. The *_tiny figures do the
+      same for [64 B, 16 KiB] (glibc's fast bins and tcache), *_large for
+      [256 KiB, 2 MiB) with up to 32 live (glibc's mmap threshold region).
+  fuzz_ops, fuzz_violations
+      harvest.memory.fuzz: random operations with check_integrity and an independent
+      model check after every one (tiny geometry; host backend writes tag bytes too).
+  fragmentation_bytes
+      Peak over a trainer-like trace of "free pages of lent chunks that are partly
+      used": 10 lent chunks; a window of 3 layers of frozen weights (13 pages each) is
+      slid over 200 units with 2 activation tensors of 1-4 pages per unit, and decode
+      takes back and re-lends an idle chunk every 25 units. fragmentation_bytes_median
+      is the median over the trace.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import random
+import statistics
+import sys
+import time
+
+MIB = 1 << 20
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", action="store_true", help="print only the summary line (still last)")
+    parser.add_argument("--backend", choices=("host", "cuda"), default="host")
+    parser.add_argument("--fuzz-ops", type=int, default=100_000)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.fuzz_ops < 1:
+        parser.error(f"--fuzz-ops={args.fuzz_ops} must be at least 1")
+    return args
+
+
+def llama_like(backend: str, chunks: int, small_pool_bytes: int):
+    from harvest.memory import UnifiedAllocator
+
+    # 8 KV heads x 128 x 2 bytes (Llama-3-8B per layer) with 4 layers: 1024 tokens and
+    # 8 pages of 2 MiB per chunk, small enough to run on a CPU machine's RAM.
+    return UnifiedAllocator(num_layers=4, kv_heads=8, head_dim=128, dtype_bytes=2, max_tokens=chunks * 1024,
+                            small_pool_bytes=small_pool_bytes, backend=backend)
+
+
+def measure_lend(backend: str) -> dict:
+    alloc = llama_like(backend, chunks=12, small_pool_bytes=0)
+    g = alloc.geometry
+    before = alloc.counters()
+    alloc.lend(5)
+    lend = alloc.counters().minus(before)
+    before = alloc.counters()
+    alloc.reclaim(5)
+    reclaim = alloc.counters().minus(before)
+    before = alloc.counters()
+    alloc.lend([6, 7, 8, 9])
+    batch = alloc.counters().minus(before)
+    alloc.reclaim([6, 7, 8, 9])
+    lend_us, reclaim_us = [], []
+    for _ in range(50):
+        t0 = time.perf_counter()
+        alloc.lend(3)
+        t1 = time.perf_counter()
+        alloc.reclaim(3)
+        t2 = time.perf_counter()
+        lend_us.append((t1 - t0) * 1e6)
+        reclaim_us.append((t2 - t1) * 1e6)
+    alloc.check_integrity()
+    result = {
+        "page_bytes": g.page_bytes,
+        "pages_per_chunk": g.pages_per_chunk,
+        "map_calls_per_lend": lend.map,
+        "unmap_calls_per_lend": lend.unmap,
+        "access_calls_per_lend": lend.set_access,
+        "access_calls_per_lend_of_4": batch.set_access,
+        "map_calls_per_reclaim": reclaim.map,
+        "unmap_calls_per_reclaim": reclaim.unmap,
+        "access_calls_per_reclaim": reclaim.set_access,
+        "lend_us_median": round(statistics.median(lend_us), 1),
+        "reclaim_us_median": round(statistics.median(reclaim_us), 1),
+    }
+    creates = alloc.counters().create_calls_after_init
+    alloc.close()
+    return result, creates
+
+
+def measure_small_pool(backend: str, seed: int) -> tuple[dict, int]:
+    from harvest.memory import _lib
+
+    alloc = llama_like(backend, chunks=1, small_pool_bytes=160 * MIB)
+    runs = {}
+    for name, (low, high, live) in {
+        "": (512, 256 << 10, 256),
+        "_tiny": (64, 16 << 10, 256),
+        "_large": (256 << 10, 2 * MIB - 1, 32),
+    }.items():
+        out = _lib.SmallBench()
+        _lib.check(_lib.lib().bench_small_pool(alloc._h(), seed, 200_000, live, low, high, 9, ctypes.byref(out)))
+        runs[f"small_alloc_free_ns_median{name}"] = round(out.pool_ns_per_pair_median, 1)
+        runs[f"malloc_free_ns_median{name}"] = round(out.malloc_ns_per_pair_median, 1)
+        runs[f"small_vs_malloc_ratio{name}"] = round(out.pool_ns_per_pair_median / out.malloc_ns_per_pair_median, 3)
+    alloc.check_integrity()
+    creates = alloc.counters().create_calls_after_init
+    alloc.close()
+    return runs, creates
+
+
+def measure_fuzz(backend: str, ops: int, seed: int) -> tuple[dict, int]:
+    from harvest.memory import UnifiedAllocator
+    from harvest.memory.fuzz import run_fuzz
+
+    if backend == "host":
+        alloc = UnifiedAllocator(num_layers=2, kv_heads=2, head_dim=16, dtype_bytes=4, max_tokens=1024,
+                                 small_pool_bytes=64 << 10, page_bytes=16 << 10)
+    else:  # the device granularity: 2 MiB pages, 16384 tokens per chunk
+        alloc = UnifiedAllocator(num_layers=2, kv_heads=2, head_dim=16, dtype_bytes=4, max_tokens=8 * 16384,
+                                 small_pool_bytes=8 * MIB, backend="cuda")
+    progress = _progress(ops)
+    started = time.perf_counter()
+    report = run_fuzz(alloc, ops=ops, seed=seed, progress=progress.update if progress else None)
+    seconds = time.perf_counter() - started
+    if progress:
+        progress.close()
+    creates = alloc.counters().create_calls_after_init
+    alloc.close()
+    result = {
+        "fuzz_ops": report.ops,
+        "fuzz_violations": report.violations,
+        "fuzz_seconds": round(seconds, 1),
+        "fuzz_leak_free": report.leak_free_at_end,
+    }
+    if report.first_violation:
+        result["fuzz_first_violation"] = report.first_violation
+    return result, creates
+
+
+def _progress(total: int):
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, desc="fuzz", unit="op", file=sys.stderr, disable=not sys.stderr.isatty())
+
+
+def measure_fragmentation(backend: str, seed: int) -> tuple[dict, int]:
+    alloc = llama_like(backend, chunks=12, small_pool_bytes=0)
+    g = alloc.geometry
+    rng = random.Random(seed)
+    alloc.lend(list(range(2, 12)))
+    layer_bytes = 13 * g.page_bytes
+    window: list = []
+    activations: list = []
+    samples: list[int] = []
+    reclaimed: int | None = None
+    failed = 0
+    for unit in range(200):
+        if len(window) == 3:
+            window.pop(0).free()
+        block = alloc.arena_allocate(layer_bytes)
+        if block is None:
+            failed += 1
+        else:
+            window.append(block)
+        for block in activations:
+            block.free()
+        activations = [b for b in (alloc.arena_allocate(rng.randint(1, 4) * g.page_bytes) for _ in range(2)) if b]
+        if unit % 25 == 24:
+            if reclaimed is None:
+                idle = alloc.reclaimable_chunks()
+                if idle:
+                    reclaimed = idle[-1]
+                    alloc.reclaim(reclaimed)
+            else:
+                alloc.lend(reclaimed)
+                reclaimed = None
+        samples.append(alloc.stats().fragmentation_bytes)
+    for block in window + activations:
+        block.free()
+    alloc.check_integrity()
+    creates = alloc.counters().create_calls_after_init
+    alloc.close()
+    return {
+        "fragmentation_bytes": max(samples),
+        "fragmentation_bytes_median": int(statistics.median(samples)),
+        "fragmentation_trace_alloc_failures": failed,
+    }, creates
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.backend == "cuda":
+        from harvest import doctor
+
+        gpus, reason, _ = doctor.probe_gpus()
+        if not gpus:
+            print(f"bench_vmm: --backend cuda needs an NVIDIA GPU: {reason}", file=sys.stderr)
+            return 2
+    result: dict = {"backend": args.backend}
+    creates = 0
+    for name, measure in (
+        ("lend/reclaim call counts", lambda: measure_lend(args.backend)),
+        ("small pool vs malloc", lambda: measure_small_pool(args.backend, args.seed)),
+        ("fragmentation trace", lambda: measure_fragmentation(args.backend, args.seed)),
+        ("fuzz", lambda: measure_fuzz(args.backend, args.fuzz_ops, args.seed)),
+    ):
+        part, made = measure()
+        creates += made
+        result.update(part)
+        if not args.json:
+            print(f"{name}: {json.dumps(part)}")
+    result["create_calls_after_init"] = creates
+    if args.backend == "cuda":
+        import torch
+
+        result["device"] = torch.cuda.get_device_name()
+    print(json.dumps(result))
+    return 0 if result["fuzz_violations"] == 0 and creates == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

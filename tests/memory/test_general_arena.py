@@ -1,0 +1,101 @@
+"""The general arena: whole pages of lent chunks, contiguous across adjacent chunks,
+best fit, clean failure when no run of lent pages is long enough."""
+
+from __future__ import annotations
+
+import torch
+
+from .conftest import PAGE_BYTES, snapshot
+
+
+def test_allocations_take_whole_pages(alloc):
+    alloc.lend(0)
+    one = alloc.arena_allocate(1)
+    exact = alloc.arena_allocate(PAGE_BYTES)
+    two = alloc.arena_allocate(PAGE_BYTES + 1)
+    assert alloc.stats().pages_lent_used == 4
+    assert alloc.stats().arena_used_bytes == 4 * PAGE_BYTES
+    addresses = sorted(b.address for b in (one, exact, two))
+    assert all((a - alloc.geometry.arena_base) % PAGE_BYTES == 0 for a in addresses)
+    for b in (one, exact, two):
+        b.free()
+
+
+def test_an_allocation_spans_adjacent_lent_chunks_but_not_a_gap(alloc):
+    g = alloc.geometry
+    alloc.lend([2, 3, 5])
+    big = alloc.arena_allocate(2 * g.chunk_bytes)  # only chunks 2+3 are contiguous
+    assert big.address == g.arena_base + 2 * g.chunk_bytes
+    assert alloc.chunk_info(2).used_pages == alloc.chunk_info(3).used_pages == g.pages_per_chunk
+    assert alloc.arena_allocate(2 * g.chunk_bytes) is None
+    big.free()
+    alloc.reclaim(3)
+    assert alloc.arena_allocate(2 * g.chunk_bytes) is None  # 2 and 5 are not neighbours
+
+
+def test_exhaustion_is_a_value_and_changes_nothing(alloc):
+    g = alloc.geometry
+    assert alloc.arena_allocate(1) is None  # nothing lent
+    alloc.lend(1)
+    held = alloc.arena_allocate(g.chunk_bytes - PAGE_BYTES)
+    before = snapshot(alloc)
+    assert alloc.arena_allocate(2 * PAGE_BYTES) is None
+    assert alloc.allocate(2 * PAGE_BYTES) is None
+    assert snapshot(alloc) == before
+    last = alloc.arena_allocate(PAGE_BYTES)
+    assert last is not None
+    held.free()
+    last.free()
+
+
+def test_best_fit_keeps_long_runs_and_packs_used_chunks(alloc):
+    g = alloc.geometry
+    alloc.lend([0, 1, 2])  # one run of 12 pages
+    a = alloc.arena_allocate(PAGE_BYTES)  # page 0
+    b = alloc.arena_allocate(PAGE_BYTES)  # page 1
+    a.free()  # free runs: [0, 1) and [2, 12)
+    c = alloc.arena_allocate(PAGE_BYTES)
+    assert c.address == g.arena_base  # the 1-page hole, not the long run
+    for block in (b, c):
+        block.free()
+
+
+def test_a_chunk_is_reclaimable_exactly_when_all_its_pages_are_free(alloc):
+    g = alloc.geometry
+    alloc.lend([4])
+    blocks = [alloc.arena_allocate(PAGE_BYTES) for _ in range(g.pages_per_chunk)]
+    assert alloc.arena_allocate(1) is None
+    for i, block in enumerate(blocks):
+        assert not alloc.can_reclaim(4)
+        assert alloc.stats().chunks_lent_idle == 0
+        block.free()
+    assert alloc.can_reclaim(4) and alloc.stats().chunks_lent_idle == 1
+    alloc.reclaim(4)
+
+
+def test_fragmentation_counts_free_pages_of_partly_used_chunks(alloc):
+    g = alloc.geometry
+    alloc.lend([0, 6])
+    block = alloc.arena_allocate(PAGE_BYTES)
+    stats = alloc.stats()
+    # One chunk partly used (3 free pages), the other idle (not fragmentation: reclaimable).
+    assert stats.fragmentation_bytes == (g.pages_per_chunk - 1) * PAGE_BYTES
+    assert stats.chunks_lent_idle == 1
+    block.free()
+    assert alloc.stats().fragmentation_bytes == 0
+
+
+def test_arena_tensors_and_empty(alloc):
+    alloc.lend([0, 1])
+    made = alloc.empty((3, 1000), torch.float32)
+    assert made is not None
+    tensor, block = made
+    assert tensor.shape == (3, 1000) and block.pool == "small"  # 12000 B < one page
+    big, big_block = alloc.empty((4, PAGE_BYTES), torch.uint8)
+    assert big_block.pool == "arena"
+    tensor.fill_(2.5)
+    big.fill_(9)
+    assert tensor.sum().item() == 2.5 * 3000 and int(big.sum()) == 9 * 4 * PAGE_BYTES
+    del tensor, big
+    block.free()
+    big_block.free()
