@@ -17,7 +17,10 @@ import harvest
 COMMANDS = {
     "doctor": "harvest.doctor",
     "demo": "harvest.demo",
+    "train": "harvest.train.command",
+    "profile": "harvest.predict.profiler.command",
     "launch": "harvest.sglang.launch",
+    "replay": "harvest.replay.command",
 }
 
 

@@ -18,7 +18,6 @@ from pathlib import Path
 
 HELP = "serve a slice of the Azure trace through SGLang + harvest on a tiny local model (CPU)"
 
-FULL_TRACE = Path(__file__).resolve().parent.parent.parent / "shared" / "traces" / "azure_llm_2023_conv.csv"
 NOT_YET_ENABLED = (
     "unified KV/trainer allocator (KV lending)",
     "green-context SM partitioning",
@@ -36,7 +35,7 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from harvest.replay.trace import SAMPLE_TRACE, TraceError, read_trace
+    from harvest.replay.trace import FULL_TRACE, SAMPLE_TRACE, TraceError, read_trace
     from harvest.sglang import server
     from harvest.tiny_model import TINY_LLAMA, ensure_tiny_model
 

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from harvest.replay.trace import SAMPLE_TRACE, TraceError, read_trace
-from harvest.demo import FULL_TRACE
+from harvest.replay.trace import FULL_TRACE, SAMPLE_TRACE, TraceError, read_trace
 
 
 def test_sample_trace_is_shipped_and_sane():

@@ -14,6 +14,8 @@ from pathlib import Path
 
 REQUIRED_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 SAMPLE_TRACE = Path(__file__).resolve().parent.parent / "data" / "azure_llm_2023_conv_sample.csv"
+# The full one-hour trace, where the shared checkout keeps it (../shared/traces next to the project).
+FULL_TRACE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "azure_llm_2023_conv.csv"
 
 
 class TraceError(ValueError):

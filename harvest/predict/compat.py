@@ -1,0 +1,115 @@
+"""Does a profile describe the GPU, model and ladder that are running now?
+
+A profile measured on another GPU, another model or another SM ladder predicts wrong
+latencies, and the scheduler would then break the QoS target or starve the trainer
+without any error. So loading for use checks the running identity and refuses on a
+mismatch, naming each differing field; ``allow_mismatch=True`` (the operator's explicit
+override) turns the refusal into a warning.
+
+The model is identified by a hash of the config fields that decide a decode step's cost
+(:data:`LATENCY_CONFIG_KEYS`), not by path or weights: the same architecture with other
+weights runs at the same speed, a checkpoint moved elsewhere is still the same model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import warnings
+from pathlib import Path
+
+from harvest.predict.ladder import LadderSpec
+from harvest.predict.schema import Profile
+
+LATENCY_CONFIG_KEYS = (
+    "architectures",
+    "model_type",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+    "tie_word_embeddings",
+    "sliding_window",
+    "num_experts",
+    "num_experts_per_tok",
+)
+
+
+class ProfileMismatchError(ValueError):
+    """The profile was measured for another GPU, model or ladder than the running one."""
+
+
+def model_config_hash(config: dict) -> str:
+    """sha256 (first 16 hex digits) of the latency-relevant fields of a HF ``config.json``."""
+    relevant = {key: config.get(key) for key in LATENCY_CONFIG_KEYS}
+    text_config = config.get("text_config")  # multimodal wrappers nest the decoder's shape
+    if isinstance(text_config, dict):
+        relevant["text_config"] = {key: text_config.get(key) for key in LATENCY_CONFIG_KEYS}
+    canonical = json.dumps(relevant, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+def model_config_hash_of_path(model_path: str | Path) -> str:
+    path = Path(model_path) / "config.json"
+    try:
+        return model_config_hash(json.loads(path.read_text()))
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot read the model config {path}: {exc}") from exc
+
+
+@dataclasses.dataclass(frozen=True)
+class RuntimeIdentity:
+    """What is running now, in the terms a profile records."""
+
+    device_name: str
+    sm_count: int
+    model_config_hash: str
+    model_dtype: str
+    ladder: LadderSpec
+
+
+def mismatches(profile: Profile, running: RuntimeIdentity) -> list[str]:
+    """Human-readable differences between the profile and the running system."""
+    prov = profile.provenance
+    found = []
+    if prov.device_name != running.device_name:
+        found.append(f"GPU: profile measured on {prov.device_name!r}, running on {running.device_name!r}")
+    if prov.sm_count != running.sm_count:
+        found.append(f"SM count: profile {prov.sm_count}, running device {running.sm_count}")
+    if prov.model.config_hash != running.model_config_hash:
+        found.append(
+            f"model: profile is for {prov.model.name!r} (config hash {prov.model.config_hash}), the served "
+            f"model's config hash is {running.model_config_hash}"
+        )
+    if prov.model.dtype != running.model_dtype:
+        found.append(f"model dtype: profile {prov.model.dtype}, served {running.model_dtype}")
+    if profile.ladder != running.ladder:
+        found.append(f"SM ladder: profile has {profile.ladder.describe()}; running {running.ladder.describe()}")
+    return found
+
+
+def check_compatible(profile: Profile, running: RuntimeIdentity, allow_mismatch: bool = False, source: str = "profile") -> list[str]:
+    """Raise ProfileMismatchError listing every mismatch, or with ``allow_mismatch`` warn
+    (``RuntimeWarning``) and return them."""
+    found = mismatches(profile, running)
+    if not found:
+        return found
+    listing = "; ".join(found)
+    if not allow_mismatch:
+        raise ProfileMismatchError(
+            f"{source} does not match the running system: {listing}. Re-run `harvest profile` on this "
+            f"machine and model, or override with allow_mismatch (predictions will be off)"
+        )
+    warnings.warn(f"{source} does not match the running system (override in effect): {listing}", RuntimeWarning, stacklevel=2)
+    return found
+
+
+def load_for(path: str | Path, running: RuntimeIdentity, allow_mismatch: bool = False) -> Profile:
+    """Load and validate ``path``, then check it against the running system."""
+    profile = Profile.load(path)
+    check_compatible(profile, running, allow_mismatch, source=f"profile {path}")
+    return profile

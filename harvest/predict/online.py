@@ -1,0 +1,254 @@
+"""Online refinement: measured decode steps correct the offline profile.
+
+The decode loop reports each measured step with :meth:`OnlineRefiner.observe` (a deque
+append and one prediction: cheap, on the decode thread). Observations go into a rolling
+window per level and stage. A refit — scikit-learn, milliseconds — runs *off* the decode
+path: in :meth:`OnlineRefiner.start`'s background thread, or wherever the caller calls
+:meth:`refit`. It fits each stage again on the window plus the profile's samples, the
+latter rescaled by the median measured/profile-predicted ratio of the window and the
+window weighted to ``online_share`` of the total. A uniform drift (clocks, throttling)
+thus moves the whole model, while a few clustered observations (one batch size for
+minutes) reshape it where traffic is without tearing it away from the profile elsewhere.
+New coefficients are swapped into the predictor atomically.
+
+Exported for the metrics layer: the windowed mean relative error per stage
+(:attr:`stage1_error`, :attr:`stage2_error`, :attr:`error`) and :attr:`drift`, set when
+a stage's windowed error exceeds ``drift_threshold`` — the profile no longer describes
+this machine (thermal throttling, a driver change, other tenants) and needs a look.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import dataclasses
+import math
+import threading
+from typing import Sequence
+
+from harvest.logs import get_logger
+from harvest.predict.fit import FitError, LatencySample, fit_corun, fit_solo
+from harvest.predict.model import LatencyPredictor
+
+logger = get_logger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class OnlineSettings:
+    window: int = 512  # observations kept per level and stage
+    refit_every: int = 128  # new observations between refits
+    min_observations: int = 32  # before the error is trusted for the drift flag
+    drift_threshold: float = 0.10  # windowed mean relative error that raises the flag
+    online_share: float = 0.5  # weight of the window vs the profile's samples in a refit
+
+    def __post_init__(self) -> None:
+        if self.window < 8 or self.refit_every < 1 or self.min_observations < 1:
+            raise ValueError(f"OnlineSettings {self}: window >= 8, refit_every >= 1, min_observations >= 1")
+        if not (0.0 < self.drift_threshold and 0.0 < self.online_share < 1.0):
+            raise ValueError(f"OnlineSettings {self}: drift_threshold > 0 and 0 < online_share < 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class RefitReport:
+    refitted_levels: tuple[int, ...]
+    refitted_corun: tuple[str, ...]
+    skipped: tuple[str, ...]  # why a level/phase kept its coefficients
+    stage1_error: float
+    stage2_error: float
+
+
+class OnlineRefiner:
+    """Rolling-window refit of a :class:`LatencyPredictor` (see module doc)."""
+
+    def __init__(
+        self,
+        predictor: LatencyPredictor,
+        solo_anchor: Sequence[LatencySample] = (),
+        corun_anchor: Sequence[LatencySample] = (),
+        settings: OnlineSettings = OnlineSettings(),
+    ):
+        self.predictor = predictor
+        self.settings = settings
+        # The coefficients the profile gave, kept to tell how far the machine has moved.
+        self._profile_model = copy.copy(predictor)
+        self._solo_anchor = tuple(solo_anchor)
+        self._corun_anchor = tuple(corun_anchor)
+        num_levels = predictor.ladder.num_levels
+        self._solo_window = [collections.deque(maxlen=settings.window) for _ in range(num_levels)]
+        self._corun_window = [collections.deque(maxlen=settings.window) for _ in range(num_levels)]
+        self._solo_errors: collections.deque = collections.deque(maxlen=settings.window)
+        self._corun_errors: collections.deque = collections.deque(maxlen=settings.window)
+        self._lock = threading.Lock()  # guards the windows; held for appends and copies only
+        self._since_refit = 0
+        self.num_observations = 0
+        self.num_rejected = 0  # non-finite or non-positive measurements ignored
+        self.num_refits = 0
+        self.num_refit_failures = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @classmethod
+    def from_profile(cls, profile, settings: OnlineSettings = OnlineSettings()) -> "OnlineRefiner":
+        return cls(profile.predictor(), profile.solo_samples(), profile.corun_samples(), settings)
+
+    # -- decode thread --------------------------------------------------------------------
+    def observe(
+        self,
+        level: int,
+        batch_size: int,
+        sum_context: float,
+        latency_s: float,
+        phase: str | None = None,
+        predicted_s: float | None = None,
+    ) -> None:
+        """Record one measured step; ``phase`` None means the trainer was not running.
+        Pass the prediction the scheduler used as ``predicted_s`` to save recomputing it."""
+        if not (latency_s > 0 and math.isfinite(latency_s)):
+            self.num_rejected += 1
+            return
+        sample = LatencySample(level, batch_size, sum_context, latency_s, phase)
+        phase_index = None if phase is None else self.predictor.phase_index(phase)
+        if predicted_s is None:
+            predicted_s = self.predictor.evaluate(level, batch_size, sum_context, phase_index)
+        window = self._solo_window[level] if phase is None else self._corun_window[level]
+        errors = self._solo_errors if phase is None else self._corun_errors
+        with self._lock:
+            window.append(sample)
+            errors.append(abs(predicted_s - latency_s) / latency_s)
+            self._since_refit += 1
+            self.num_observations += 1
+
+    # -- exported numbers -----------------------------------------------------------------
+    @property
+    def stage1_error(self) -> float:
+        """Mean |predicted - measured| / measured over the recent solo steps (0 if none)."""
+        return _mean(self._solo_errors)
+
+    @property
+    def stage2_error(self) -> float:
+        return _mean(self._corun_errors)
+
+    @property
+    def error(self) -> float:
+        """Mean relative error over the recent steps of both stages."""
+        with self._lock:
+            values = list(self._solo_errors) + list(self._corun_errors)
+        return sum(values) / len(values) if values else 0.0
+
+    @property
+    def drift(self) -> bool:
+        s = self.settings
+        return any(
+            len(errors) >= s.min_observations and _mean(errors) > s.drift_threshold
+            for errors in (self._solo_errors, self._corun_errors)
+        )
+
+    def refit_due(self) -> bool:
+        return self._since_refit >= self.settings.refit_every
+
+    # -- off the decode path --------------------------------------------------------------
+    def refit(self) -> RefitReport:
+        """Fit both stages on (rescaled) profile samples + window; swap the result in."""
+        with self._lock:
+            solo_windows = [list(w) for w in self._solo_window]
+            corun_windows = [list(w) for w in self._corun_window]
+            self._since_refit = 0
+        predictor = self.predictor
+        solo = list(predictor.solo_coefficients)
+        refitted_levels, skipped = [], []
+        for level, window in enumerate(solo_windows):
+            if not window:
+                continue
+            anchor = self._rescaled_anchor([s for s in self._solo_anchor if s.level == level], window, None)
+            try:
+                solo[level] = fit_solo(anchor + window, predictor.buckets, self._blend(len(anchor), len(window)))[0]
+                refitted_levels.append(level)
+            except FitError as exc:
+                skipped.append(f"stage 1 level {level}: {exc}")
+        corun = list(predictor.corun_coefficients.values())
+        refitted_corun = []
+        window_all = [s for w in corun_windows for s in w]
+        for index, name in enumerate(predictor.phase_names):
+            window = window_all if index == 0 else [s for s in window_all if s.phase == name]
+            if not window:
+                continue
+            anchor = [s for s in self._corun_anchor if index == 0 or s.phase == name]
+            anchor = self._rescaled_anchor(anchor, window, index)
+            try:
+                fitted = fit_corun(anchor + window, predictor.ladder, predictor.buckets, solo, self._blend(len(anchor), len(window)))
+                corun[index] = fitted.coefficients
+                refitted_corun.append(name)
+            except FitError as exc:
+                skipped.append(f"stage 2 {name}: {exc}")
+        predictor.update(solo=solo, corun=corun)
+        self.num_refits += 1
+        self._recompute_errors(solo_windows, corun_windows)
+        report = RefitReport(tuple(refitted_levels), tuple(refitted_corun), tuple(skipped), self.stage1_error, self.stage2_error)
+        if skipped:
+            logger.info("predictor refit kept some coefficients: %s", "; ".join(skipped))
+        return report
+
+    def _rescaled_anchor(self, anchor: list[LatencySample], window: list[LatencySample], model_index: int | None) -> list[LatencySample]:
+        """The profile's samples scaled by how much slower or faster the window runs than
+        the *profile's* model predicts (median ratio). A uniform drift (clocks, thermal
+        throttling) then moves the whole model; the window still decides its shape where
+        traffic is, and the scaled profile keeps it sensible where traffic is not.
+        ``model_index``: None for stage 1, else the stage-2 model's phase index."""
+        model = self._profile_model
+        ratios = sorted(s.latency_s / model.evaluate(s.level, s.batch_size, s.sum_context, model_index) for s in window)
+        scale = ratios[len(ratios) // 2]
+        if not (scale > 0 and math.isfinite(scale)):
+            return anchor
+        return [dataclasses.replace(s, latency_s=s.latency_s * scale) for s in anchor]
+
+    def _blend(self, num_anchor: int, num_window: int) -> list[float] | None:
+        if num_anchor == 0:
+            return None
+        share = self.settings.online_share
+        window_weight = share / (1.0 - share) * num_anchor / num_window
+        return [1.0] * num_anchor + [window_weight] * num_window
+
+    def _recompute_errors(self, solo_windows, corun_windows) -> None:
+        """Errors of the recent observations under the *new* coefficients, so the
+        exported error describes the model now in use."""
+        p = self.predictor
+        solo_errors = [abs(p.evaluate(s.level, s.batch_size, s.sum_context) - s.latency_s) / s.latency_s for w in solo_windows for s in w]
+        corun_errors = [
+            abs(p.evaluate(s.level, s.batch_size, s.sum_context, p.phase_index(s.phase)) - s.latency_s) / s.latency_s
+            for w in corun_windows
+            for s in w
+        ]
+        with self._lock:
+            self._solo_errors.clear()
+            self._solo_errors.extend(solo_errors[-self.settings.window:])
+            self._corun_errors.clear()
+            self._corun_errors.extend(corun_errors[-self.settings.window:])
+
+    def start(self, poll_interval_s: float = 0.5) -> None:
+        """Refit in a daemon thread whenever ``refit_every`` new observations arrived."""
+        if self._thread is not None:
+            raise RuntimeError("OnlineRefiner.start: already running")
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._loop, args=(poll_interval_s,), name="harvest-predictor-refit", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            self._thread = None
+
+    def _loop(self, poll_interval_s: float) -> None:
+        while not self._stop.wait(poll_interval_s):
+            if not self.refit_due():
+                continue
+            try:
+                self.refit()
+            except Exception:  # noqa: BLE001 - a failed refit keeps the old model; serving goes on
+                self.num_refit_failures += 1
+                logger.exception("predictor refit failed; keeping the previous coefficients")
+
+
+def _mean(values) -> float:
+    snapshot = list(values)
+    return sum(snapshot) / len(snapshot) if snapshot else 0.0

@@ -1,0 +1,90 @@
+"""`harvest profile`: offline calibration of the latency predictor (Harli §5, §8.8).
+
+For each ladder level: decode steps of the served model over a grid of batch sizes and
+context lengths, alone (stage 1) and with the finetune job running on the trainer's side
+of the level (stage 2); then fit, write the profile JSON and a PNG report, and print the
+fit quality. Interrupted runs resume from ``<out>.partial.jsonl``.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+HELP = "measure decode latencies per SM level (alone and beside the trainer) and fit the latency predictor"
+
+TINY_MODELS = ("tiny-llama", "tiny-qwen2")
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    import argparse
+
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers, e.g. 4,16,64") from None
+    if not values or any(v <= 0 for v in values) or len(set(values)) != len(values):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected distinct integers > 0")
+    return tuple(sorted(values))
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--model-path", required=True, help=f"served model directory (or {' / '.join(TINY_MODELS)}: harvest's tiny local models)")
+    parser.add_argument("--engine", choices=["auto", "sglang", "transformers"], default="auto", help="decode engine (auto: sglang when installed)")
+    parser.add_argument("--device", default="auto", help="cpu, cuda or cuda:N (auto: cuda when available)")
+    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto", help="auto: float32 on CPU, bfloat16 on GPU")
+    parser.add_argument("--random-weights", action="store_true", help="build the model from config.json with random weights (latency does not depend on them)")
+    parser.add_argument("--batch-sizes", type=_int_list, default=(4, 16, 64), help="decode batch sizes (default 4,16,64)")
+    parser.add_argument("--context-lengths", type=_int_list, default=(64, 128, 256, 512), help="tokens per request (default 64,128,256,512)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed decode steps per grid point (default 3)")
+    parser.add_argument("--repeats", type=int, default=10, help="timed decode steps per grid point (default 10)")
+    parser.add_argument("--trim", type=float, default=0.2, help="fraction of slowest and of fastest steps dropped per grid point (default 0.2)")
+    parser.add_argument("--levels", type=int, default=None, help="ladder levels to ask the partitioner for (default: its default)")
+    parser.add_argument("--finetune-model", default=None, help="base model of the finetune job (default: the served model)")
+    parser.add_argument("--finetune-job", default=None, help="harvest trainer job YAML: co-run with harvest's layer-split trainer instead of plain PEFT")
+    parser.add_argument("--lora-rank", type=int, default=8, help="PEFT co-run workload: LoRA rank (default 8)")
+    parser.add_argument("--trainer-micro-batch", type=int, default=2, help="PEFT co-run workload: sequences per unit (default 2)")
+    parser.add_argument("--trainer-seq-len", type=int, default=128, help="PEFT co-run workload: tokens per sequence (default 128)")
+    parser.add_argument("--switch-interval-ms", type=float, default=None, help="Python GIL switch interval during the run (default: unchanged)")
+    parser.add_argument("--torch-threads", type=int, default=None, help="torch intra-op threads (default: torch's, one per core)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=None, help="profile JSON (default profiles/<device>-<model>-<engine>.json)")
+    parser.add_argument("--report", type=Path, default=None, help="PNG report (default: the profile path with .png)")
+    parser.add_argument("--restart", action="store_true", help="discard an interrupted run's saved grid points instead of resuming")
+
+
+def _fail(message: str, code: int = 2) -> int:
+    print(f"harvest profile: {message}", file=sys.stderr)
+    return code
+
+
+def run(args) -> int:
+    from harvest.predict.profiler.measure import MeasureConfig
+
+    try:
+        measure = MeasureConfig(args.warmup, args.repeats, args.trim)
+    except ValueError as exc:
+        return _fail(str(exc))
+    if len(args.batch_sizes) < 2 or len(args.context_lengths) < 2:
+        return _fail("stage 1 has three coefficients per level: give at least 2 --batch-sizes and 2 --context-lengths")
+    if args.switch_interval_ms is not None and args.switch_interval_ms <= 0:
+        return _fail(f"--switch-interval-ms={args.switch_interval_ms}: must be > 0")
+    if args.torch_threads is not None and args.torch_threads <= 0:
+        return _fail(f"--torch-threads={args.torch_threads}: must be > 0")
+    model_path = _resolve_model(args.model_path)
+    if not (Path(model_path) / "config.json").is_file():
+        return _fail(f"--model-path {args.model_path}: no config.json there")
+    from harvest.predict.profiler import session
+
+    try:
+        return session.profile(args, model_path, measure)
+    except session.ProfilingFailed as exc:
+        return _fail(str(exc), 1)
+
+
+def _resolve_model(name: str) -> str:
+    if name in TINY_MODELS:
+        from harvest.tiny_model import TINY_LLAMA, TINY_QWEN2, ensure_tiny_model
+
+        return str(ensure_tiny_model(TINY_LLAMA if name == "tiny-llama" else TINY_QWEN2))
+    return name

@@ -1,0 +1,118 @@
+"""Finetune work that runs beside the timed decode steps (the co-run stage).
+
+The profiler only needs "the finetune job, running on the trainer's side of the level,
+back to back, until told to stop" and a count of the units it finished (proof that it
+ran concurrently). Two workloads provide that: harvest's layer-split trainer driven
+through its gate (:mod:`.trainer_workload`, when a job file is given) and a plain PEFT
+LoRA training step on the finetune base model (:mod:`.peft_workload`). The profile's
+``provenance.finetune.workload`` names the one used.
+"""
+
+from __future__ import annotations
+
+import abc
+import threading
+from typing import Any
+
+from harvest.logs import get_logger
+
+logger = get_logger(__name__)
+
+
+class CoRunError(RuntimeError):
+    """The co-run workload failed or cannot run as asked."""
+
+
+class BaseCoRunWorkload(abc.ABC):
+    """Contract:
+    - ``phases``: the trainer phases the workload can be held in while decode is timed —
+      ``("forward", "backward")`` when it can run only forward or only backward units
+      (the profiler then measures each and may fit one stage-2 model per phase), or
+      ``("mixed",)`` when its units alternate as in training.
+    - ``start(phase, stream)`` returns once the first unit has completed (the workload
+      is warm and really running) and keeps running units back to back in a background
+      thread, on ``stream`` (None: the thread's current stream).
+    - ``units_done`` counts finished units since construction (read from any thread).
+    - ``stop()`` returns after the unit in flight ends; it re-raises the background
+      thread's failure as CoRunError. ``close()`` frees the model.
+    """
+
+    name: str
+    description: str
+    base_model: str
+    phases: tuple[str, ...]
+
+    @property
+    @abc.abstractmethod
+    def units_done(self) -> int: ...
+
+    @abc.abstractmethod
+    def start(self, phase: str, stream: Any = None) -> None: ...
+
+    @abc.abstractmethod
+    def stop(self) -> None: ...
+
+    def close(self) -> None:  # noqa: B027 - optional
+        pass
+
+
+class UnitLoopWorkload(BaseCoRunWorkload):
+    """A workload defined by ``run_unit(phase)``; this class runs it in a thread."""
+
+    START_TIMEOUT_S = 600.0
+
+    def __init__(self) -> None:
+        self._units = 0
+        self._thread: threading.Thread | None = None
+        self._stop_event = threading.Event()
+        self._first_unit = threading.Event()
+        self._error: BaseException | None = None
+
+    @abc.abstractmethod
+    def run_unit(self, phase: str) -> None:
+        """One unit of ``phase``, synchronously (device work finished on return)."""
+
+    @property
+    def units_done(self) -> int:
+        return self._units
+
+    def start(self, phase: str, stream: Any = None) -> None:
+        if phase not in self.phases:
+            raise CoRunError(f"{self.name}: phase {phase!r} is not one of {self.phases}")
+        if self._thread is not None:
+            raise CoRunError(f"{self.name}: already running")
+        self._stop_event.clear()
+        self._first_unit.clear()
+        self._error = None
+        self._thread = threading.Thread(target=self._loop, args=(phase, stream), name=f"harvest-corun-{self.name}", daemon=True)
+        self._thread.start()
+        if not self._first_unit.wait(self.START_TIMEOUT_S):
+            self.stop()
+            raise CoRunError(f"{self.name}: no unit finished within {self.START_TIMEOUT_S:.0f} s")
+        if self._error is not None:
+            self.stop()
+
+    def _loop(self, phase: str, stream: Any) -> None:
+        import contextlib
+
+        import torch
+
+        context = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+        try:
+            with context:
+                while not self._stop_event.is_set():
+                    self.run_unit(phase)
+                    self._units += 1
+                    self._first_unit.set()
+        except BaseException as exc:  # noqa: BLE001 - handed to the profiling thread in stop()
+            self._error = exc
+            self._first_unit.set()
+
+    def stop(self) -> None:
+        thread, self._thread = self._thread, None
+        self._stop_event.set()
+        if thread is not None:
+            thread.join()
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise CoRunError(f"{self.name} failed while running beside decode: {error!r}") from error

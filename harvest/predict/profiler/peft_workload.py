@@ -1,0 +1,87 @@
+"""Co-run workload: a real PEFT LoRA training step on the finetune base model.
+
+Used when no harvest trainer job is given. Units are whole-model, not per layer:
+
+- ``forward``: forward pass with autograd recording, loss computed, graph dropped;
+- ``backward``: backward through a graph recorded once and retained
+  (``retain_graph=True``), LoRA gradients computed then dropped — no optimizer step,
+  which would change the parameters the retained graph saved (a LoRA AdamW step is a
+  few small element-wise kernels, negligible next to a backward pass).
+
+The forward/backward split lets the profiler measure stage 2 per trainer phase (Harli
+found one model enough on its GPUs; harvest checks on every profile). The data are
+random in-vocabulary tokens: a step's cost depends on shapes, not values.
+"""
+
+from __future__ import annotations
+
+from harvest.predict.profiler.corun import CoRunError, UnitLoopWorkload
+from harvest.predict.profiler.engines import synthetic_token_ids
+from harvest.predict.profiler.hf_engine import load_causal_lm
+
+
+class PeftLoraWorkload(UnitLoopWorkload):
+    name = "peft-lora"
+    phases = ("forward", "backward")
+
+    def __init__(
+        self,
+        base_model: str,
+        device: str,
+        dtype: str,
+        random_weights: bool,
+        lora_rank: int = 8,
+        micro_batch_size: int = 2,
+        sequence_length: int = 128,
+        seed: int = 0,
+    ):
+        super().__init__()
+        if lora_rank < 1 or micro_batch_size < 1 or sequence_length < 2:
+            raise CoRunError(
+                f"PEFT workload: lora_rank={lora_rank}, micro_batch={micro_batch_size}, "
+                f"sequence_length={sequence_length}: need >= 1, >= 1, >= 2"
+            )
+        import torch
+        from peft import LoraConfig, get_peft_model
+
+        torch.manual_seed(seed)
+        model = load_causal_lm(base_model, device, dtype, random_weights)
+        model.train()
+        config = LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
+        self.model = get_peft_model(model, config)
+        rows = [synthetic_token_ids(sequence_length, model.config.vocab_size, salt) for salt in range(micro_batch_size)]
+        self.input_ids = torch.tensor(rows, device=device)
+        self.base_model = base_model
+        self.description = (
+            f"PEFT LoRA r={lora_rank} alpha={2 * lora_rank} on all linear layers of {base_model}, "
+            f"micro-batch {micro_batch_size} x {sequence_length} tokens; units: whole-model "
+            f"forward | backward (retained graph, no optimizer step)"
+        )
+        self._retained_loss = None
+        self._torch = torch
+
+    def _forward(self):
+        with self._torch.enable_grad():
+            return self.model(input_ids=self.input_ids, labels=self.input_ids).loss
+
+    def run_unit(self, phase: str) -> None:
+        if phase == "forward":
+            self._forward()
+        elif phase == "backward":
+            if self._retained_loss is None:
+                self._retained_loss = self._forward()
+            self._retained_loss.backward(retain_graph=True)
+            self.model.zero_grad(set_to_none=True)
+        else:
+            raise CoRunError(f"{self.name}: unknown phase {phase!r}")
+        if self.input_ids.is_cuda:
+            self._torch.cuda.current_stream().synchronize()
+
+    def stop(self) -> None:
+        try:
+            super().stop()
+        finally:
+            self._retained_loss = None  # frees the retained graph between co-run blocks
+
+    def close(self) -> None:
+        self.model = None

@@ -1,0 +1,185 @@
+"""One `harvest profile` run, from parsed arguments to profile + report on disk.
+
+Set-up order matters for resuming: everything that decides what a grid point measures
+(the run identity) is known before the engine and the workload are built, so a saved
+run made with other settings is refused in seconds, not after loading two models.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from harvest.logs import get_logger
+from harvest.predict.buckets import BatchSizeBuckets
+from harvest.predict.calibrate import build_profile, describe_fit
+from harvest.predict.fit import FitError
+from harvest.predict.profiler import levels as levels_mod
+from harvest.predict.profiler import provenance
+from harvest.predict.profiler.corun import CoRunError
+from harvest.predict.profiler.engines import EngineConfig, EngineError, make_engine, sglang_available
+from harvest.predict.profiler.measure import MeasureConfig, MeasurementError, timer_for
+from harvest.predict.profiler.partial import PartialRun, PartialRunError, grid_key, partial_path
+from harvest.predict.profiler.report import write_report
+from harvest.predict.profiler.runner import plan_points, run_grid
+from harvest.predict.schema import FinetuneIdentity, Grid, MeasurementSettings
+
+logger = get_logger(__name__)
+
+
+class ProfilingFailed(RuntimeError):
+    """The run cannot go on; the message says why and what to do."""
+
+
+def _device(requested: str) -> str:
+    import torch
+
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if requested.startswith("cuda") and not torch.cuda.is_available():
+        raise ProfilingFailed(f"--device {requested}: no CUDA device is available")
+    if requested != "cpu" and not requested.startswith("cuda"):
+        raise ProfilingFailed(f"--device {requested!r}: one of auto, cpu, cuda, cuda:N")
+    return requested
+
+
+def _workload_identity(args, finetune_model: str) -> dict:
+    if args.finetune_job:
+        return {"workload": "harvest-trainer", "job": str(Path(args.finetune_job).resolve())}
+    return {
+        "workload": "peft-lora",
+        "base_model": finetune_model,
+        "lora_rank": args.lora_rank,
+        "micro_batch": args.trainer_micro_batch,
+        "sequence_length": args.trainer_seq_len,
+    }
+
+
+def _make_workload(args, finetune_model: str, device: str, dtype: str):
+    if args.finetune_job:
+        from harvest.predict.profiler.trainer_workload import HarvestTrainerWorkload
+
+        return HarvestTrainerWorkload(args.finetune_job, device)
+    from harvest.predict.profiler.peft_workload import PeftLoraWorkload
+
+    return PeftLoraWorkload(
+        finetune_model, device, dtype, args.random_weights, args.lora_rank, args.trainer_micro_batch, args.trainer_seq_len, args.seed
+    )
+
+
+def profile(args, model_path: str, measure: MeasureConfig) -> int:
+    import torch
+    from tqdm import tqdm
+
+    device = _device(args.device)
+    dtype = args.dtype if args.dtype != "auto" else ("float32" if device == "cpu" else "bfloat16")
+    engine_name = args.engine if args.engine != "auto" else ("sglang" if sglang_available() else "transformers")
+    if args.switch_interval_ms is not None:
+        sys.setswitchinterval(args.switch_interval_ms / 1e3)
+    if args.torch_threads is not None:
+        torch.set_num_threads(args.torch_threads)
+    torch.manual_seed(args.seed)
+    finetune_model = args.finetune_model or model_path
+    device_id = provenance.device_identity(device)
+    model = provenance.model_identity(model_path, dtype, args.random_weights)
+    grid = Grid(tuple(args.batch_sizes), tuple(args.context_lengths))
+    out = args.out or Path("profiles") / f"{device_id.kind}-{model.name}-{engine_name}.json"
+    report_path = args.report or out.with_suffix(".png")
+
+    ladder_info = levels_mod.discover(device, args.levels)
+    try:
+        workload_identity = _workload_identity(args, finetune_model)
+        identity = {
+            "device": device_id.name, "model_config_hash": model.config_hash, "dtype": dtype, "engine": engine_name,
+            "random_weights": args.random_weights, "ladder": ladder_info.ladder.to_dict(), "grid": [grid.batch_sizes, grid.context_lengths],
+            "warmup": measure.warmup_steps, "repeats": measure.timed_steps, "trim": measure.trim_fraction,
+            "switch_interval_s": sys.getswitchinterval(), "torch_threads": torch.get_num_threads(), "workload": workload_identity, "seed": args.seed,
+        }
+        partial = PartialRun(partial_path(out), identity)
+        try:
+            done = partial.open(restart=args.restart)
+        except PartialRunError as exc:
+            raise ProfilingFailed(str(exc)) from exc
+        print(f"harvest profile: {model.name} ({dtype}) on {device_id.name}, {engine_name} engine; {ladder_info.description}")
+        try:
+            records, buckets, finetune = _measure(args, engine_name, model_path, device, dtype, measure, grid, ladder_info, finetune_model, done, partial, tqdm)
+        except KeyboardInterrupt:
+            partial.close()
+            print(f"\ninterrupted: measured grid points are kept in {partial.path}; run the same command again to resume", file=sys.stderr)
+            return 130
+        finally:
+            partial.close()
+    finally:
+        ladder_info.close()
+
+    measurement = MeasurementSettings(
+        timer_for_name(device), measure.warmup_steps, measure.timed_steps, measure.trim_fraction, sys.getswitchinterval(), torch.get_num_threads()
+    )
+    prov = provenance.collect(device_id, ladder_info.ladder, engine_name, model, finetune, measurement, command_line(args))
+    try:
+        result = build_profile(prov, ladder_info.ladder, buckets, grid, records)
+    except FitError as exc:
+        raise ProfilingFailed(f"cannot fit the measured grid points: {exc}") from exc
+    result.save(out)
+    write_report(result, report_path)
+    partial.finish()
+    print(describe_fit(result))
+    print(f"wrote {out} and {report_path}")
+    return 0
+
+
+def command_line(args) -> list[str]:
+    """The command as parsed (defaults included), whoever called it."""
+    argv = ["harvest", "profile"]
+    for key, value in sorted(vars(args).items()):
+        if key.startswith("_") or key == "command" or value is None or value is False:
+            continue
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            argv.append(flag)
+        else:
+            argv += [flag, ",".join(map(str, value)) if isinstance(value, (tuple, list)) else str(value)]
+    return argv
+
+
+def timer_for_name(device: str) -> str:
+    return "cuda-events" if device.startswith("cuda") else "perf_counter_ns"
+
+
+def _measure(args, engine_name, model_path, device, dtype, measure, grid, ladder_info, finetune_model, done, partial, tqdm):
+    """Measure what ``done`` lacks; returns (records, buckets, finetune identity)."""
+    engine = workload = None
+    try:
+        max_context = max(grid.context_lengths) + measure.warmup_steps + measure.timed_steps + 1
+        config = EngineConfig(model_path, device, dtype, args.random_weights, max(grid.batch_sizes), max_context, args.seed)
+        engine = make_engine(engine_name, config)
+        workload = _make_workload(args, finetune_model, device, dtype)
+        done_keys = {grid_key(r) for r in done}
+        todo = [p for p in plan_points(ladder_info.levels, grid, workload.phases) if grid_key(p) not in done_keys]
+        if done:
+            print(f"resuming: {len(done)} grid points already measured in {partial.path}, {len(todo)} to go")
+        with tqdm(total=len(todo), unit="point", dynamic_ncols=True, mininterval=1.0) as progress:
+            records = run_grid(engine, workload, ladder_info.levels, grid, measure, timer_for(device.split(":")[0]), done, partial.append, progress)
+        finetune = FinetuneIdentity(
+            workload=workload.name,
+            base_model=workload.base_model,
+            description=workload.description,
+            config_hash=_config_hash_or_none(workload.base_model),
+        )
+        return records, BatchSizeBuckets(engine.batch_size_buckets), finetune
+    except (EngineError, CoRunError, MeasurementError) as exc:
+        raise ProfilingFailed(str(exc)) from exc
+    finally:
+        if workload is not None:
+            workload.close()
+        if engine is not None:
+            engine.close()
+
+
+def _config_hash_or_none(model_path: str) -> str | None:
+    from harvest.predict.compat import model_config_hash_of_path
+
+    try:
+        return model_config_hash_of_path(model_path)
+    except ValueError:
+        return None

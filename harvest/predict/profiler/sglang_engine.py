@@ -1,0 +1,213 @@
+"""Decode steps through SGLang's ModelRunner, in this process (sglang 0.5.23).
+
+The served path, minus the scheduler: the same ModelRunner, model implementation,
+attention backend, KV pool and (on a GPU) decode CUDA graphs a ``launch_server`` decode
+instance builds, set up the way SGLang's own single-batch benchmark
+(``sglang.benchmark.one_batch``) does it. A step is what ``Scheduler.run_batch`` does for
+a decode batch — ``ForwardBatch.init_new``, ``ModelRunner.forward``, ``sample`` — and the
+timed span starts after ``ScheduleBatch.prepare_for_decode``, which SGLang runs while
+choosing the next batch, outside ``run_batch``. This is the span harvest's per-step hook
+measures online, so offline and online samples are the same quantity.
+
+SGLang keeps process-wide state (published server args, torch.distributed), so one
+engine per process: `harvest profile` is a command, not a library call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import types
+from array import array
+
+from harvest.logs import get_logger
+from harvest.predict.profiler.engines import BaseDecodeEngine, EngineConfig, EngineError, synthetic_token_ids
+
+logger = get_logger(__name__)
+
+_CREATED = False
+
+
+class _NoPrefixCache(types.SimpleNamespace):
+    """The radix cache's interface as far as allocation touches it, with nothing cached:
+    every grid point starts from empty pools, so there is never anything to evict."""
+
+    def supports_swa(self) -> bool:
+        return False
+
+    def supports_mamba(self) -> bool:
+        return False
+
+    def supports_prefix_sharing(self) -> bool:
+        return False
+
+    def evict(self, params):
+        raise EngineError("SGLang asked to evict cached prefixes: the KV pool is too small for this grid point")
+
+    evict_for_alloc = evict
+
+    def maybe_hand_to_session(self, req) -> None:
+        pass
+
+
+def server_argv(config: EngineConfig, max_total_tokens: int) -> list[str]:
+    argv = [
+        "--model-path", config.model_path,
+        "--device", config.device,
+        "--dtype", config.dtype,
+        "--skip-tokenizer-init",
+        "--grammar-backend", "none",
+        "--max-running-requests", str(config.max_batch_size),
+        "--max-total-tokens", str(max_total_tokens),
+        "--random-seed", str(config.seed),
+        "--log-level", "warning",
+    ]
+    if config.device == "cpu":
+        # No AMX on the CPUs harvest tests on; see ../shared/notes/sglang-on-cpu.md.
+        argv += ["--attention-backend", "torch_native", "--disable-cuda-graph"]
+    else:
+        argv += ["--cuda-graph-max-bs-decode", str(config.max_batch_size)]
+    if config.random_weights:
+        argv += ["--load-format", "dummy"]
+    return argv
+
+
+class SglangDecodeEngine(BaseDecodeEngine):
+    name = "sglang"
+
+    def __init__(self, config: EngineConfig):
+        global _CREATED
+        if _CREATED:
+            raise EngineError("SglangDecodeEngine: SGLang's process-wide state allows one engine per process")
+        _CREATED = True
+        if config.device == "cpu":
+            os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+        import torch
+        from sglang.srt.configs.model_config import ModelConfig
+        from sglang.srt.distributed import bootstrap
+        from sglang.srt.entrypoints.engine import _set_envs_and_config
+        from sglang.srt.layers.moe import initialize_moe_config
+        from sglang.srt.layers.quantization.fp4_utils import initialize_fp4_gemm_config
+        from sglang.srt.layers.quantization.fp8_utils import initialize_fp8_gemm_config
+        from sglang.srt.layers.quantization.unquant import initialize_bf16_gemm_config
+        from sglang.srt.model_executor.model_runner import ModelRunner
+        from sglang.srt.runtime_context import SpawnRanks, get_device, get_schedule, publish
+        from sglang.srt.server_args import PortArgs, ServerArgs
+
+        self._torch = torch
+        self.config = config
+        # Room for every request's context plus the decoded tokens, padded to pages.
+        self._max_total_tokens = config.max_batch_size * (config.max_context_tokens + 64)
+        parser = argparse.ArgumentParser()
+        ServerArgs.add_cli_args(parser)
+        server_args = ServerArgs.from_cli_args(parser.parse_args(server_argv(config, self._max_total_tokens)))
+        server_args.resolve_once()
+        _set_envs_and_config(server_args)
+        port_args = PortArgs.init_new(server_args)
+        publish(server_args, role="scheduler", ranks=SpawnRanks(world_rank=0, gpu_id=0))
+        for initialize in (initialize_moe_config, initialize_fp8_gemm_config, initialize_bf16_gemm_config, initialize_fp4_gemm_config):
+            initialize()
+        model_config = ModelConfig.from_server_args(server_args)
+        if config.max_context_tokens > model_config.context_len:
+            raise EngineError(
+                f"context lengths up to {config.max_context_tokens} tokens (grid + steps) exceed the model's "
+                f"context length {model_config.context_len}; lower --context-lengths"
+            )
+        bootstrap.init_parallel_runtime(server_args=server_args, device=get_device().device, dist_port=port_args.nccl_port)
+        bootstrap.init_layer_runtime(model_config=model_config)
+        runner = ModelRunner(
+            model_config=model_config,
+            mem_fraction_static=server_args.mem_fraction_static,
+            gpu_id=0,
+            nccl_port=port_args.nccl_port,
+            server_args=server_args,
+        )
+        runner.alloc_memory_pool()
+        runner.init_attention_backends()
+        runner.init_cuda_graphs()
+        self.runner = runner
+        self.vocab_size = model_config.vocab_size
+        self.model_dtype = str(model_config.dtype).removeprefix("torch.")
+        self.batch_size_buckets = tuple(sorted(set(getattr(runner, "decode_cuda_graph_capture_bs", []) or [])))
+        self._page_size = get_schedule().page_size
+        self._batch = None
+        self._next_token_ids = None
+        self._request_serial = 0
+        if runner.req_to_token_pool.size < config.max_batch_size:
+            raise EngineError(
+                f"SGLang's request pool holds {runner.req_to_token_pool.size} requests, the grid needs {config.max_batch_size}"
+            )
+        logger.info(
+            "SGLang ModelRunner ready: %s on %s, %d KV tokens, CUDA-graph batch sizes %s",
+            config.model_path, config.device, runner.max_total_num_tokens, list(self.batch_size_buckets) or "none",
+        )
+
+    def _requests(self, batch_size: int, context_length: int):
+        from sglang.srt.managers.schedule_batch import Req
+        from sglang.srt.sampling.sampling_params import SamplingParams
+
+        params = SamplingParams(temperature=0, max_new_tokens=1 << 20, ignore_eos=True)
+        requests = []
+        for _ in range(batch_size):
+            self._request_serial += 1
+            ids = synthetic_token_ids(context_length, self.vocab_size, self._request_serial)
+            req = Req(rid=f"harvest-profile-{self._request_serial}", origin_input_text="", origin_input_ids=array("q", ids), sampling_params=params)
+            req.full_untruncated_fill_ids = req.origin_input_ids
+            req.logprob_start_len = -1
+            req.extend_end = len(req.origin_input_ids)
+            requests.append(req)
+        return requests
+
+    def _forward_and_sample(self, batch):
+        from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+
+        forward_batch = ForwardBatch.init_new(batch, self.runner, return_hidden_states_before_norm=False)
+        logits = self.runner.forward(forward_batch).logits_output
+        return self.runner.sample(logits, forward_batch)
+
+    def prepare(self, batch_size: int, context_length: int) -> None:
+        from sglang.srt.managers.schedule_batch import ScheduleBatch
+        from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+        self.release()
+        runner = self.runner
+        cache = _NoPrefixCache(page_size=self._page_size, device=runner.device, token_to_kv_pool_allocator=runner.token_to_kv_pool_allocator)
+        batch = ScheduleBatch.init_new(
+            reqs=self._requests(batch_size, context_length),
+            req_to_token_pool=runner.req_to_token_pool,
+            token_to_kv_pool_allocator=runner.token_to_kv_pool_allocator,
+            tree_cache=cache,
+            model_config=runner.model_config,
+            enable_overlap=False,
+            spec_algorithm=SpeculativeAlgorithm.NONE,
+        )
+        with self._torch.inference_mode():
+            batch.prepare_for_extend()
+            if batch.input_ids is None and getattr(batch, "prefill_input_ids_cpu", None) is not None:
+                batch.input_ids = batch.prefill_input_ids_cpu.to(batch.device)
+                batch.prefill_input_ids_cpu = None
+            self._next_token_ids = self._forward_and_sample(batch)
+        self._batch = batch
+
+    def begin_step(self) -> float:
+        batch = self._batch
+        if batch is None:
+            raise EngineError("SglangDecodeEngine.begin_step before prepare")
+        with self._torch.inference_mode():
+            batch.input_ids = self._next_token_ids.to(self._torch.int64)
+            batch.prepare_for_decode()
+        # seq_lens_sum is left None here and summed in ForwardBatch.init_new; the host
+        # copy gives the same number without a device sync.
+        return float(batch.seq_lens_cpu.sum())
+
+    def step(self) -> None:
+        with self._torch.inference_mode():
+            self._next_token_ids = self._forward_and_sample(self._batch)
+
+    def release(self) -> None:
+        if self._batch is None:
+            return
+        self._batch = None
+        self._next_token_ids = None
+        self.runner.req_to_token_pool.clear()
+        self.runner.token_to_kv_pool_allocator.clear()

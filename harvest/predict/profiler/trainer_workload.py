@@ -1,0 +1,75 @@
+"""Co-run workload: harvest's own layer-split trainer running a job file (harvest.train).
+
+The workload that will really run beside decode, unit by unit
+(``LayerSplitTrainer.run_one_unit``: one stage of one micro-batch, forward or backward,
+or the optimizer update), so its units interleave phases as in training: one phase,
+``mixed``. The job is run in a scratch output directory with checkpoints off and no step
+limit, so profiling neither writes into the job's own output nor ends the job midway.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+from harvest.predict.profiler.corun import CoRunError, UnitLoopWorkload
+
+_NEVER = 10**9
+
+
+class HarvestTrainerWorkload(UnitLoopWorkload):
+    name = "harvest-trainer"
+    phases = ("mixed",)
+
+    def __init__(self, job_path: str, device: str):
+        super().__init__()
+        import yaml
+
+        try:
+            from harvest.train.build import build_trainer
+            from harvest.train.errors import JobError
+            from harvest.train.job import HARVEST_SECTION, load_job
+        except ImportError as exc:
+            raise CoRunError(f"--finetune-job needs harvest's trainer (harvest.train): {exc}") from exc
+        try:
+            raw = yaml.safe_load(Path(job_path).read_text())
+        except (OSError, yaml.YAMLError) as exc:
+            raise CoRunError(f"--finetune-job {job_path}: cannot read it: {exc}") from exc
+        if not isinstance(raw, dict):
+            raise CoRunError(f"--finetune-job {job_path}: expected a YAML mapping of job arguments")
+        self._scratch = tempfile.TemporaryDirectory(prefix="harvest-profile-trainer-")
+        raw.update(output_dir=self._scratch.name, overwrite_output_dir=True, save_steps=_NEVER, max_steps=_NEVER)
+        raw.pop("num_train_epochs", None)
+        raw[HARVEST_SECTION] = {**(raw.get(HARVEST_SECTION) or {}), "device": device}
+        try:
+            job = load_job(raw)
+            self.trainer = build_trainer(job, resume=False)
+        except JobError as exc:
+            raise CoRunError(f"--finetune-job {job_path}: {exc}") from exc
+        args = job.llamafactory_args
+        self.base_model = str(args["model_name_or_path"])
+        self.description = (
+            f"harvest layer-split trainer, job {job_path}: LoRA rank {args.get('lora_rank')} on {args.get('lora_target')}, "
+            f"micro-batch {self.trainer.micro_batch_size}, cutoff {args.get('cutoff_len')}; units: one stage of one "
+            f"micro-batch (forward or backward) or the optimizer update, in training order"
+        )
+        self._stream = None
+
+    def start(self, phase: str, stream=None) -> None:
+        self._stream = stream
+        super().start(phase, stream)
+
+    def run_unit(self, phase: str) -> None:
+        record = self.trainer.run_one_unit(self._stream)
+        if record is None:
+            raise CoRunError("the finetune job finished during profiling")
+        if self.trainer.device.type == "cuda":
+            import torch
+
+            torch.cuda.current_stream().synchronize()
+
+    def close(self) -> None:
+        trainer, self.trainer = getattr(self, "trainer", None), None
+        if trainer is not None:
+            trainer.close()
+        self._scratch.cleanup()

@@ -1,0 +1,153 @@
+"""`harvest replay`: replay a request trace through one simulated decode instance under
+harvest's scheduler and the Harli baselines, from a latency profile (capacity planning).
+
+Cheap to import (the CLI imports every command to build its parser): numpy, matplotlib
+and the simulator load inside :func:`run`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+HELP = "simulate a decode instance under a request trace: harvest vs SeparateMode, StaticMode and decode-only"
+SYNTHETIC_A100 = "synthetic-a100"
+DEFAULT_OUT_DIR = Path("out") / "replay"  # out/ is git-ignored in a checkout
+
+
+def _csv(text: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+def _seeds(text: str) -> tuple[int, ...]:
+    try:
+        seeds = tuple(int(part) for part in _csv(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers, e.g. 0,1,2") from None
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected distinct integers")
+    return seeds
+
+
+def _key_value(text: str) -> tuple[str, object]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected KEY=VALUE, e.g. hysteresis_steps=1")
+    try:
+        parsed = json.loads(value)
+    except ValueError:
+        parsed = value
+    return key.strip(), parsed
+
+
+def add_arguments(parser) -> None:
+    g = parser.add_argument_group("input")
+    g.add_argument("--trace", type=Path, default=None, help="Azure-format trace CSV (default: ../shared/traces/azure_llm_2023_conv.csv, else the bundled 300-request sample)")
+    g.add_argument("--profile", default=None, help=f"latency profile JSON (default: a GPU profile in profiles/, else a CPU one); '{SYNTHETIC_A100}': the labelled synthetic Harli-shaped A100 profile")
+    g.add_argument("--start-s", type=float, default=0.0, help="window start, seconds into the trace (default 0)")
+    g.add_argument("--duration-s", type=float, default=None, help="window length in trace seconds (default: to the end)")
+    g.add_argument("--max-requests", type=int, default=None, help="at most this many requests of the window")
+    g.add_argument("--time-scale", type=float, default=1.0, help="multiply arrival times (2 = same requests at half the rate; default 1)")
+    g.add_argument("--rate-scale", type=float, default=1.0, help="thin (<1) or multiply (>1) the requests, keeping the time base (seeded; default 1)")
+    g.add_argument("--seeds", type=_seeds, default=(0,), help="comma-separated seeds for rate scaling and noise; one replay per seed (default 0)")
+    d = parser.add_argument_group("decode instance and policies")
+    d.add_argument("--policies", type=_csv, default=None, help="comma-separated subset of harvest,separate,static,decode-only (default: all)")
+    d.add_argument("--target-tpot-ms", type=float, default=40.0, help="TPOT QoS target in ms (default 40, as Harli)")
+    d.add_argument("--scheduler", type=_key_value, action="append", default=[], metavar="KEY=VALUE", help="override a scheduler setting (SchedulerConfig field), repeatable")
+    d.add_argument("--max-batch-size", type=int, default=256, help="most requests in a decode batch (default 256)")
+    d.add_argument("--kv-capacity-tokens", type=int, default=160_000, help="KV cache capacity in tokens (default 160000: Llama-3-8B bf16 on a 40 GB A100)")
+    d.add_argument("--kv-bytes-per-token", type=int, default=None, help="KV bytes per token, for GiB figures (default 131072: Llama-3-8B)")
+    d.add_argument("--trainer-tokens-per-s", type=float, default=None, help="the finetune job's throughput alone on a whole GPU; reports tokens/s instead of GPU equivalents")
+    d.add_argument("--error-scale", type=float, default=1.0, help="true co-located latency = predicted x this (stage-2 error the scheduler does not know; default 1)")
+    d.add_argument("--error-noise", type=float, default=0.0, help="relative std. dev. of per-step noise on every true latency (default 0)")
+    o = parser.add_argument_group("output")
+    o.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR, help=f"where the PNG plots and replay.json go (default ./{DEFAULT_OUT_DIR})")
+    o.add_argument("--no-plots", action="store_true", help="write no PNG plots and no replay.json")
+    o.add_argument("--json", action="store_true", help="print the result as one JSON object instead of the text report")
+    o.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None, help="progress bars (default: when stderr is a terminal)")
+
+
+def _fail(message: str, code: int = 2) -> int:
+    print(f"harvest replay: {message}", file=sys.stderr)
+    return code
+
+
+def resolve_profile(spec: str | None):
+    """The profile ``spec`` names (a path, or SYNTHETIC_A100), or the project's best one."""
+    from harvest.config_env import PROJECT_ROOT
+    from harvest.replay import profile_source, synthetic
+
+    if spec == SYNTHETIC_A100:
+        return profile_source.from_profile(synthetic.harli_a100_llama3_8b(), SYNTHETIC_A100)
+    if spec is not None:
+        return profile_source.load(spec)
+    found = profile_source.committed_profiles(PROJECT_ROOT / "profiles")
+    if not found:
+        raise FileNotFoundError(
+            f"no loadable profile in {PROJECT_ROOT / 'profiles'}; pass --profile PATH (`harvest profile` makes one) "
+            f"or --profile {SYNTHETIC_A100}"
+        )
+    return found[0]
+
+
+def run(args) -> int:
+    from harvest.predict.schema import ProfileError
+    from harvest.replay import comparison, plots, report, trainer_model, workload
+    from harvest.replay.simulator import DecodeLimits
+    from harvest.replay.trace import FULL_TRACE, SAMPLE_TRACE, TraceError, read_trace
+
+    trace_path = args.trace or (FULL_TRACE if FULL_TRACE.is_file() else SAMPLE_TRACE)
+    try:
+        window = workload.TraceWindow(args.start_s, args.duration_s, args.max_requests, args.time_scale, args.rate_scale)
+        limits = DecodeLimits(args.max_batch_size, args.kv_capacity_tokens)
+        settings = comparison.ReplaySettings(
+            limits=limits,
+            target_tpot_ms=args.target_tpot_ms,
+            scheduler_overrides=dict(args.scheduler),
+            error_scale=args.error_scale,
+            error_noise=args.error_noise,
+            policies=args.policies or comparison.ALL_POLICIES,
+            **({} if args.kv_bytes_per_token is None else {"kv_bytes_per_token": args.kv_bytes_per_token}),
+        )
+        settings.check()
+        profile = resolve_profile(args.profile)
+        trainer = trainer_model.build(profile, args.trainer_tokens_per_s)
+    except (ValueError, FileNotFoundError) as exc:  # ProfileError is a ValueError
+        return _fail(str(exc))
+    try:
+        requests = read_trace(trace_path)
+    except TraceError as exc:
+        return _fail(str(exc))
+    except OSError as exc:
+        return _fail(f"cannot read trace {trace_path}: {exc}")
+
+    random_inputs = window.is_random or settings.error_noise > 0
+    seeds = args.seeds if random_inputs else args.seeds[:1]
+    show_progress = sys.stderr.isatty() if args.progress is None else args.progress
+    comparisons = []
+    try:
+        for seed in seeds:
+            prepared = workload.prepare(requests, window, seed)
+            comparisons.append(comparison.run(prepared, profile, trainer, settings, seed, show_progress))
+    except (ValueError, ProfileError) as exc:
+        return _fail(str(exc))
+
+    written: list[str] = []
+    if not args.no_plots:
+        written = plots.write_all(comparisons[0], profile, settings.target_tpot_ms, args.out_dir)
+    trace_label = str(trace_path)
+    data = report.as_dict(comparisons, profile, trainer, settings, window, trace_label, written)
+    if not random_inputs and len(args.seeds) > 1:
+        data["note"] = "seeds ignored: no rate scaling or noise, so every seed replays the same thing"
+    if not args.no_plots:
+        (args.out_dir / "replay.json").write_text(json.dumps(data, indent=1) + "\n")
+    if args.json:
+        print(json.dumps(data))
+    else:
+        print(report.text(comparisons, profile, trainer, settings, window, trace_label, written))
+        if "note" in data:
+            print(data["note"])
+    ran = [r for r in comparisons[0].results.values() if r.refused is None]
+    return 0 if ran else 1

@@ -1,0 +1,130 @@
+"""One replay: the same requests through every requested policy, summarised over a
+common horizon, with gains over the baselines.
+
+``separate`` and ``decode-only`` decode identically (same profile level, same error
+draws), so their decode GPU is simulated once and shared; their results differ only in
+the trainer accounting.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Any, Mapping, Sequence
+
+from harvest.replay import policies as policy_mod
+from harvest.replay.policies import ALL_POLICIES, DECODE_ONLY, SEPARATE, LatencyErrors, PolicyRefused
+from harvest.replay.profile_source import ReplayProfile
+from harvest.replay.results import PolicyResult, add_gains, summarise
+from harvest.replay.simulator import DecodeLimits, DecodeRun, simulate
+from harvest.replay.trace import TraceRequest
+from harvest.replay.trainer_model import TrainerModel
+from harvest.schedule import SchedulerConfig
+
+LLAMA3_8B_KV_BYTES_PER_TOKEN = 2 * 32 * 8 * 128 * 2  # K and V × 32 layers × 8 KV heads × 128 dims × bf16 = 128 KiB
+_SHARED_DECODE = frozenset({DECODE_ONLY, SEPARATE})
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplaySettings:
+    limits: DecodeLimits
+    target_tpot_ms: float = 40.0
+    scheduler_overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    error_scale: float = 1.0
+    error_noise: float = 0.0
+    kv_bytes_per_token: int = LLAMA3_8B_KV_BYTES_PER_TOKEN
+    policies: tuple[str, ...] = ALL_POLICIES
+
+    def scheduler_config(self) -> SchedulerConfig:
+        """The harvest policy's scheduler configuration (validated; ValueError names the key)."""
+        return SchedulerConfig.from_mapping({**self.scheduler_overrides, "target_tpot_ms": self.target_tpot_ms}, "--scheduler")
+
+    def check(self) -> None:
+        """Raise ValueError naming the option for anything invalid, before any replay."""
+        unknown = [p for p in self.policies if p not in ALL_POLICIES]
+        if unknown or not self.policies or len(set(self.policies)) != len(self.policies):
+            raise ValueError(f"--policies {','.join(self.policies)!r}: choose distinct ones of {', '.join(ALL_POLICIES)}")
+        target = self.target_tpot_ms
+        if isinstance(target, bool) or not isinstance(target, (int, float)) or not 0 < target < math.inf:
+            raise ValueError(f"--target-tpot-ms={target!r}: must be a finite number of ms > 0, e.g. 40")
+        if isinstance(self.kv_bytes_per_token, bool) or not isinstance(self.kv_bytes_per_token, int) or self.kv_bytes_per_token < 1:
+            raise ValueError(f"--kv-bytes-per-token={self.kv_bytes_per_token!r}: must be an integer >= 1")
+        self.scheduler_config()
+        LatencyErrors(self.error_scale, self.error_noise)
+
+
+@dataclasses.dataclass
+class Comparison:
+    seed: int
+    num_requests: int
+    horizon_s: float
+    results: dict[str, PolicyResult]
+    wall_s: dict[str, float]  # simulation + summary time per policy (0 for a shared decode run)
+
+    def result(self, name: str) -> PolicyResult | None:
+        return self.results.get(name)
+
+    def to_dict(self) -> dict:
+        return {
+            "seed": self.seed,
+            "num_requests": self.num_requests,
+            "horizon_s": self.horizon_s,
+            "wall_s": self.wall_s,
+            "policies": {name: result.to_dict() for name, result in self.results.items()},
+        }
+
+
+def run(
+    requests: Sequence[TraceRequest],
+    profile: ReplayProfile,
+    trainer: TrainerModel,
+    settings: ReplaySettings,
+    seed: int = 0,
+    show_progress: bool = False,
+) -> Comparison:
+    """Replay ``requests`` through ``settings.policies``; refused policies are reported
+    as such and the others still run."""
+    settings.check()
+    built: dict[str, policy_mod.BasePolicy] = {}
+    results: dict[str, PolicyResult] = {}
+    for name in settings.policies:
+        try:
+            built[name] = policy_mod.make_policy(
+                name, profile, trainer, LatencyErrors(settings.error_scale, settings.error_noise, seed), settings.scheduler_config()
+            )
+        except PolicyRefused as exc:
+            results[name] = PolicyResult(name, 2 if name == SEPARATE else 1, "", None, refused=str(exc))
+
+    runs: dict[str, DecodeRun] = {}
+    wall: dict[str, float] = {}
+    for name, policy in built.items():
+        shared = next((other for other in runs if name in _SHARED_DECODE and other in _SHARED_DECODE), None)
+        if shared is not None:
+            runs[name], wall[name] = runs[shared], 0.0
+            continue
+        start = time.perf_counter()
+        runs[name] = _simulate(requests, policy, settings.limits, show_progress)
+        wall[name] = time.perf_counter() - start
+
+    horizon = max((r.end_s for r in runs.values()), default=0.0)
+    for name, policy in built.items():
+        start = time.perf_counter()
+        results[name] = summarise(policy, runs[name], horizon, settings.target_tpot_ms, profile, settings.kv_bytes_per_token)
+        wall[name] += time.perf_counter() - start
+    ordered = {name: results[name] for name in settings.policies}
+    add_gains(ordered)
+    return Comparison(seed, len(requests), horizon, ordered, wall)
+
+
+def _simulate(requests, policy, limits: DecodeLimits, show_progress: bool) -> DecodeRun:
+    if not show_progress:
+        return simulate(requests, policy, limits)
+    from tqdm import tqdm
+
+    with tqdm(total=len(requests), desc=f"replay {policy.name}", unit="req", dynamic_ncols=True, mininterval=0.5) as bar:
+
+        def progress(arrived: int) -> None:
+            bar.update(arrived - bar.n)
+
+        return simulate(requests, policy, limits, progress)

@@ -1,0 +1,132 @@
+"""The replay's PNG plots: batch size over time, TPOT CDF against the target, and the SM
+split over time. matplotlib's object API with the Agg canvas (no pyplot, no display, no
+global state), so plotting works headless and from any thread.
+
+Time series are binned (about 400 bins over the horizon, at least 1 s each) and
+time-weighted: a step contributes its value times its duration to the bin it starts in.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from harvest.replay.comparison import Comparison
+from harvest.replay.policies import DECODE_ONLY, SEPARATE
+from harvest.replay.profile_source import ReplayProfile
+from harvest.schedule import WHOLE_GPU
+
+NUM_BINS = 400
+CDF_POINTS = 2000
+
+
+def _figure(width: float = 9.0, height: float = 4.5):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(width, height), dpi=100)
+    FigureCanvasAgg(figure)
+    return figure
+
+
+def _bins(horizon_s: float) -> tuple[np.ndarray, float]:
+    width = max(1.0, horizon_s / NUM_BINS)
+    return np.arange(0.0, horizon_s + width, width), width
+
+
+def _binned(run, values: np.ndarray, edges: np.ndarray, width: float) -> np.ndarray:
+    """Σ value × step duration per bin, divided by the bin width."""
+    index = np.clip(np.searchsorted(edges, run.step_start_s, side="right") - 1, 0, len(edges) - 2)
+    return np.bincount(index, weights=values * run.step_latency_s, minlength=len(edges) - 1) / width
+
+
+def _ran(comparison: Comparison):
+    """Results to draw; separate decodes exactly as decode-only, so it is drawn once."""
+    results = {n: r for n, r in comparison.results.items() if r.refused is None}
+    if DECODE_ONLY in results and SEPARATE in results:
+        del results[SEPARATE]
+    return results
+
+
+def _label(name: str, comparison: Comparison) -> str:
+    if name == DECODE_ONLY and SEPARATE in comparison.results and comparison.results[SEPARATE].refused is None:
+        return "decode-only (= separate's decode GPU)"
+    return name
+
+
+def batch_size_plot(comparison: Comparison, path: Path) -> None:
+    edges, width = _bins(comparison.horizon_s)
+    figure = _figure()
+    ax = figure.subplots()
+    for name, result in _ran(comparison).items():
+        run = result.run
+        ax.plot(edges[:-1], _binned(run, run.step_batch_size.astype(float), edges, width), label=_label(name, comparison), lw=1)
+    ax.set_xlabel("time (s)")
+    ax.set_ylabel(f"decode batch size (mean per {width:.0f} s)")
+    ax.set_title("Decode batch size over time")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    figure.savefig(path)
+
+
+def latency_cdf_plot(comparison: Comparison, target_ms: float, path: Path) -> None:
+    figure = _figure()
+    ax = figure.subplots()
+    for name, result in _ran(comparison).items():
+        run = result.run
+        if run.num_steps == 0:
+            continue
+        order = np.argsort(run.step_latency_s, kind="stable")
+        latency = run.step_latency_s[order] * 1e3
+        cumulative = np.cumsum(run.step_batch_size[order], dtype=float)
+        cumulative /= cumulative[-1]
+        keep = np.unique(np.linspace(0, len(latency) - 1, min(CDF_POINTS, len(latency))).astype(int))
+        ax.step(latency[keep], cumulative[keep], where="post", label=_label(name, comparison), lw=1.2)
+    ax.axvline(target_ms, color="red", ls="--", lw=1, label=f"target {target_ms:g} ms")
+    ax.set_xlabel("TPOT (ms): latency of the decode step that produced the token")
+    ax.set_ylabel("fraction of output tokens")
+    ax.set_ylim(0, 1.01)
+    ax.set_title("TPOT CDF against the QoS target")
+    ax.legend(loc="lower right")
+    ax.grid(alpha=0.3)
+    figure.savefig(path)
+
+
+def sm_split_plot(comparison: Comparison, profile: ReplayProfile, path: Path) -> None:
+    ladder = profile.ladder
+    decode_fraction = np.array([ladder.decode_fraction(i) for i in range(ladder.num_levels)] + [1.0])
+    edges, width = _bins(comparison.horizon_s)
+    figure = _figure(9.0, 6.0)
+    top, bottom = figure.subplots(2, 1, sharex=True)
+    for name, result in _ran(comparison).items():
+        if name == DECODE_ONLY:
+            continue
+        run = result.run
+        busy = _binned(run, np.ones(run.num_steps), edges, width)
+        level = np.where(run.step_level == WHOLE_GPU, ladder.num_levels, run.step_level)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            decode = _binned(run, decode_fraction[level], edges, width) / busy
+        trainer = _binned(run, run.step_trainer_share, edges, width) + result.metrics["trainer_idle_share"] * np.clip(1.0 - busy, 0.0, 1.0)
+        top.plot(edges[:-1], 100 * decode, label=name, lw=1)
+        bottom.plot(edges[:-1], 100 * trainer, label=name, lw=1)
+    top.set_ylabel("decode SMs while decoding (%)")
+    top.set_ylim(0, 105)
+    top.set_title("SM split over time")
+    top.legend()
+    top.grid(alpha=0.3)
+    bottom.set_ylabel("trainer throughput (% of a GPU)")
+    bottom.set_xlabel("time (s)")
+    bottom.set_ylim(0, 105)
+    bottom.grid(alpha=0.3)
+    figure.savefig(path)
+
+
+def write_all(comparison: Comparison, profile: ReplayProfile, target_ms: float, out_dir: Path) -> list[str]:
+    """Write the three PNGs into ``out_dir`` (created); returns their paths."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = [out_dir / "batch_size.png", out_dir / "tpot_cdf.png", out_dir / "sm_split.png"]
+    batch_size_plot(comparison, paths[0])
+    latency_cdf_plot(comparison, target_ms, paths[1])
+    sm_split_plot(comparison, profile, paths[2])
+    return [str(p) for p in paths]

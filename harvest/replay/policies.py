@@ -1,0 +1,202 @@
+"""The co-location policies the replay compares, each answering one question per decode
+step: how long does this step take, on which level, and how much finetune work runs
+beside it?
+
+- ``decode-only``: decode alone on the whole GPU; no finetuning.
+- ``separate`` (Harli's SeparateMode): the decode GPU is exactly decode-only's; a second
+  GPU trains alone all the time (rate 1.0 by definition of the unit).
+- ``static`` (Harli's StaticMode): decode always on the ladder level closest to 60 % of
+  the SMs with the trainer always on the rest, and 60 % of the KV capacity.
+- ``harvest``: before every step, the real :class:`~harvest.schedule.QoSController`
+  decides from the real predictor's per-level co-located predictions; the step is then
+  charged its *true* latency and the controller observes it, as in serving.
+
+The true latency is the profile's prediction for what ran, times ``error_scale`` when the
+trainer co-ran (a stage-2 error the scheduler's predictor does not know about) and times
+``1 + N(0, error_noise)`` on every step (clamped at 0.1). With both at their defaults
+(1, 0) the profile is taken as the truth.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+import random
+
+from harvest.replay.profile_source import ReplayProfile
+from harvest.replay.trainer_model import TrainerModel
+from harvest.schedule import WHOLE_GPU, QoSController, SchedulerConfig, SchedulerInput, TrainerState
+
+DECODE_ONLY, SEPARATE, STATIC, HARVEST = "decode-only", "separate", "static", "harvest"
+ALL_POLICIES = (HARVEST, SEPARATE, STATIC, DECODE_ONLY)
+NEEDS_STAGE2 = frozenset({HARVEST, STATIC})
+STATIC_DECODE_FRACTION = 0.6  # Harli §8.1: 60 % of the SMs and of the memory to inference
+MIN_NOISE_FACTOR = 0.1
+
+
+class PolicyRefused(ValueError):
+    """The policy cannot run with this profile; the message says why and what to do."""
+
+
+class LatencyErrors:
+    """The gap between the profile (what the scheduler believes) and the simulated truth."""
+
+    def __init__(self, scale: float = 1.0, noise: float = 0.0, seed: int = 0):
+        if not (math.isfinite(scale) and scale > 0):
+            raise ValueError(f"--error-scale={scale!r}: must be a number > 0 (1 = the stage-2 model is exact)")
+        if not (math.isfinite(noise) and noise >= 0):
+            raise ValueError(f"--error-noise={noise!r}: must be a number >= 0 (a relative standard deviation)")
+        self.scale = scale
+        self.noise = noise
+        self._gauss = random.Random(seed).gauss
+
+    def noise_factor(self) -> float:
+        if self.noise == 0.0:
+            return 1.0
+        return max(MIN_NOISE_FACTOR, 1.0 + self._gauss(0.0, self.noise))
+
+
+class BasePolicy(abc.ABC):
+    """Contract: ``step(batch_size, sum_context)`` returns ``(true latency s, level index
+    or WHOLE_GPU, trainer share during the step)``; ``idle_share`` is the trainer's rate
+    while no decode step runs; ``dedicated_trainer_gpus`` GPUs train alone throughout."""
+
+    name: str
+    num_gpus = 1
+    dedicated_trainer_gpus = 0
+    kv_fraction = 1.0
+    idle_share = 0.0
+
+    def __init__(self, profile: ReplayProfile, trainer: TrainerModel, errors: LatencyErrors):
+        self.profile = profile
+        self.trainer = trainer
+        self.errors = errors
+
+    @abc.abstractmethod
+    def step(self, batch_size: int, sum_context: int) -> tuple[float, int, float]: ...
+
+    def level_label(self) -> str:
+        return ""
+
+    def extra(self) -> dict:
+        return {}
+
+
+class DecodeOnlyPolicy(BasePolicy):
+    name = DECODE_ONLY
+
+    def __init__(self, profile: ReplayProfile, trainer: TrainerModel, errors: LatencyErrors):
+        super().__init__(profile, trainer, errors)
+        self.level = profile.whole_gpu_level()
+        self._solo = profile.solo[self.level]
+        self._padded = profile.buckets.padded
+
+    def step(self, batch_size: int, sum_context: int) -> tuple[float, int, float]:
+        latency = self._solo.predict(self._padded(batch_size), sum_context) * self.errors.noise_factor()
+        return latency, self.level, 0.0
+
+    def level_label(self) -> str:
+        level = self.profile.ladder.levels[self.level]
+        return f"level {self.level} ({level.decode_sms} of {self.profile.ladder.total_sms} SMs)"
+
+
+class SeparatePolicy(DecodeOnlyPolicy):
+    """Decode exactly as decode-only, plus a second GPU that only trains."""
+
+    name = SEPARATE
+    num_gpus = 2
+    dedicated_trainer_gpus = 1
+
+
+def static_level(profile: ReplayProfile, decode_fraction: float = STATIC_DECODE_FRACTION) -> int:
+    """The level giving decode the SM fraction closest to ``decode_fraction`` among those
+    where the trainer runs (ties: the one with more decode SMs)."""
+    ladder = profile.ladder
+    candidates = [i for i, level in enumerate(ladder.levels) if level.trainer_sms > 0]
+    if not candidates:
+        raise PolicyRefused(f"static: the profile's ladder ({ladder.describe()}) has no level where the trainer runs")
+    return min(candidates, key=lambda i: (abs(ladder.decode_fraction(i) - decode_fraction), -ladder.levels[i].decode_sms))
+
+
+class StaticPolicy(BasePolicy):
+    name = STATIC
+    kv_fraction = STATIC_DECODE_FRACTION
+
+    def __init__(self, profile: ReplayProfile, trainer: TrainerModel, errors: LatencyErrors):
+        super().__init__(profile, trainer, errors)
+        if profile.predictor is None:
+            raise PolicyRefused(f"static needs the co-location (stage-2) model: {profile.stage2_missing}")
+        self.level = static_level(profile)
+        self.share = trainer.colo_share[self.level]
+        self.idle_share = trainer.idle_share[self.level]
+        self._predict_colo = profile.predictor.predict_colo
+
+    def step(self, batch_size: int, sum_context: int) -> tuple[float, int, float]:
+        errors = self.errors
+        latency = self._predict_colo(self.level, batch_size, sum_context) * errors.scale * errors.noise_factor()
+        return latency, self.level, self.share
+
+    def level_label(self) -> str:
+        level = self.profile.ladder.levels[self.level]
+        total = self.profile.ladder.total_sms
+        return f"level {self.level}: decode {level.decode_sms}/{total} SMs ({100 * level.decode_sms / total:.0f} %), trainer {level.trainer_sms}"
+
+
+class HarvestPolicy(BasePolicy):
+    """Harli's rule through harvest's real scheduler and predictor. Idle trainer: on the
+    level with the most trainer SMs (the runtime keeps the ladder's partitions)."""
+
+    name = HARVEST
+
+    def __init__(self, profile: ReplayProfile, trainer: TrainerModel, errors: LatencyErrors, config: SchedulerConfig):
+        super().__init__(profile, trainer, errors)
+        if profile.predictor is None:
+            raise PolicyRefused(f"harvest needs the co-location (stage-2) model: {profile.stage2_missing}")
+        try:
+            self.controller = QoSController(config, profile.ladder.levels)
+        except ValueError as exc:
+            raise PolicyRefused(f"harvest: {exc}") from exc
+        self.predictor = profile.predictor
+        self.whole_level = profile.whole_gpu_level()
+        levels = profile.ladder.levels
+        self.idle_share = max(trainer.idle_share[i] for i in range(len(levels)) if levels[i].trainer_sms > 0)
+        self._num_levels = len(levels)
+        self._solo = [0.0] * self._num_levels
+        self._colo = [0.0] * self._num_levels
+        self._shares = trainer.colo_share
+
+    def step(self, batch_size: int, sum_context: int) -> tuple[float, int, float]:
+        solo, colo, errors = self._solo, self._colo, self.errors
+        self.predictor.predict_levels(batch_size, sum_context, solo, colo)
+        whole_s = solo[self.whole_level]
+        decision = self.controller.decide(
+            SchedulerInput(tuple([c * 1e3 for c in colo]), TrainerState.RUNNING, whole_s * 1e3)
+        )
+        level = decision.level_index
+        if level == WHOLE_GPU:
+            latency, share = whole_s * errors.noise_factor(), 0.0
+        else:
+            latency, share = colo[level] * errors.scale * errors.noise_factor(), self._shares[level]
+        self.controller.observe_measurement(latency * 1e3)
+        return latency, level, share
+
+    def level_label(self) -> str:
+        return f"chosen per step from {self._num_levels} levels ({self.profile.ladder.describe()})"
+
+    def extra(self) -> dict:
+        return {"scheduler": self.controller.stats().to_dict(), "scheduler_config": self.controller.config.to_dict()}
+
+
+def make_policy(
+    name: str, profile: ReplayProfile, trainer: TrainerModel, errors: LatencyErrors, scheduler: SchedulerConfig
+) -> BasePolicy:
+    """Build policy ``name``; raises PolicyRefused when the profile cannot support it."""
+    if name == HARVEST:
+        return HarvestPolicy(profile, trainer, errors, scheduler)
+    if name == STATIC:
+        return StaticPolicy(profile, trainer, errors)
+    if name == SEPARATE:
+        return SeparatePolicy(profile, trainer, errors)
+    if name == DECODE_ONLY:
+        return DecodeOnlyPolicy(profile, trainer, errors)
+    raise ValueError(f"policy {name!r}: one of {', '.join(ALL_POLICIES)}")

@@ -1,0 +1,171 @@
+"""The replay's text report and its machine-readable form."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Any, Sequence
+
+from harvest.replay.comparison import Comparison, ReplaySettings
+from harvest.replay.profile_source import ReplayProfile
+from harvest.replay.results import BASELINES, jsonable
+from harvest.replay.trainer_model import SM_SHARE_MODEL, TrainerModel
+from harvest.replay.workload import TraceWindow
+
+NORMALISATION = (
+    "finetune throughput is per GPU: every policy serves the whole trace on one decode instance; separate uses 2 GPUs "
+    "(decode alone + trainer alone = 1.0), the co-located policies 1 (Harli §8.1-8.2 compares on equal GPU counts)"
+)
+SUMMARY_KEYS = ("ft_gain_vs_separate", "ft_gain_vs_static", "harvest_violation_rate", "harvest_finetune_per_gpu")
+
+
+def _fmt(value: float | None, spec: str, scale: float = 1.0, suffix: str = "") -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "-"
+    return f"{value * scale:{spec}}{suffix}"
+
+
+def headline(comparison: Comparison) -> dict[str, float | None]:
+    """The numbers a benchmark or a seed sweep tracks."""
+    harvest = comparison.result("harvest")
+    ran = harvest is not None and harvest.refused is None
+    return {
+        "ft_gain_vs_separate": harvest.gain_vs.get("separate") if ran else None,
+        "ft_gain_vs_static": harvest.gain_vs.get("static") if ran else None,
+        "harvest_violation_rate": harvest.metrics["violation_rate"] if ran else None,
+        "harvest_finetune_per_gpu": harvest.metrics["finetune_per_gpu"] if ran else None,
+    }
+
+
+def text(
+    comparisons: Sequence[Comparison],
+    profile: ReplayProfile,
+    trainer: TrainerModel,
+    settings: ReplaySettings,
+    window: TraceWindow,
+    trace_label: str,
+    plots: Sequence[str] = (),
+) -> str:
+    first = comparisons[0]
+    limits = settings.limits
+    kv_gib = limits.kv_capacity_tokens * settings.kv_bytes_per_token / 2**30
+    lines = [
+        f"harvest replay: {first.num_requests} requests from {trace_label} ({window.describe()}); "
+        f"{first.horizon_s:.1f} s simulated; seed {first.seed}",
+        f"profile: {profile.label}: {profile.description}" + ("  [SYNTHETIC, not measured]" if profile.synthetic else ""),
+        f"  ladder: {profile.ladder.describe()}; stage 2: " + ("present" if profile.has_stage2 else f"MISSING ({profile.stage2_missing})"),
+        f"decode instance: max batch {limits.max_batch_size}, KV capacity {limits.kv_capacity_tokens} tokens "
+        f"({kv_gib:.1f} GiB at {settings.kv_bytes_per_token} B/token); TPOT target {settings.target_tpot_ms:g} ms",
+        *(
+            ["  one shared level (no SM partitioning): harvest can only run or pause the trainer, and static co-runs on that level"]
+            if profile.ladder.num_levels == 1
+            else []
+        ),
+        f"trainer throughput: {SM_SHARE_MODEL}",
+        f"  solo rate: {trainer.rate_source}",
+        f"  profile: {trainer.profile_note}",
+        f"predictor error injected: co-located steps x{settings.error_scale:g}, noise {100 * settings.error_noise:g} % per step",
+        "",
+        f"{'policy':<12}{'GPUs':>5}{'finetune/GPU':>14}{'vs separate':>13}{'vs static':>11}"
+        f"{'TPOT p50':>10}{'p99 ms':>8}{'viol %':>8}{'KV peak':>9}{'queue p99':>11}",
+    ]
+    for name, result in first.results.items():
+        if result.refused is not None:
+            lines.append(f"{name:<12}{result.num_gpus:>5}  REFUSED: {result.refused}")
+            continue
+        m = result.metrics
+        ft = m["finetune_per_gpu"] if trainer.tokens_per_gpu_s is None else m["finetune_tokens_per_s_per_gpu"]
+        lines.append(
+            f"{name:<12}{result.num_gpus:>5}{_fmt(ft, '.4g'):>14}"
+            + "".join(f"{_fmt(result.gain_vs.get(b), '+.1f', 100, '%'):>{w}}" for b, w in zip(BASELINES, (13, 11)))
+            + f"{_fmt(m['tpot_p50_ms'], '.1f'):>10}{_fmt(m['tpot_p99_ms'], '.1f'):>8}"
+            f"{_fmt(m['violation_rate'], '.2f', 100):>8}{m['kv_held_peak_tokens'] / m['kv_capacity_tokens']:>8.0%} "
+            f"{_fmt(m['queue_delay_p99_s'], '.3f', 1, ' s'):>10}"
+        )
+    lines += ["", f"finetune/GPU unit: {trainer.unit}; {NORMALISATION}."]
+    lines.append("TPOT and violations are per output token (viol %: tokens from steps over the target); KV peak: most KV held / the policy's KV capacity.")
+    lines.append("")
+    for name, result in first.results.items():
+        if result.refused is not None:
+            continue
+        m = result.metrics
+        lines.append(
+            f"{name}: {result.level}; {m['decode_steps']} steps, mean batch {m['batch_size_mean']:.1f} (max {m['batch_size_max']}), "
+            f"busy {100 * m['busy_fraction']:.0f} %; KV held mean {m['kv_held_mean_gib']:.2f} GiB, peak {m['kv_held_peak_gib']:.2f} "
+            f"of {m['kv_capacity_gib']:.2f} GiB; {m['requests_finished']} requests finished, {m['requests_dropped']} dropped "
+            f"(larger than the KV capacity); steps outside the profiled range: {100 * m['extrapolated_step_fraction']:.0f} %"
+        )
+        scheduler = result.extra.get("scheduler")
+        if scheduler:
+            reasons = ", ".join(f"{k} {v}" for k, v in scheduler["decisions_by_reason"].items() if v)
+            lines.append(
+                f"  scheduler: {reasons}; steps by level {m['steps_by_level']}; final margin {scheduler['margin']:.3f}; "
+                f"step violations {100 * m['step_violation_rate']:.2f} %"
+            )
+    if len(comparisons) > 1:
+        lines += ["", f"across {len(comparisons)} seeds (mean, min .. max):"]
+        for key, values in _across(comparisons).items():
+            if values:
+                lines.append(f"  {key}: {statistics.fmean(values):.4g} ({min(values):.4g} .. {max(values):.4g})")
+    if plots:
+        lines += ["", "plots: " + ", ".join(plots)]
+    return "\n".join(lines)
+
+
+def _across(comparisons: Sequence[Comparison]) -> dict[str, list[float]]:
+    out: dict[str, list[float]] = {key: [] for key in SUMMARY_KEYS}
+    for comparison in comparisons:
+        for key, value in headline(comparison).items():
+            if value is not None:
+                out[key].append(value)
+    return out
+
+
+def as_dict(
+    comparisons: Sequence[Comparison],
+    profile: ReplayProfile,
+    trainer: TrainerModel,
+    settings: ReplaySettings,
+    window: TraceWindow,
+    trace_label: str,
+    plots: Sequence[str] = (),
+) -> dict[str, Any]:
+    limits = settings.limits
+    summary = {
+        key: {"mean": statistics.fmean(v), "min": min(v), "max": max(v)} if v else None
+        for key, v in _across(comparisons).items()
+    }
+    return jsonable(
+        {
+            "trace": trace_label,
+            "window": window.describe(),
+            "profile": {
+                "label": profile.label,
+                "description": profile.description,
+                "synthetic": profile.synthetic,
+                "device_kind": profile.device_kind,
+                "ladder": profile.ladder.to_dict(),
+                "stage2_missing": profile.stage2_missing,
+                "corun_trainer_units": [
+                    {"level": r.level, "points": r.num_points, "units": r.trainer_units, "units_per_s": r.units_per_s}
+                    for r in profile.trainer_records
+                ],
+            },
+            "settings": {
+                "target_tpot_ms": settings.target_tpot_ms,
+                "max_batch_size": limits.max_batch_size,
+                "kv_capacity_tokens": limits.kv_capacity_tokens,
+                "kv_bytes_per_token": settings.kv_bytes_per_token,
+                "error_scale": settings.error_scale,
+                "error_noise": settings.error_noise,
+                "scheduler_overrides": dict(settings.scheduler_overrides),
+                "policies": list(settings.policies),
+            },
+            "trainer_model": trainer.to_dict(),
+            "normalisation": NORMALISATION,
+            "headline": headline(comparisons[0]),
+            "across_seeds": summary,
+            "runs": [c.to_dict() for c in comparisons],
+            "plots": list(plots),
+        }
+    )

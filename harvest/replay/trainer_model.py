@@ -1,0 +1,105 @@
+"""How much finetune work the trainer does on each SM level: the replay's trainer model.
+
+Unit: *whole-GPU trainer equivalents* — 1.0 is the finetune job running alone on a
+whole GPU (SeparateMode's training GPU). Finetune throughput in tokens/s is that times
+the job's solo rate, when one is known (``--trainer-tokens-per-s``); every gain the
+replay reports is a ratio of two throughputs and does not depend on it.
+
+Why a model and not the profile's numbers: a profile's co-run grid points count the
+trainer units finished beside decode (``GridPointRecord.trainer_units``), but the
+profile records neither the trainer's rate alone (on the whole GPU or on a level's
+trainer SMs) nor the tokens in a unit, so those counts cannot be turned into a
+fraction of the solo rate. Until it does, the share is the SM share:
+
+- a level whose decode and trainer SMs are disjoint (green-context split): the trainer
+  runs at ``trainer_sms / total_sms`` of its solo rate. An upper bound: memory-bandwidth
+  contention with decode (Harli §5.2.2) slows the trainer too, and that is not modelled;
+- SMs both tasks use (the one shared level of a device without partitioning): time
+  sharing — decode is slowed by the stage-2 factor ``F = L_colo / L_solo`` and the
+  trainer gets the time decode lost, ``1 − 1/F`` of those SMs;
+- no decode step running (batch empty): the trainer runs alone on its level's trainer
+  SMs, ``trainer_sms / total_sms``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from harvest.replay.profile_source import ReplayProfile
+
+SM_SHARE_MODEL = (
+    "SM-share model: trainer rate = solo rate × trainer SM share (disjoint SMs) or × (1 − 1/F) of shared SMs "
+    "(F: the profile's stage-2 slowdown); trainer interference from decode not modelled (an upper bound)"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerModel:
+    """``colo_share[i]``: the trainer's rate (whole-GPU equivalents) while decode runs a
+    step on level ``i`` (NaN: unknown without stage 2); ``idle_share[i]``: its rate on
+    level ``i`` while no decode step runs."""
+
+    colo_share: tuple[float, ...]
+    idle_share: tuple[float, ...]
+    tokens_per_gpu_s: float | None  # the job's solo rate on a whole GPU, if known
+    rate_source: str  # where tokens_per_gpu_s came from (or why there is none)
+    profile_note: str  # what the profile itself records about trainer throughput
+
+    @property
+    def unit(self) -> str:
+        return "tokens/s" if self.tokens_per_gpu_s is not None else "whole-GPU trainer equivalents"
+
+    def to_tokens(self, gpu_equivalents: float) -> float | None:
+        return None if self.tokens_per_gpu_s is None else gpu_equivalents * self.tokens_per_gpu_s
+
+    def to_dict(self) -> dict:
+        return {
+            "model": SM_SHARE_MODEL,
+            "colo_share": [None if math.isnan(s) else s for s in self.colo_share],
+            "idle_share": list(self.idle_share),
+            "tokens_per_gpu_s": self.tokens_per_gpu_s,
+            "rate_source": self.rate_source,
+            "profile_note": self.profile_note,
+        }
+
+
+def build(profile: ReplayProfile, tokens_per_gpu_s: float | None = None) -> TrainerModel:
+    """The trainer model of ``profile``'s ladder; ``tokens_per_gpu_s`` is the job's solo
+    rate on a whole GPU (from the command line), None if unknown."""
+    if tokens_per_gpu_s is not None and not (math.isfinite(tokens_per_gpu_s) and tokens_per_gpu_s > 0):
+        raise ValueError(f"--trainer-tokens-per-s={tokens_per_gpu_s!r}: must be a finite number > 0")
+    ladder = profile.ladder
+    total = ladder.total_sms
+    colo, idle = [], []
+    for index, level in enumerate(ladder.levels):
+        overlap = max(0, level.decode_sms + level.trainer_sms - total)
+        exclusive = level.trainer_sms - overlap
+        share = exclusive / total
+        if overlap:
+            if profile.corun is None:
+                share = math.nan
+            else:
+                factor = profile.corun.factor(ladder.decode_fraction(index), ladder.trainer_fraction(index))
+                share += overlap / total * max(0.0, 1.0 - 1.0 / factor) if factor > 0 else 0.0
+        colo.append(share)
+        idle.append(level.trainer_sms / total)
+    if tokens_per_gpu_s is None:
+        source = "none given (--trainer-tokens-per-s): finetune throughput is in whole-GPU trainer equivalents"
+    else:
+        source = f"--trainer-tokens-per-s {tokens_per_gpu_s:g} (the job alone on a whole GPU, from the command line)"
+    return TrainerModel(tuple(colo), tuple(idle), tokens_per_gpu_s, source, _profile_note(profile))
+
+
+def _profile_note(profile: ReplayProfile) -> str:
+    if not profile.trainer_records:
+        return "the profile records no trainer units for its co-run points; nothing to cross-check"
+    rates = ", ".join(
+        f"level {r.level} ({profile.ladder.levels[r.level].trainer_sms} trainer SMs): {r.units_per_s:.3g} units/s "
+        f"over {r.num_points} points"
+        for r in profile.trainer_records
+    )
+    return (
+        f"the profile's co-run points record trainer units beside decode ({rates}) but no solo trainer rate and no "
+        "tokens per unit, so they are reported, not used"
+    )

@@ -1,0 +1,228 @@
+"""Building a trainer: from a LlamaFactory job (`build_trainer`) or from parts (`assemble_trainer`).
+
+`build_trainer` takes tokenizer, template, dataset preprocessing, LoRA attachment and the
+data collator from LlamaFactory, exactly as ``llamafactory-cli train`` would, then hands
+the PEFT model to `assemble_trainer`, which splits it into stages, moves what stays
+resident (LoRA weights, buffers) to the device, gives the frozen weights to a weight
+source and a window, checks the memory budget, and builds AdamW and the LR schedule the
+way the Hugging Face Trainer does. All of it happens before the first unit runs, so
+every configuration error surfaces before training starts.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import math
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from harvest.train.data import IGNORE_INDEX, StepBatches
+from harvest.train.errors import JobError
+from harvest.train.job import HARVEST_SECTION, HarvestOptions, TrainJob, import_llamafactory
+from harvest.train.microbatch import choose_micro_batch_size
+from harvest.train.split_model import SplitCausalLM
+from harvest.train.trainer import LayerSplitTrainer
+from harvest.train.weights import BaseWeightSource, HostCopyWeightSource
+from harvest.train.window import WeightWindow, stages_fitting
+from harvest.train.window_memory import BaseWindowAllocator, TorchWindowAllocator
+
+logger = logging.getLogger(__name__)
+_NO_DECAY_PATTERNS = [r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)"]  # HF Trainer's
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerSettings:
+    """Optimization, schedule and saving settings (LlamaFactory's training arguments, distilled)."""
+
+    samples_per_step: int
+    learning_rate: float
+    seed: int = 42
+    max_steps: int = -1  # > 0 wins over num_train_epochs
+    num_train_epochs: float = 1.0
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_epsilon: float = 1e-8
+    fused_adamw: bool = False
+    lr_scheduler_type: str = "linear"
+    lr_scheduler_kwargs: dict = dataclasses.field(default_factory=dict)
+    warmup_steps: float = 0  # >= 1: steps; < 1: fraction of the run
+    save_steps: float | None = None  # >= 1: steps; < 1: fraction of the run; None: no periodic saves
+    save_total_limit: int | None = None
+    max_grad_norm: float = 1.0
+    output_dir: Path | None = None
+    autocast_dtype: torch.dtype | None = None
+    fingerprint: dict = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def from_job(cls, job: TrainJob) -> "TrainerSettings":
+        args = job.training_args
+        if args.fp16:
+            raise JobError("fp16: not supported by the layer-split trainer (it has no loss scaling); use bf16 or fp32")
+        save_steps = None if str(getattr(args.save_strategy, "value", args.save_strategy)) == "no" else args.save_steps
+        return cls(
+            samples_per_step=job.samples_per_step, learning_rate=args.learning_rate,
+            seed=args.data_seed if args.data_seed is not None else args.seed,
+            max_steps=args.max_steps, num_train_epochs=args.num_train_epochs, weight_decay=args.weight_decay,
+            adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_epsilon=args.adam_epsilon,
+            fused_adamw=str(getattr(args.optim, "value", args.optim)) == "adamw_torch_fused",
+            lr_scheduler_type=str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)),
+            lr_scheduler_kwargs=dict(args.lr_scheduler_kwargs or {}), warmup_steps=args.warmup_steps,
+            save_steps=save_steps, save_total_limit=args.save_total_limit, max_grad_norm=args.max_grad_norm,
+            output_dir=Path(args.output_dir), autocast_dtype=torch.bfloat16 if args.bf16 else None,
+            fingerprint=job.fingerprint())
+
+
+def resolve_device(name: str) -> torch.device:
+    """A torch device with an explicit index for CUDA (tensors report ``cuda:0``, and
+    ``torch.device("cuda") != torch.device("cuda", 0)``)."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise JobError(f"{HARVEST_SECTION}.device: {name!r} requested but CUDA is not available here")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def build_trainer(job: TrainJob, *, weight_source: BaseWeightSource | None = None,
+                  allocator: BaseWindowAllocator | None = None, resume: bool = True) -> LayerSplitTrainer:
+    """A trainer for `job`, resumed from ``resume_from_checkpoint`` (which LlamaFactory sets
+    to the newest ``checkpoint-N`` in output_dir unless ``overwrite_output_dir``)."""
+    import_llamafactory()
+    from llamafactory.data import SFTDataCollatorWith4DAttentionMask, get_dataset, get_template_and_fix_tokenizer
+    from llamafactory.model import load_model, load_tokenizer
+
+    device = resolve_device(job.harvest.device)
+    settings = TrainerSettings.from_job(job)
+    model_args = copy.copy(job.model_args)
+    model_args.device_map = {"": "cpu"}  # frozen weights belong in host memory; the trainer places the rest
+    tokenizer_module = load_tokenizer(model_args)
+    template = get_template_and_fix_tokenizer(tokenizer_module["tokenizer"], job.data_args)
+    dataset_module = get_dataset(template, model_args, job.data_args, job.training_args, stage="sft",
+                                 **tokenizer_module)
+    dataset = dataset_module.get("train_dataset")
+    if dataset is None or len(dataset) == 0:
+        raise JobError(f"dataset: {job.llamafactory_args['dataset']!r} gives no training samples "
+                       "(check the data file and cutoff_len)")
+    try:
+        model = load_model(tokenizer_module["tokenizer"], model_args, job.finetuning_args, is_trainable=True)
+    except ValueError as exc:
+        if "Target modules" in str(exc) or "target_modules" in str(exc):
+            raise JobError(f"lora_target: {job.llamafactory_args.get('lora_target')!r} matches no module of the "
+                           f"model ({exc})") from None
+        raise JobError(f"model_name_or_path: LlamaFactory could not load the model: {exc}") from None
+    collator = SFTDataCollatorWith4DAttentionMask(
+        template=template, model=None, pad_to_multiple_of=8, label_pad_token_id=IGNORE_INDEX,
+        compute_dtype=model_args.compute_dtype or torch.float32, **tokenizer_module)
+    checkpoint_path = job.training_args.resume_from_checkpoint if resume else None
+    return assemble_trainer(model, dataset, collator, settings, job.harvest, device=device,
+                            weight_source=weight_source, allocator=allocator, resume_from=checkpoint_path,
+                            max_sample_len=job.data_args.cutoff_len)
+
+
+def assemble_trainer(peft_model, dataset: Sequence[dict[str, Any]], collate: Callable, settings: TrainerSettings,
+                     options: HarvestOptions, *, device: torch.device, weight_source: BaseWeightSource | None = None,
+                     allocator: BaseWindowAllocator | None = None, resume_from: str | Path | None = None,
+                     max_sample_len: int | None = None, record_device_events: bool = False) -> LayerSplitTrainer:
+    device = resolve_device(str(device))
+    split = SplitCausalLM(peft_model)
+    layouts = split.layouts()
+    if weight_source is None:
+        host = {name: tensor for s in range(split.num_stages) for name, _, _, tensor in split.frozen_tensors(s)}
+        weight_source = HostCopyWeightSource(host, pin_memory=device.type == "cuda")
+    for param in (p for p in split.causal_lm.parameters() if p.requires_grad):
+        param.data = param.data.to(device)
+    for module in split.causal_lm.modules():
+        for name, buffer in module._buffers.items():
+            if buffer is not None:
+                module._buffers[name] = buffer.to(device)
+
+    trainable_bytes = sum(p.numel() * p.element_size() for p in split.causal_lm.parameters() if p.requires_grad)
+    resident_bytes = 4 * trainable_bytes  # weights, gradients, AdamW exp_avg and exp_avg_sq
+    stage_bytes = [0 if weight_source.device_resident else layout.num_bytes for layout in layouts]
+    capacity, window_limit = _window_capacity(options, stage_bytes, resident_bytes)
+    if allocator is None:
+        allocator = TorchWindowAllocator(device, limit_bytes=window_limit)
+    window = WeightWindow(layouts, weight_source, allocator, capacity=capacity)
+
+    batches = StepBatches(dataset, collate, settings.samples_per_step, settings.seed)
+    total_steps = settings.max_steps if settings.max_steps > 0 else math.ceil(
+        settings.num_train_epochs * batches.steps_per_epoch)
+    optimizer = _adamw(split.causal_lm, settings, device)
+    from transformers import get_scheduler
+
+    scheduler = get_scheduler(settings.lr_scheduler_type, optimizer,
+                              num_warmup_steps=_steps(settings.warmup_steps, total_steps) or 0,
+                              num_training_steps=total_steps, scheduler_specific_kwargs=settings.lr_scheduler_kwargs)
+    trainer = LayerSplitTrainer(
+        split=split, window=window, batches=batches, optimizer=optimizer, scheduler=scheduler,
+        total_steps=total_steps, micro_batch_size=options.micro_batch_size or settings.samples_per_step,
+        device=device, output_dir=settings.output_dir, microbatches_per_pass=options.microbatches_per_pass,
+        save_steps=_steps(settings.save_steps, total_steps), save_total_limit=settings.save_total_limit,
+        max_grad_norm=settings.max_grad_norm, autocast_dtype=settings.autocast_dtype,
+        fingerprint=settings.fingerprint, record_device_events=record_device_events)
+    resumed = None
+    if resume_from:
+        resumed = trainer.resume_from(Path(resume_from))
+        logger.info("resumed from %s at step %d", resume_from, trainer.global_step)
+    if options.micro_batch_size is None:
+        if resumed is not None and resumed.get("micro_batch_size"):
+            trainer.micro_batch_size = int(resumed["micro_batch_size"])  # same split as the first run
+        else:
+            seq_len = _longest_sample(dataset, max_sample_len)
+            trainer.micro_batch_size, unit_ms = choose_micro_batch_size(
+                trainer, options.unit_target_ms, seq_len, settings.samples_per_step)
+            logger.info("micro-batch size %d: longest unit %.2f ms (target %.1f ms)",
+                        trainer.micro_batch_size, unit_ms, options.unit_target_ms)
+    return trainer
+
+
+def _window_capacity(options: HarvestOptions, stage_bytes: list[int], resident_bytes: int) -> tuple[int, int | None]:
+    """(W, bytes the window may hold); JobError if the budget cannot hold one stage."""
+    wanted = options.window_stages or len(stage_bytes)
+    if options.memory_budget_mb is None:
+        return wanted, None
+    budget = int(options.memory_budget_mb * 2**20)
+    window_limit = budget - resident_bytes
+    need = resident_bytes + max(stage_bytes)
+    if window_limit < max(stage_bytes):
+        raise JobError(
+            f"{HARVEST_SECTION}.memory_budget_mb: {options.memory_budget_mb:g} MiB cannot hold the trainer's resident "
+            f"state: LoRA weights + gradients + AdamW state {resident_bytes / 2**20:.2f} MiB plus the largest stage "
+            f"{max(stage_bytes) / 2**20:.2f} MiB = {need / 2**20:.2f} MiB; raise it to at least that "
+            "(activations come on top)")
+    return max(1, min(wanted, stages_fitting(stage_bytes, window_limit))), window_limit
+
+
+def _adamw(model: torch.nn.Module, settings: TrainerSettings, device: torch.device) -> torch.optim.AdamW:
+    from transformers.trainer_pt_utils import get_parameter_names
+
+    decay_names = set(get_parameter_names(model, [torch.nn.LayerNorm], _NO_DECAY_PATTERNS))
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for n, p in named if n in decay_names], "weight_decay": settings.weight_decay},
+        {"params": [p for n, p in named if n not in decay_names], "weight_decay": 0.0},
+    ]
+    groups = [g for g in groups if g["params"]]
+    return torch.optim.AdamW(groups, lr=settings.learning_rate, betas=(settings.adam_beta1, settings.adam_beta2),
+                             eps=settings.adam_epsilon, fused=settings.fused_adamw or None)
+
+
+def _steps(value: float | None, total_steps: int) -> int | None:
+    if value is None:
+        return None
+    return int(value) if value >= 1 else math.ceil(value * total_steps)
+
+
+def _longest_sample(dataset: Sequence[dict[str, Any]], cap: int | None) -> int:
+    count = len(dataset)
+    stride = max(1, count // 2048)
+    longest = max(len(dataset[i]["input_ids"]) for i in range(0, count, stride))
+    return min(longest, cap) if cap else longest

@@ -1,0 +1,28 @@
+"""The trainer's error types: misconfiguration (refuse to start) versus transient shortage."""
+
+from __future__ import annotations
+
+
+class JobError(ValueError):
+    """A finetune job definition is unusable. The message names the field, the value and the fix.
+
+    Raised before any training starts; nothing has been written when it is raised.
+    """
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be resumed from (corrupt, torn, or from a different job).
+
+    The trainer refuses instead of silently starting over.
+    """
+
+
+class WeightSourceError(ValueError):
+    """A weight source does not provide a tensor the model needs, or provides one of the
+    wrong shape, dtype or device. The message names the tensor."""
+
+
+class WindowMemoryUnavailable(RuntimeError):
+    """Transient: the window allocator cannot give memory for the stage the next unit needs,
+    even after everything else was evicted. The caller backs off and retries later; the
+    trainer's state is unchanged (the unit did not run)."""

@@ -1,0 +1,292 @@
+"""Finetune job definitions: LlamaFactory's own argument vocabulary plus a `harvest:` section.
+
+A job file is the YAML a user would give `llamafactory-cli train` (``model_name_or_path``,
+``template``, ``dataset``, ``dataset_dir``, ``finetuning_type: lora``, ``lora_rank``,
+``lora_alpha``, ``lora_target``, ``cutoff_len``, ``learning_rate``,
+``per_device_train_batch_size``, ``gradient_accumulation_steps``, ``num_train_epochs`` or
+``max_steps``, ``output_dir``, ``save_steps``, ``seed``, ...) with one extra mapping::
+
+    harvest:
+      micro_batch_size: auto      # or an integer; auto = measured so a unit takes ~unit_target_ms
+      unit_target_ms: 10          # target duration of one (stage, micro-batch, fwd|bwd) unit
+      window_stages: all          # frozen-weight window W in stages (embed, each layer, head)
+      memory_budget_mb: null      # device memory the trainer may hold; null = no limit
+      microbatches_per_pass: 1    # micro-batches that share one pass over the layers
+      device: auto                # auto | cpu | cuda | cuda:N
+
+Everything is validated here, once, before any model or data is loaded: a bad value raises
+`JobError` naming the field. LlamaFactory's own parser (`get_train_args`) then runs and its
+errors are re-raised as `JobError` too. Paths are resolved the way LlamaFactory resolves
+them (relative to the working directory). Models are loaded from local directories only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+from harvest.train.errors import JobError
+
+HARVEST_SECTION = "harvest"
+
+# Keys harvest sets when the job does not: the layer-split trainer keeps one micro-batch
+# pass of activations by design, so HF gradient checkpointing would only recompute work.
+_LLAMAFACTORY_DEFAULTS = {
+    "stage": "sft",
+    "do_train": True,
+    "finetuning_type": "lora",
+    "disable_gradient_checkpointing": True,
+    "report_to": "none",
+}
+_SUPPORTED_OPTIMIZERS = ("adamw_torch", "adamw_torch_fused")
+
+
+@dataclasses.dataclass(frozen=True)
+class HarvestOptions:
+    """The `harvest:` section of a job, validated."""
+
+    micro_batch_size: int | None = None  # None: chosen from a measurement
+    unit_target_ms: float = 10.0
+    window_stages: int | None = None  # None: all stages resident
+    memory_budget_mb: float | None = None  # None: unlimited
+    microbatches_per_pass: int = 1
+    device: str = "auto"
+
+    @classmethod
+    def from_mapping(cls, raw: Mapping[str, Any] | None) -> "HarvestOptions":
+        raw = dict(raw or {})
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise JobError(f"{HARVEST_SECTION}.{unknown[0]}: unknown harvest key (known: {', '.join(sorted(known))})")
+        values: dict[str, Any] = {}
+        if "micro_batch_size" in raw:
+            values["micro_batch_size"] = _auto_or_positive_int("micro_batch_size", raw["micro_batch_size"], "auto")
+        if "window_stages" in raw:
+            values["window_stages"] = _auto_or_positive_int("window_stages", raw["window_stages"], "all")
+        if "unit_target_ms" in raw:
+            values["unit_target_ms"] = _positive_float("unit_target_ms", raw["unit_target_ms"])
+        if raw.get("memory_budget_mb") is not None:
+            values["memory_budget_mb"] = _positive_float("memory_budget_mb", raw["memory_budget_mb"])
+        if "microbatches_per_pass" in raw:
+            value = _auto_or_positive_int("microbatches_per_pass", raw["microbatches_per_pass"], None)
+            values["microbatches_per_pass"] = value
+        if "device" in raw:
+            values["device"] = _device("device", raw["device"])
+        return cls(**values)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainJob:
+    """A validated job: the LlamaFactory arguments as given (plus harvest's defaults), the
+    parsed LlamaFactory argument objects, and the harvest options."""
+
+    llamafactory_args: Mapping[str, Any]
+    harvest: HarvestOptions
+    model_args: Any
+    data_args: Any
+    training_args: Any
+    finetuning_args: Any
+    source: str = "<dict>"
+
+    @property
+    def output_dir(self) -> Path:
+        return Path(self.training_args.output_dir)
+
+    @property
+    def samples_per_step(self) -> int:
+        return self.training_args.per_device_train_batch_size * self.training_args.gradient_accumulation_steps
+
+    def fingerprint(self) -> dict[str, Any]:
+        """The fields a checkpoint must agree on to be resumed by this job."""
+        keys = ("model_name_or_path", "dataset", "template", "cutoff_len", "lora_rank", "lora_alpha",
+                "lora_target", "per_device_train_batch_size", "gradient_accumulation_steps", "seed")
+        return {key: _jsonable(self.llamafactory_args.get(key)) for key in keys}
+
+
+def load_job(source: str | os.PathLike | Mapping[str, Any]) -> TrainJob:
+    """Read and validate a job from a YAML file or a mapping. Raises `JobError`."""
+    if isinstance(source, Mapping):
+        raw, origin = dict(source), "<dict>"
+    else:
+        raw, origin = _read_yaml(Path(source)), str(source)
+    options = HarvestOptions.from_mapping(raw.pop(HARVEST_SECTION, None))
+    lf_args = {**_LLAMAFACTORY_DEFAULTS, **raw}
+    _check_llamafactory_args(lf_args)
+    parsed = _parse_with_llamafactory(lf_args)
+    model_args, data_args, training_args, finetuning_args = parsed
+    optim = str(getattr(training_args.optim, "value", training_args.optim))
+    if optim not in _SUPPORTED_OPTIMIZERS:
+        raise JobError(f"optim: {optim!r} is not supported by the layer-split trainer "
+                       f"(use one of {', '.join(_SUPPORTED_OPTIMIZERS)})")
+    save_strategy = str(getattr(training_args.save_strategy, "value", training_args.save_strategy))
+    if save_strategy not in ("steps", "no"):
+        raise JobError(f"save_strategy: {save_strategy!r} is not supported; use steps (with save_steps) or no")
+    if training_args.do_eval or data_args.val_size > 0 or data_args.eval_dataset:
+        raise JobError("do_eval / val_size / eval_dataset: the harvest trainer does not evaluate; remove them and "
+                       "evaluate the saved adapter separately (e.g. llamafactory-cli eval)")
+    if model_args.disable_gradient_checkpointing is False:
+        raise JobError("disable_gradient_checkpointing: false is not supported; the layer-split trainer keeps one "
+                       "micro-batch pass of activations instead (lower harvest.micro_batch_size to use less memory)")
+    if data_args.neat_packing:
+        raise JobError("neat_packing: not supported by the layer-split trainer (set neat_packing: false)")
+    return TrainJob(lf_args, options, model_args, data_args, training_args, finetuning_args, origin)
+
+
+def import_llamafactory():
+    """Import LlamaFactory with the environment it needs in this stack.
+
+    sglang 0.5.23 pins transformers 5.19 while llamafactory 0.9.5 declares <= 5.6; the
+    combination works (see notes/sglang-on-cpu.md) but LlamaFactory refuses to import
+    without DISABLE_VERSION_CHECK. Its INFO logging is lowered unless the user chose.
+    """
+    os.environ.setdefault("DISABLE_VERSION_CHECK", "1")
+    os.environ.setdefault("LLAMAFACTORY_VERBOSITY", "WARN")
+    import llamafactory  # noqa: F401
+
+    return llamafactory
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    # Read the way `llamafactory-cli train job.yaml` does (OmegaConf), so values such as
+    # ``1e-4`` are numbers as LlamaFactory users expect (plain YAML 1.1 makes it a string).
+    import yaml
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    if not path.is_file():
+        raise JobError(f"job file {str(path)!r} does not exist")
+    try:
+        data = OmegaConf.to_container(OmegaConf.load(path))
+    except (OmegaConfBaseException, yaml.YAMLError, ValueError) as exc:
+        raise JobError(f"job file {str(path)!r} is not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise JobError(f"job file {str(path)!r} must be a mapping of LlamaFactory keys (plus 'harvest:')")
+    return data
+
+
+def _check_llamafactory_args(args: Mapping[str, Any]) -> None:
+    """The checks LlamaFactory leaves to training time (or never makes), done up front."""
+    for field in ("model_name_or_path", "dataset", "output_dir"):
+        if not args.get(field):
+            raise JobError(f"{field}: required (a job needs a base model, a dataset and an output_dir)")
+    if args["stage"] != "sft":
+        raise JobError(f"stage: {args['stage']!r} is not supported; the layer-split trainer runs stage: sft")
+    if args["finetuning_type"] != "lora":
+        raise JobError(f"finetuning_type: {args['finetuning_type']!r} is not supported; use finetuning_type: lora")
+    model_path = Path(str(args["model_name_or_path"])).expanduser()
+    if not (model_path / "config.json").is_file():
+        raise JobError(f"model_name_or_path: {str(model_path)!r} is not a local model directory (no config.json); "
+                       "give the path of a downloaded checkpoint")
+    _check_datasets(str(args["dataset"]), str(args.get("dataset_dir", "data")))
+    for field in ("cutoff_len", "per_device_train_batch_size", "gradient_accumulation_steps", "lora_rank"):
+        if field in args and not (_is_int(args[field]) and args[field] > 0):
+            raise JobError(f"{field}: must be an integer > 0, got {args[field]!r}")
+    if "learning_rate" in args and not (_as_number(args["learning_rate"]) or 0) > 0:
+        raise JobError(f"learning_rate: must be a number > 0, got {args['learning_rate']!r}")
+    max_steps = args.get("max_steps", -1)
+    epochs = args.get("num_train_epochs", 3.0)
+    if not _is_int(max_steps) or max_steps == 0 or max_steps < -1:
+        raise JobError(f"max_steps: must be a positive integer (or -1 to use num_train_epochs), got {max_steps!r}")
+    if max_steps == -1 and not (_as_number(epochs) or 0) > 0:
+        raise JobError(f"num_train_epochs: must be > 0 when max_steps is not set, got {epochs!r}")
+    if "save_steps" in args and not (_as_number(args["save_steps"]) or 0) > 0:
+        raise JobError(f"save_steps: must be > 0 (a step count, or a fraction of the run), got {args['save_steps']!r}")
+    template = args.get("template")
+    if template is not None:
+        import_llamafactory()
+        from llamafactory.data.template import TEMPLATES
+
+        if template not in TEMPLATES:
+            close = sorted(name for name in TEMPLATES if name.startswith(str(template)[:3]))[:8]
+            raise JobError(f"template: unknown LlamaFactory template {template!r}"
+                           + (f" (similar: {', '.join(close)})" if close else ""))
+
+
+def _check_datasets(names: str, dataset_dir: str) -> None:
+    info_path = Path(dataset_dir).expanduser() / "dataset_info.json"
+    if not info_path.is_file():
+        raise JobError(f"dataset_dir: {dataset_dir!r} has no dataset_info.json (LlamaFactory's dataset registry)")
+    try:
+        info = json.loads(info_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise JobError(f"dataset_dir: {str(info_path)!r} is not valid JSON: {exc}") from None
+    for name in (n.strip() for n in names.split(",")):
+        if name not in info:
+            raise JobError(f"dataset: {name!r} is not defined in {str(info_path)!r} "
+                           f"(defined: {', '.join(sorted(info)) or 'none'})")
+        file_name = info[name].get("file_name")
+        if file_name and not (Path(dataset_dir).expanduser() / file_name).exists():
+            raise JobError(f"dataset: {name!r} points to {file_name!r}, which does not exist in {dataset_dir!r}")
+
+
+def _parse_with_llamafactory(args: dict[str, Any]):
+    import_llamafactory()
+    from llamafactory.hparams import get_train_args
+    from llamafactory.hparams.parser import _TRAIN_ARGS
+
+    known = {f.name for cls in _TRAIN_ARGS for f in dataclasses.fields(cls)}
+    unknown = sorted(set(args) - known)
+    if unknown:
+        raise JobError(f"{unknown[0]}: not a LlamaFactory training argument "
+                       f"(harvest's own keys go under '{HARVEST_SECTION}:')")
+    try:
+        model_args, data_args, training_args, finetuning_args, _ = get_train_args(dict(args))
+    except ValueError as exc:
+        raise JobError(f"LlamaFactory rejected the job: {exc}") from None
+    _quiet_transformers()
+    return model_args, data_args, training_args, finetuning_args
+
+
+def _quiet_transformers() -> None:
+    # get_train_args turns transformers' INFO logging on for the whole process; a trainer
+    # running inside a serving process must not flood its log.
+    if os.environ.get("LLAMAFACTORY_VERBOSITY", "WARN").upper() not in ("DEBUG", "INFO"):
+        import transformers
+
+        transformers.utils.logging.set_verbosity_warning()
+
+
+def _auto_or_positive_int(field: str, value: Any, auto_word: str | None) -> int | None:
+    if auto_word is not None and value == auto_word:
+        return None
+    if _is_int(value) and value >= 1:
+        return int(value)
+    expected = f"'{auto_word}' or an integer >= 1" if auto_word else "an integer >= 1"
+    raise JobError(f"{HARVEST_SECTION}.{field}: expected {expected}, got {value!r}")
+
+
+def _positive_float(field: str, value: Any) -> float:
+    number = _as_number(value)
+    if number is not None and number > 0 and math.isfinite(number):
+        return number
+    raise JobError(f"{HARVEST_SECTION}.{field}: expected a number > 0, got {value!r}")
+
+
+def _device(field: str, value: Any) -> str:
+    text = str(value)
+    if text in ("auto", "cpu", "cuda") or (text.startswith("cuda:") and text[5:].isdigit()):
+        return text
+    raise JobError(f"{HARVEST_SECTION}.{field}: expected auto, cpu, cuda or cuda:N, got {value!r}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _as_number(value: Any) -> float | None:
+    """A float from a number or numeric string (YAML 1.1 reads ``1e-4`` as a string)."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def _jsonable(value: Any) -> Any:
+    return value if isinstance(value, (str, int, float, bool, type(None))) else str(value)

@@ -1,0 +1,197 @@
+"""A PEFT causal LM cut into stages that run forward and backward one at a time.
+
+Stages: 0 = token embedding, 1..L = decoder layers, L+1 = final norm + LM head + loss.
+Forward of a stage takes the previous stage's output detached (a fresh leaf that
+requires grad when something below is trainable) and keeps that input and its output;
+backward of a stage is an explicit ``torch.autograd.backward(output, grad)`` whose
+``input.grad`` is handed to the stage below. Positions, rotary embeddings and attention
+masks are computed once per micro-batch, in the embedding stage's forward.
+
+The loss of a micro-batch is its summed token cross-entropy divided by the number of
+label tokens in the whole optimizer step (Hugging Face's ``num_items_in_batch``), so
+gradients accumulated over any split of the step equal the full batch's gradient.
+
+Supported: decoders shaped like Llama/Qwen2/Mistral (``model.embed_tokens``,
+``model.layers``, ``model.norm``, ``model.rotary_emb``, ``lm_head``), with per-layer
+``config.layer_types`` (full / sliding attention) honoured.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+import torch
+from torch import nn
+
+from harvest.train.errors import JobError
+from harvest.train.window import StageLayout
+
+_BASE_LAYER = re.compile(r"\.base_layer(?=\.|$)")
+
+
+@dataclasses.dataclass
+class MicroBatch:
+    """One micro-batch's tensors and what its units keep between forward and backward."""
+
+    index: int
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    labels: torch.Tensor
+    num_tokens: int  # non-padding tokens
+    num_label_tokens: int = 0  # tokens that carry loss, after the causal shift
+    position_ids: torch.Tensor | None = None
+    position_embeddings: Any = None
+    masks: dict[str, Any] = dataclasses.field(default_factory=dict)
+    hidden: torch.Tensor | None = None  # output of the last stage run forward
+    inputs: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)  # kept for backward
+    outputs: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+    grad: torch.Tensor | None = None  # d loss / d output of the next stage to run backward
+    loss: torch.Tensor | None = None
+
+
+class SplitCausalLM:
+    def __init__(self, peft_model: nn.Module):
+        self.peft_model = peft_model
+        causal_lm = peft_model.get_base_model() if hasattr(peft_model, "get_base_model") else peft_model
+        decoder = getattr(causal_lm, "model", None)
+        needed = ("embed_tokens", "layers", "norm", "rotary_emb")
+        if decoder is None or not all(hasattr(decoder, a) for a in needed) or not hasattr(causal_lm, "lm_head"):
+            raise JobError(f"model_name_or_path: architecture {type(causal_lm).__name__} is not supported by the "
+                           "layer-split trainer (needs model.embed_tokens/layers/norm/rotary_emb and lm_head, "
+                           "as Llama, Qwen2 and Mistral have)")
+        self.causal_lm = causal_lm
+        self.config = causal_lm.config
+        self.decoder = decoder
+        self.num_layers = len(decoder.layers)
+        self.head_stage = self.num_layers + 1
+        self.num_stages = self.num_layers + 2
+        self.stage_names = ["embed"] + [f"layer.{i}" for i in range(self.num_layers)] + ["head"]
+        self._stage_roots = [[("model.embed_tokens", decoder.embed_tokens)]]
+        self._stage_roots += [[(f"model.layers.{i}", layer)] for i, layer in enumerate(decoder.layers)]
+        self._stage_roots.append([("model.norm", decoder.norm), ("lm_head", causal_lm.lm_head)])
+        self._check_coverage()
+        trainable = [any(p.requires_grad for _, root in roots for p in root.parameters())
+                     for roots in self._stage_roots]
+        if not any(trainable):
+            raise JobError("lora_target: no trainable parameter was created (check lora_target and finetuning_type)")
+        self.first_trainable_stage = trainable.index(True)
+        layer_types = getattr(self.config, "layer_types", None) or ["full_attention"] * self.num_layers
+        self._layer_types = list(layer_types)
+
+    # -- structure -----------------------------------------------------------------------
+    def frozen_tensors(self, stage: int) -> list[tuple[str, nn.Module, str, torch.Tensor]]:
+        """(state-dict name, module, attribute, tensor) of every frozen parameter of `stage`."""
+        found = []
+        for prefix, root in self._stage_roots[stage]:
+            for module_name, module in root.named_modules(remove_duplicate=False):
+                for attr, param in module._parameters.items():
+                    if param is None or param.requires_grad:
+                        continue
+                    full = ".".join(p for p in (prefix, module_name, attr) if p)
+                    found.append((_BASE_LAYER.sub("", full), module, attr, param.detach()))
+        return found
+
+    def layouts(self) -> list[StageLayout]:
+        return [StageLayout.build(s, self.stage_names[s], self.frozen_tensors(s)) for s in range(self.num_stages)]
+
+    def buffers_and_trainables(self) -> list[torch.Tensor]:
+        """Tensors that stay resident on the device: trainable parameters and buffers."""
+        resident = [p for p in self.causal_lm.parameters() if p.requires_grad]
+        return resident + list(self.causal_lm.buffers())
+
+    def pass_stages(self) -> list[int]:
+        """Stage order of one micro-batch pass: forward bottom-up, then backward top-down."""
+        return list(range(self.num_stages)) + list(range(self.head_stage, self.first_trainable_stage - 1, -1))
+
+    def backward_stages(self) -> list[int]:
+        return list(range(self.head_stage, self.first_trainable_stage - 1, -1))
+
+    # -- units ---------------------------------------------------------------------------
+    def forward(self, stage: int, mb: MicroBatch, num_label_tokens: int) -> None:
+        if stage == 0:
+            self._embed_forward(mb)
+        elif stage == self.head_stage:
+            self._head_forward(mb, num_label_tokens)
+        else:
+            self._layer_forward(stage, mb)
+
+    def backward(self, stage: int, mb: MicroBatch) -> None:
+        output = mb.outputs.pop(stage)
+        stage_input = mb.inputs.pop(stage, None)
+        torch.autograd.backward(output, grad_tensors=mb.grad)
+        mb.grad = stage_input.grad if stage_input is not None and stage_input.requires_grad else None
+        if stage == self.first_trainable_stage:
+            mb.grad = None
+
+    def _stage_input(self, stage: int, mb: MicroBatch) -> torch.Tensor:
+        return mb.hidden.detach().requires_grad_(stage > self.first_trainable_stage)
+
+    def _keep(self, stage: int, mb: MicroBatch, stage_input: torch.Tensor | None, output: torch.Tensor) -> None:
+        if stage >= self.first_trainable_stage:
+            if stage_input is not None:
+                mb.inputs[stage] = stage_input
+            mb.outputs[stage] = output
+
+    def _embed_forward(self, mb: MicroBatch, training: bool = True) -> None:
+        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+        with torch.set_grad_enabled(training and self.first_trainable_stage == 0):
+            hidden = self.decoder.embed_tokens(mb.input_ids)
+        mb.position_ids = torch.arange(mb.input_ids.shape[1], device=hidden.device).unsqueeze(0)
+        mask_kwargs = dict(config=self.config, inputs_embeds=hidden, attention_mask=mb.attention_mask,
+                           past_key_values=None, position_ids=mb.position_ids)
+        mb.masks = {"full_attention": create_causal_mask(**mask_kwargs)}
+        if "sliding_attention" in self._layer_types:
+            mb.masks["sliding_attention"] = create_sliding_window_causal_mask(**mask_kwargs)
+        mb.position_embeddings = self.decoder.rotary_emb(hidden, mb.position_ids)
+        if training:
+            self._keep(0, mb, None, hidden)
+        mb.hidden = hidden
+
+    def _layer_forward(self, stage: int, mb: MicroBatch, training: bool = True) -> None:
+        layer_index = stage - 1
+        stage_input = self._stage_input(stage, mb) if training else mb.hidden
+        with torch.set_grad_enabled(training and stage >= self.first_trainable_stage):
+            output = self.decoder.layers[layer_index](
+                stage_input,
+                attention_mask=mb.masks[self._layer_types[layer_index]],
+                position_ids=mb.position_ids,
+                position_embeddings=mb.position_embeddings,
+            )
+        if isinstance(output, tuple):  # older decoder layers return (hidden, ...)
+            output = output[0]
+        if training:
+            self._keep(stage, mb, stage_input, output)
+        mb.hidden = output
+
+    def _head_forward(self, mb: MicroBatch, num_label_tokens: int) -> None:
+        stage_input = self._stage_input(self.head_stage, mb)
+        with torch.enable_grad():
+            logits = self.causal_lm.lm_head(self.decoder.norm(stage_input))
+            loss = self.causal_lm.loss_function(logits=logits, labels=mb.labels, vocab_size=self.config.vocab_size,
+                                                num_items_in_batch=num_label_tokens)
+        self._keep(self.head_stage, mb, stage_input, loss)
+        mb.loss = loss.detach()
+        mb.hidden = None
+        mb.masks, mb.position_embeddings = {}, None  # every layer has run forward
+
+    def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, prepare) -> torch.Tensor:
+        """Inference through all stages (no grad); `prepare(stage)` makes a stage resident."""
+        mb = MicroBatch(-1, input_ids, attention_mask, labels=input_ids, num_tokens=0)
+        with torch.no_grad():
+            prepare(0)
+            self._embed_forward(mb, training=False)
+            for stage in range(1, self.head_stage):
+                prepare(stage)
+                self._layer_forward(stage, mb, training=False)
+            prepare(self.head_stage)
+            return self.causal_lm.lm_head(self.decoder.norm(mb.hidden))
+
+    def _check_coverage(self) -> None:
+        covered = {id(p) for roots in self._stage_roots for _, root in roots for p in root.parameters()}
+        outside = [name for name, p in self.causal_lm.named_parameters() if id(p) not in covered]
+        if outside:
+            raise JobError(f"model_name_or_path: parameter {outside[0]!r} lies outside the embedding, decoder layers "
+                           "and head, so the layer-split trainer cannot place it")

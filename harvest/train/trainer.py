@@ -1,0 +1,372 @@
+"""The layer-split LoRA trainer: one optimizer step as a sequence of short, preemptible units.
+
+A step with k micro-batches, grouped ``microbatches_per_pass`` at a time, runs for each
+group: forward of every stage for each micro-batch of the group, then backward of every
+trainable-or-above stage top-down, then (after the last group) one optimizer unit. Units
+are run one at a time by `run_one_unit()` (the profiler drives it directly) or by `run()`,
+which consults a `BaseGate` before each unit.
+
+Between units nothing is in flight but kept tensors, so a paused trainer resumes exactly
+where it stopped. A stop (or failure) checkpoints the state of the last completed step:
+weights and optimizer change only in the optimizer unit, the RNG state is snapshotted at
+every step start and the data position is the step number, so resuming redoes the
+interrupted step exactly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from harvest.train import checkpoint
+from harvest.train.data import StepBatches
+from harvest.train.errors import WindowMemoryUnavailable
+from harvest.train.gate import BaseGate, GateAction
+from harvest.train.split_model import MicroBatch, SplitCausalLM
+from harvest.train.stats import TrainerStats, Unit, UnitKind, UnitRecord
+from harvest.train.window import WeightWindow
+
+LOG_FILE = "harvest_train_log.jsonl"
+
+
+class _Step:
+    def __init__(self, step: int, micro_batches: list[MicroBatch], plan: list[Unit], rng_state: dict):
+        self.step = step
+        self.micro_batches = micro_batches
+        self.plan = plan
+        self.stage_sequence = [unit.stage for unit in plan if unit.kind != UnitKind.OPTIMIZER]
+        self.cursor = 0
+        self.num_label_tokens = sum(mb.num_label_tokens for mb in micro_batches)
+        self.rng_state = rng_state
+        self.losses: list[torch.Tensor] = []
+
+
+class LayerSplitTrainer:
+    def __init__(self, *, split: SplitCausalLM, window: WeightWindow, batches: StepBatches, optimizer, scheduler,
+                 total_steps: int, micro_batch_size: int, device: torch.device, output_dir: Path | None,
+                 microbatches_per_pass: int = 1, save_steps: int | None = None, save_total_limit: int | None = None,
+                 max_grad_norm: float = 0.0, autocast_dtype: torch.dtype | None = None,
+                 fingerprint: dict | None = None, record_device_events: bool = False):
+        self.split = split
+        self.window = window
+        self.batches = batches
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.total_steps = total_steps
+        self.micro_batch_size = micro_batch_size
+        self.microbatches_per_pass = microbatches_per_pass
+        self.device = torch.device(device)
+        self.output_dir = Path(output_dir) if output_dir is not None else None
+        self.save_steps = save_steps
+        self.save_total_limit = save_total_limit
+        self.max_grad_norm = max_grad_norm
+        self.autocast_dtype = autocast_dtype
+        self.fingerprint = fingerprint or {}
+        self.record_device_events = record_device_events and self.device.type == "cuda"
+        self.trainable_params = [p for p in split.causal_lm.parameters() if p.requires_grad]
+        self.global_step = 0
+        self._step: _Step | None = None
+        self._last_saved_step: int | None = None
+        self._in_optimizer_update = False
+        self._last_stream = None  # the CUDA stream the previous unit ran on
+        self._pass_stages = split.pass_stages()
+        self._unit_lock = threading.Lock()  # held while a unit runs; window changes take it too
+        self._stats_lock = threading.Lock()
+        self._state = "idle"
+        self._counters = dict(samples_seen=0, tokens_seen=0, units_run=0, pauses=0, paused_s=0.0,
+                              unit_s=0.0, session_tokens=0, load_wait_s=0.0, starved=0)
+        self._last_loss: float | None = None
+        self._last_lr: float | None = None
+        self._trainable_state_bytes = self._measure_trainable_state_bytes()
+        self.step_callbacks: list[Callable[[dict], None]] = []  # called with each step's log entry
+
+    # -- driving -------------------------------------------------------------------------
+    @property
+    def finished(self) -> bool:
+        return self.global_step >= self.total_steps
+
+    def next_unit(self) -> Unit | None:
+        """The unit `run_one_unit()` would run next (None when training is finished)."""
+        if self.finished:
+            return None
+        with self._unit_lock:
+            if self._step is None or self._step.step != self.global_step:
+                # Not built here: building copies the micro-batches to the device, which must
+                # happen on the trainer's stream, not the stream of whoever asks.
+                return Unit(UnitKind.FORWARD, 0, 0)
+            return self._step.plan[self._step.cursor]
+
+    def next_unit_ready(self) -> bool:
+        """False while the next unit's stage is still being copied in (the trainer is starved)."""
+        unit = self.next_unit()
+        return unit is None or unit.kind == UnitKind.OPTIMIZER or self.window.is_ready(unit.stage)
+
+    def run_one_unit(self, stream=None) -> UnitRecord | None:
+        """Run exactly one unit on `stream` (CUDA; None = current stream) and describe it.
+        Returns None when training is finished."""
+        if self.finished:
+            return None
+        with self._unit_lock:
+            return self._run_unit_locked(stream)
+
+    def run(self, gate: BaseGate, on_unit: Callable[[UnitRecord], None] | None = None) -> str:
+        """Run units until finished ("finished") or the gate says stop ("stopped",
+        after a checkpoint). On an exception the trainer checkpoints when that is safe and
+        re-raises."""
+        self._set_state("running")
+        try:
+            while not self.finished:
+                decision = gate.acquire()
+                if decision.was_paused:
+                    with self._stats_lock:
+                        self._counters["pauses"] += 1
+                        self._counters["paused_s"] += decision.paused_s
+                if decision.action == GateAction.STOP:
+                    self.save_checkpoint()
+                    self._set_state("stopped")
+                    return "stopped"
+                try:
+                    record = self.run_one_unit(decision.stream)
+                except WindowMemoryUnavailable:
+                    # Transient (decode holds the memory now): back off, ask the gate again.
+                    with self._stats_lock:
+                        self._counters["starved"] += 1
+                    time.sleep(0.001)
+                    continue
+                gate.unit_done(record)
+                if on_unit is not None:
+                    on_unit(record)
+                time.sleep(0)  # a unit boundary: let a co-located decode thread take the GIL
+        except BaseException:
+            self._set_state("failed")
+            if not self._in_optimizer_update and self.global_step > 0:
+                with contextlib.suppress(Exception):
+                    self.save_checkpoint()
+            raise
+        self._set_state("finished")
+        return "finished"
+
+    # -- window ----------------------------------------------------------------------------
+    def set_window_stages(self, num_stages: int) -> int:
+        """Change W between units (waits for the running unit, at most one). Shrinking frees
+        memory before returning; growing takes effect as the next units run. Returns the
+        bytes the window holds afterwards."""
+        with self._unit_lock:
+            self.window.set_capacity(num_stages)
+            return self.window.held_bytes
+
+    # -- checkpoints -----------------------------------------------------------------------
+    def save_checkpoint(self) -> Path | None:
+        """Checkpoint the state of the last completed step (mid-step work is redone on
+        resume). Returns its path, or None when there is nothing to save."""
+        if self.output_dir is None or self.global_step == 0:
+            return None
+        if self._last_saved_step == self.global_step:
+            return self.output_dir / f"checkpoint-{self.global_step}"
+        rng_state = self._step.rng_state if self._step is not None else checkpoint.capture_rng_state(self.device)
+        epoch, offset = self.batches.position(self.global_step)
+        with self._stats_lock:
+            state = dict(samples_seen=self._counters["samples_seen"], tokens_seen=self._counters["tokens_seen"],
+                         loss=self._last_loss)
+        state.update(epoch=epoch, sample_offset=offset, micro_batch_size=self.micro_batch_size,
+                     total_steps=self.total_steps, job=self.fingerprint)
+        path = checkpoint.save_checkpoint(
+            self.output_dir, self.global_step, peft_model=self.split.peft_model, optimizer=self.optimizer,
+            scheduler=self.scheduler, rng_state=rng_state, state=state, save_total_limit=self.save_total_limit)
+        self._last_saved_step = self.global_step
+        return path
+
+    def resume_from(self, path: Path) -> dict[str, Any]:
+        """Load a checkpoint (verified first; `CheckpointError` if corrupt) into this trainer."""
+        state = checkpoint.read_checkpoint_state(path)
+        mismatched = [key for key, value in state.get("job", {}).items() if self.fingerprint.get(key) != value]
+        if mismatched:
+            key = mismatched[0]
+            raise checkpoint.CheckpointError(
+                f"checkpoint {str(path)!r} was written by a different job: {key} was {state['job'][key]!r}, "
+                f"the job says {self.fingerprint.get(key)!r}; refusing to resume")
+        rng_state = checkpoint.load_checkpoint_tensors(path, self.split.peft_model, self.optimizer, self.scheduler)
+        checkpoint.restore_rng_state(rng_state, self.device)
+        self.global_step = int(state["global_step"])
+        self._last_saved_step = self.global_step
+        self._step = None
+        self._last_loss = state.get("loss")
+        with self._stats_lock:
+            self._counters["samples_seen"] = int(state.get("samples_seen", 0))
+            self._counters["tokens_seen"] = int(state.get("tokens_seen", 0))
+        self._trainable_state_bytes = self._measure_trainable_state_bytes()
+        return state
+
+    # -- inspection ------------------------------------------------------------------------
+    def stats(self) -> TrainerStats:
+        with self._stats_lock:
+            c = dict(self._counters)
+            state, loss, lr = self._state, self._last_loss, self._last_lr
+        window_bytes = self.window.held_bytes
+        return TrainerStats(
+            state=state, global_step=self.global_step, total_steps=self.total_steps,
+            samples_seen=c["samples_seen"], tokens_seen=c["tokens_seen"], loss=loss, learning_rate=lr,
+            tokens_per_s=c["session_tokens"] / c["unit_s"] if c["unit_s"] > 0 else 0.0,
+            units_run=c["units_run"], pauses=c["pauses"], paused_s=c["paused_s"],
+            window_stages=self.window.capacity, window_bytes=window_bytes,
+            resident_bytes=window_bytes + self._trainable_state_bytes,
+            micro_batch_size=self.micro_batch_size, load_wait_s=c["load_wait_s"], starved=c["starved"])
+
+    def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Inference logits of the current model (base + adapter), through the window."""
+        with self._unit_lock:
+            order = list(range(self.split.num_stages))
+
+            def prepare(stage):
+                self.window.prepare(stage, iter(order[stage + 1:] + order), self._compute_stream(None))
+
+            model = self.split.peft_model
+            was_training = model.training
+            model.eval()  # no LoRA dropout
+            try:
+                with self._autocast():
+                    return self.split.logits(input_ids.to(self.device), attention_mask.to(self.device), prepare)
+            finally:
+                model.train(was_training)
+
+    def close(self) -> None:
+        with self._unit_lock:
+            self._step = None
+            self.window.close()
+
+    # -- internals ---------------------------------------------------------------------------
+    def _current_step(self) -> _Step:
+        if self._step is None or self._step.step != self.global_step:
+            rng_state = checkpoint.capture_rng_state(self.device)
+            micro_batches = self.batches.micro_batches(self.global_step, self.micro_batch_size, self.device)
+            self._step = _Step(self.global_step, micro_batches, self._plan(len(micro_batches)), rng_state)
+        return self._step
+
+    def _plan(self, num_micro_batches: int) -> list[Unit]:
+        plan = []
+        for first in range(0, num_micro_batches, self.microbatches_per_pass):
+            group = range(first, min(first + self.microbatches_per_pass, num_micro_batches))
+            plan += [Unit(UnitKind.FORWARD, s, mb) for s in range(self.split.num_stages) for mb in group]
+            plan += [Unit(UnitKind.BACKWARD, s, mb) for s in self.split.backward_stages() for mb in group]
+        return plan + [Unit(UnitKind.OPTIMIZER, -1, -1)]
+
+    def _run_unit_locked(self, stream) -> UnitRecord:
+        compute_stream = self._compute_stream(stream)
+        if compute_stream is not None and self._last_stream is not None and compute_stream != self._last_stream:
+            # The gate moved the trainer to another SM partition's stream. Finishing the old
+            # stream's work first means only one stream ever has pending trainer work, so
+            # tensors made on one stream and used or freed on another are never raced
+            # (at most one unit's wait, on the trainer thread).
+            self._last_stream.synchronize()
+        self._last_stream = compute_stream
+        events = None
+        if self.record_device_events:
+            events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        started = time.perf_counter()
+        load_s, num_tokens = 0.0, 0
+        with torch.cuda.stream(compute_stream) if compute_stream is not None else contextlib.nullcontext():
+            step = self._current_step()
+            unit = step.plan[step.cursor]
+            if unit.kind == UnitKind.OPTIMIZER:
+                if events:
+                    events[0].record()
+                self._optimizer_unit(step)
+            else:
+                upcoming = (step.stage_sequence[i] for i in range(step.cursor + 1, len(step.stage_sequence)))
+                load_s = self.window.prepare(unit.stage, _chain(upcoming, self._pass_stages), compute_stream)
+                if events:
+                    events[0].record()  # after the wait for the stage's copy: device time is compute only
+                mb = step.micro_batches[unit.micro_batch]
+                num_tokens = mb.num_tokens
+                if unit.kind == UnitKind.FORWARD:
+                    with self.window.saved_tensor_hooks(), self._autocast():
+                        self.split.forward(unit.stage, mb, step.num_label_tokens)
+                    if unit.stage == self.split.head_stage:
+                        step.losses.append(mb.loss)
+                else:
+                    self.split.backward(unit.stage, mb)
+            if events:
+                events[1].record()
+        elapsed = time.perf_counter() - started
+        step.cursor += 1
+        with self._stats_lock:
+            self._counters["units_run"] += 1
+            self._counters["unit_s"] += elapsed
+            self._counters["load_wait_s"] += load_s
+        if unit.kind == UnitKind.OPTIMIZER:
+            self._finish_step(step)
+        return UnitRecord(step.step, unit.kind, unit.stage,
+                          "optimizer" if unit.stage < 0 else self.split.stage_names[unit.stage],
+                          unit.micro_batch, num_tokens, elapsed * 1e3, load_s * 1e3, events)
+
+    def _optimizer_unit(self, step: _Step) -> None:
+        self._in_optimizer_update = True
+        if self.max_grad_norm and self.max_grad_norm > 0:
+            torch.nn.utils.clip_grad_norm_(self.trainable_params, self.max_grad_norm)
+        self._last_lr = float(self.scheduler.get_last_lr()[0])
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self._in_optimizer_update = False
+
+    def _finish_step(self, step: _Step) -> None:
+        loss = float(torch.stack(step.losses).sum()) if step.losses else float("nan")
+        tokens = sum(mb.num_tokens for mb in step.micro_batches)
+        samples = sum(mb.input_ids.shape[0] for mb in step.micro_batches)
+        self.global_step += 1
+        self._step = None
+        with self._stats_lock:
+            self._last_loss = loss
+            self._counters["samples_seen"] += samples
+            self._counters["tokens_seen"] += tokens
+            self._counters["session_tokens"] += tokens
+        if step.step == 0:
+            self._trainable_state_bytes = self._measure_trainable_state_bytes()  # AdamW state now exists
+        entry = dict(step=self.global_step, loss=loss, learning_rate=self._last_lr, tokens=tokens, samples=samples,
+                     epoch=round(self.global_step / self.batches.steps_per_epoch, 4), time=time.time())
+        self._log(entry)
+        due = self.save_steps and self.global_step % self.save_steps == 0
+        if due or self.finished:
+            self.save_checkpoint()
+        if self.finished and self.output_dir is not None:
+            checkpoint.write_final_adapter(self.output_dir, self.split.peft_model)
+
+    def _log(self, entry: dict) -> None:
+        if self.output_dir is not None:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            with open(self.output_dir / LOG_FILE, "a") as handle:
+                handle.write(json.dumps(entry) + "\n")
+        for callback in self.step_callbacks:
+            callback(entry)
+
+    def _compute_stream(self, stream):
+        if self.device.type != "cuda":
+            return None
+        return stream if stream is not None else torch.cuda.current_stream(self.device)
+
+    def _autocast(self):
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    def _set_state(self, state: str) -> None:
+        with self._stats_lock:
+            self._state = state
+
+    def _measure_trainable_state_bytes(self) -> int:
+        # Parameters plus their gradients (present during every step), plus AdamW's state.
+        total = sum(2 * p.numel() * p.element_size() for p in self.trainable_params)
+        for state in self.optimizer.state.values():
+            total += sum(v.numel() * v.element_size() for v in state.values() if torch.is_tensor(v))
+        return total
+
+
+def _chain(first, second):
+    yield from first
+    yield from second

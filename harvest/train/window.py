@@ -1,0 +1,321 @@
+"""The frozen-weight window: W stages of frozen weights resident on the device.
+
+A *stage* is the embedding, one decoder layer, or the final norm + LM head. Each stage's
+frozen tensors are laid out in one contiguous buffer from a `BaseWindowAllocator`. Before
+every unit the trainer tells the window which stage runs now and which come next; the
+window keeps the next W distinct stages resident: stages outside that set are dropped
+(frozen, so never copied back) and missing ones are loaded — the current one at once,
+the others as prefetches (CUDA: on a copy stream, ordered with the compute stream by
+events, so copies overlap compute; CPU: synchronous copies, same code path).
+
+Module parameters are swapped in place: a resident stage's modules hold views into its
+buffer, an evicted stage's modules hold meta-device placeholders (any use is an error).
+
+Invariant that makes eviction safe: autograd never keeps a reference to window memory.
+While a unit's forward runs, `saved_tensor_hooks()` replaces every saved tensor that lies
+in a window buffer by a handle (stage, byte offset, size, stride, dtype); backward
+rebuilds it from whatever buffer holds that stage then. So a layer's weights can leave
+after its forward unit and come back (to a different address) for its backward unit.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import dataclasses
+import time
+from typing import Iterable, Sequence
+
+import torch
+from torch import nn
+
+from harvest.train.errors import WindowMemoryUnavailable
+from harvest.train.weights import BaseWeightSource, FrozenWeightSpec
+from harvest.train.window_memory import ALIGNMENT_BYTES, BaseWindowAllocator
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class FrozenSlot:
+    """One frozen tensor of a stage: the module attribute it fills and its place in the buffer."""
+
+    name: str  # base-model state-dict name (the weight source's key)
+    module: nn.Module
+    attr: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    offset_bytes: int
+
+    @property
+    def num_bytes(self) -> int:
+        return _numel(self.shape) * _itemsize(self.dtype)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class StageLayout:
+    index: int
+    name: str  # "embed", "layer.3", "head"
+    slots: tuple[FrozenSlot, ...]
+    num_bytes: int  # buffer size, a multiple of ALIGNMENT_BYTES (0 when nothing is frozen)
+
+    @classmethod
+    def build(cls, index: int, name: str, frozen: Sequence[tuple[str, nn.Module, str, torch.Tensor]]):
+        slots, offset = [], 0
+        for weight_name, module, attr, tensor in frozen:
+            slot = FrozenSlot(weight_name, module, attr, tuple(tensor.shape), tensor.dtype, offset)
+            slots.append(slot)
+            offset += _round_up(slot.num_bytes, ALIGNMENT_BYTES)
+        return cls(index, name, tuple(slots), offset)
+
+    def specs(self) -> list[FrozenWeightSpec]:
+        return [FrozenWeightSpec(s.name, s.shape, s.dtype) for s in self.slots]
+
+
+class _WeightHandle(tuple):
+    """What autograd stores instead of a window tensor: (stage, byte offset, size, stride, dtype)."""
+
+    __slots__ = ()
+
+
+@dataclasses.dataclass
+class _Resident:
+    buffer: torch.Tensor | None  # None for a device-resident weight source
+    ready_event: object = None  # CUDA event recorded after the load's copies
+    streams: set = dataclasses.field(default_factory=set)  # compute streams that used it
+
+
+class WeightWindow:
+    def __init__(self, stages: Sequence[StageLayout], source: BaseWeightSource,
+                 allocator: BaseWindowAllocator, capacity: int | None = None, record_copy_timing: bool = False):
+        self.stages = list(stages)
+        self.source = source
+        self.allocator = allocator
+        self.device = allocator.device
+        self._capacity = len(self.stages) if capacity is None else self._check_capacity(capacity)
+        self._resident: dict[int, _Resident] = {}
+        self._range_starts: list[int] = []  # sorted buffer start addresses, for the pack hook
+        self._range_entries: list[tuple[int, int, int]] = []  # (start, end, stage) in the same order
+        self._keep_order: list[int] = []
+        self._copy_stream = None
+        if self.device.type == "cuda" and not source.device_resident:
+            self._copy_stream = torch.cuda.Stream(device=self.device)
+        self.record_copy_timing = record_copy_timing
+        self.copy_events: list[tuple[object, object, int]] = []  # (start, end, bytes) when timing
+        self.num_loads = 0
+        self.num_evictions = 0
+        self.bytes_copied = 0
+        for layout in self.stages:
+            source.validate(layout.specs(), self.device)
+            self._install_placeholders(layout)
+        if source.device_resident:
+            for layout in self.stages:  # used in place: resident for good, nothing held
+                self._install(layout, [source.tensor(slot.name) for slot in layout.slots])
+                self._resident[layout.index] = _Resident(None)
+
+    # -- sizes -------------------------------------------------------------------------
+    @property
+    def capacity(self) -> int:
+        """W: how many stages may be resident at once."""
+        return self._capacity
+
+    @property
+    def held_bytes(self) -> int:
+        return sum(self.stages[s].num_bytes for s, r in self._resident.items() if r.buffer is not None)
+
+    def stage_bytes(self) -> list[int]:
+        """Bytes each stage takes when resident (0 for all with a device-resident source)."""
+        return [0 if self.source.device_resident else layout.num_bytes for layout in self.stages]
+
+    def capacity_for_bytes(self, num_bytes: int) -> int:
+        """The largest W whose worst case (the W largest stages) fits in `num_bytes` (>= 0)."""
+        return stages_fitting(self.stage_bytes(), num_bytes) if not self.source.device_resident else len(self.stages)
+
+    def resident_stages(self) -> list[int]:
+        return sorted(self._resident)
+
+    def set_capacity(self, capacity: int) -> None:
+        """Change W. Shrinking evicts at once (keeping the stages needed soonest); growing
+        takes effect at the next `prepare`. The caller holds the trainer's unit lock."""
+        self._capacity = self._check_capacity(capacity)
+        if self.source.device_resident:
+            return
+        keep = self._keep_order[: self._capacity]
+        for stage in [s for s in self._resident if s not in keep]:
+            self._evict(stage)
+
+    # -- per unit ----------------------------------------------------------------------
+    def prepare(self, stage: int, upcoming: Iterable[int], stream=None) -> float:
+        """Make `stage` resident for a unit about to run on `stream`, evicting the stages
+        not among the next W distinct ones (`stage` first, then `upcoming`) and
+        prefetching the rest. Returns the host seconds spent loading `stage` itself.
+        Raises `WindowMemoryUnavailable` (transient) if `stage` cannot be made resident."""
+        if self.source.device_resident:
+            return 0.0
+        keep = [stage]
+        for upcoming_stage in upcoming:
+            if len(keep) >= self._capacity:
+                break
+            if upcoming_stage not in keep:
+                keep.append(upcoming_stage)
+        self._keep_order = keep
+        for resident in [s for s in self._resident if s not in keep]:
+            self._evict(resident)
+        waited = 0.0
+        if stage not in self._resident:
+            started = time.perf_counter()
+            if not self._load(stage):
+                for other in [s for s in self._resident if s != stage]:
+                    self._evict(other)
+                if not self._load(stage):
+                    raise WindowMemoryUnavailable(
+                        f"no window memory for stage {self.stages[stage].name} "
+                        f"({self.stages[stage].num_bytes} bytes)")
+            waited = time.perf_counter() - started
+        entry = self._resident[stage]
+        if entry.ready_event is not None and stream is not None:
+            stream.wait_event(entry.ready_event)  # device-side wait; the host goes on
+            entry.streams.add(stream)
+        for prefetch in keep[1:]:
+            if prefetch not in self._resident and not self._load(prefetch):
+                break  # transient shortage: try again at the next unit
+        return waited
+
+    def is_ready(self, stage: int) -> bool:
+        """True if `stage` is resident and its copy has completed (the trainer is not starved)."""
+        entry = self._resident.get(stage)
+        if entry is None:
+            return False
+        return entry.ready_event is None or entry.ready_event.query()
+
+    @contextlib.contextmanager
+    def saved_tensor_hooks(self):
+        """Wrap a unit's forward so autograd saves handles, not window tensors."""
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            yield
+
+    def close(self) -> None:
+        """Release all window memory (the trainer is done or disabled)."""
+        for stage in list(self._resident):
+            if self._resident[stage].buffer is not None:
+                self._evict(stage)
+
+    # -- internals ---------------------------------------------------------------------
+    def _check_capacity(self, capacity: int) -> int:
+        if not isinstance(capacity, int) or capacity < 1:
+            raise ValueError(f"window capacity must be an integer >= 1 stage, got {capacity!r}")
+        return min(capacity, len(self.stages))
+
+    def _load(self, stage: int) -> bool:
+        layout = self.stages[stage]
+        if layout.num_bytes == 0:
+            self._resident[stage] = _Resident(None)
+            return True
+        stream_context = contextlib.nullcontext()
+        if self._copy_stream is not None:
+            # Allocate and copy on the copy stream: the caching allocator ties the block to
+            # it, and compute streams that use it are recorded at eviction.
+            stream_context = torch.cuda.stream(self._copy_stream)
+        with stream_context:
+            buffer = self.allocator.allocate(layout.num_bytes)
+            if buffer is None:
+                return False
+            views = [_slot_view(buffer, slot) for slot in layout.slots]
+            timing = self._copy_stream is not None and self.record_copy_timing
+            if timing:
+                start_event = torch.cuda.Event(enable_timing=True)
+                start_event.record(self._copy_stream)
+            for view, slot in zip(views, layout.slots):
+                view.copy_(self.source.tensor(slot.name), non_blocking=self._copy_stream is not None)
+            ready_event = None
+            if self._copy_stream is not None:
+                ready_event = torch.cuda.Event(enable_timing=timing)
+                ready_event.record(self._copy_stream)
+                if timing:
+                    self.copy_events.append((start_event, ready_event, layout.num_bytes))
+        self._install(layout, views)
+        self._resident[stage] = _Resident(buffer, ready_event)
+        index = bisect.bisect_left(self._range_starts, buffer.data_ptr())
+        self._range_starts.insert(index, buffer.data_ptr())
+        self._range_entries.insert(index, (buffer.data_ptr(), buffer.data_ptr() + layout.num_bytes, stage))
+        self.num_loads += 1
+        self.bytes_copied += layout.num_bytes
+        return True
+
+    def _evict(self, stage: int) -> None:
+        entry = self._resident.pop(stage)
+        layout = self.stages[stage]
+        self._install_placeholders(layout)
+        if entry.buffer is None:
+            return
+        index = self._range_starts.index(entry.buffer.data_ptr())
+        del self._range_starts[index], self._range_entries[index]
+        streams = set(entry.streams)
+        if self._copy_stream is not None:
+            streams.add(self._copy_stream)  # a prefetch may still be copying into it
+        buffer, entry.buffer = entry.buffer, None
+        self.allocator.release(buffer, streams)
+        self.num_evictions += 1
+
+    @staticmethod
+    def _install(layout: StageLayout, tensors: Sequence[torch.Tensor]) -> None:
+        for slot, tensor in zip(layout.slots, tensors):
+            slot.module._parameters[slot.attr] = nn.Parameter(tensor, requires_grad=False)
+
+    @staticmethod
+    def _install_placeholders(layout: StageLayout) -> None:
+        for slot in layout.slots:
+            placeholder = torch.empty(slot.shape, dtype=slot.dtype, device="meta")
+            slot.module._parameters[slot.attr] = nn.Parameter(placeholder, requires_grad=False)
+
+    def _pack(self, tensor: torch.Tensor):
+        # Only the address is checked: host and device allocations never overlap (CUDA's
+        # unified virtual addressing), so any tensor inside a window buffer is window memory.
+        if not self._range_starts:
+            return tensor
+        address = tensor.data_ptr()
+        index = bisect.bisect_right(self._range_starts, address) - 1
+        if index < 0:
+            return tensor
+        start, end, stage = self._range_entries[index]
+        if address >= end:
+            return tensor
+        return _WeightHandle((stage, address - start, tuple(tensor.shape), tensor.stride(), tensor.dtype))
+
+    def _unpack(self, saved):
+        if not isinstance(saved, _WeightHandle):
+            return saved
+        stage, byte_offset, shape, stride, dtype = saved
+        entry = self._resident.get(stage)
+        if entry is None or entry.buffer is None:
+            raise RuntimeError(f"backward needs stage {self.stages[stage].name}'s frozen weights but it is not "
+                               "resident (the trainer must prepare a stage before its backward unit)")
+        typed = entry.buffer.view(dtype)
+        return torch.as_strided(typed, shape, stride, typed.storage_offset() + byte_offset // _itemsize(dtype))
+
+
+def stages_fitting(stage_bytes: Sequence[int], num_bytes: int) -> int:
+    """How many stages fit in `num_bytes` whichever are resident (largest first)."""
+    fitting, total = 0, 0
+    for size in sorted(stage_bytes, reverse=True):
+        if total + size > num_bytes:
+            break
+        fitting, total = fitting + 1, total + size
+    return fitting
+
+
+def _slot_view(buffer: torch.Tensor, slot: FrozenSlot) -> torch.Tensor:
+    return buffer[slot.offset_bytes: slot.offset_bytes + slot.num_bytes].view(slot.dtype).view(slot.shape)
+
+
+def _numel(shape: Sequence[int]) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return dtype.itemsize
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return (value + multiple - 1) // multiple * multiple

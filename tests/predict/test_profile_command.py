@@ -1,0 +1,149 @@
+"""`harvest profile` end to end on CPU: SGLang's ModelRunner on the tiny model (one level),
+the transformers engine with an interrupted and resumed run, and argument errors."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from harvest import cli
+from harvest.predict.profiler.partial import partial_path
+from harvest.predict.schema import Profile
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+SMALL_GRID = ["--batch-sizes", "1,2,4", "--context-lengths", "16,64", "--warmup", "1", "--torch-threads", "1"]
+
+
+def _profile_cmd(out, *extra) -> list[str]:
+    return [sys.executable, "-m", "harvest.cli", "profile", "--model-path", "tiny-llama", *SMALL_GRID, "--out", str(out), *extra]
+
+
+def _check_profile(out, engine: str) -> Profile:
+    profile = Profile.load(out)  # validates every field
+    prov = profile.provenance
+    assert prov.engine == engine and prov.device_kind == "cpu" and prov.finetune.workload == "peft-lora"
+    assert prov.measurement.timer == "perf_counter_ns" and prov.measurement.torch_threads == 1
+    assert profile.ladder.num_levels == 1 and profile.ladder.partitioner == "whole-device"
+    assert len([r for r in profile.samples if r.stage == "solo"]) == 6
+    assert {r.phase for r in profile.samples if r.stage == "corun"} == {"forward", "backward"}
+    assert len(profile.samples) == 18
+    assert all(r.trainer_units is not None for r in profile.samples if r.stage == "corun")
+    assert sum(r.trainer_units for r in profile.samples if r.stage == "corun") > 0  # the trainer really ran beside decode
+    assert profile.profiled_range.min_batch_size == 1 and profile.profiled_range.max_batch_size == 4
+    report = out.with_suffix(".png")
+    assert report.read_bytes()[:8] == PNG_MAGIC and report.stat().st_size > 10_000
+    assert not partial_path(out).exists()
+    predictor = profile.predictor()
+    assert predictor.predict_colo(0, 2, 100.0) > 0 and predictor.predict_solo(0, 2, 100.0) > 0
+    return profile
+
+
+@pytest.mark.sglang
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_profile_with_sglang_model_runner_writes_a_valid_profile_and_png(tmp_path, tiny_llama_path):
+    out = tmp_path / "cpu-tiny.json"
+    result = subprocess.run(_profile_cmd(out, "--repeats", "5"), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    profile = _check_profile(out, "sglang")
+    assert profile.provenance.sglang_version == "0.5.23"
+    assert profile.batch_size_buckets == ()  # CPU: no CUDA graphs, no padding
+    assert "fit quality (sglang engine" in result.stdout and "stage 2, combined" in result.stdout
+    assert f"wrote {out}" in result.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_interrupted_transformers_run_resumes_and_finishes(tmp_path, tiny_llama_path):
+    out = tmp_path / "hf.json"
+    cmd = _profile_cmd(out, "--engine", "transformers", "--repeats", "60")
+    process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    partial = partial_path(out)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and process.poll() is None:
+        if partial.exists() and len(partial.read_text().splitlines()) >= 3:  # header + 2 grid points
+            break
+        time.sleep(0.05)
+    assert process.poll() is None, "the run finished before it could be interrupted"
+    process.send_signal(signal.SIGINT)
+    stdout, stderr = process.communicate(timeout=120)
+    assert process.returncode == 130, stderr[-3000:]
+    assert "run the same command again to resume" in stderr
+    saved = len(partial.read_text().splitlines()) - 1
+    assert 2 <= saved < 18 and not out.exists()
+
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-5000:]
+    assert f"resuming: {saved} grid points already measured" in result.stdout
+    _check_profile(out, "transformers")
+
+
+def test_partial_run_with_other_settings_is_refused_before_loading_models(tmp_path, tiny_llama_path, capsys):
+    out = tmp_path / "p.json"
+    partial_path(out).write_text('{"device": "another machine"}\n')
+    code = cli.main(["profile", "--model-path", str(tiny_llama_path), "--engine", "transformers", "--out", str(out), "--repeats", "2"])
+    err = capsys.readouterr().err
+    assert code == 1 and "different settings" in err and "--restart" in err and "device" in err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--batch-sizes", "4,x"], "expected comma-separated integers"),
+        (["--context-lengths", "64,64"], "distinct integers > 0"),
+        (["--trim", "0.6"], "--trim=0.6: must be in [0, 0.5)"),
+        (["--repeats", "0"], "--repeats=0: must be >= 1"),
+        (["--torch-threads", "0"], "--torch-threads=0: must be > 0"),
+        (["--model-path", "/nonexistent/model"], "no config.json there"),
+        (["--batch-sizes", "16"], "at least 2 --batch-sizes and 2 --context-lengths"),
+    ],
+)
+def test_bad_arguments_are_refused_with_the_flag_named(argv, message, capsys, tmp_path):
+    full = ["profile", "--model-path", str(tmp_path), *argv] if "--model-path" not in argv else ["profile", *argv]
+    if "--model-path" not in argv:
+        (tmp_path / "config.json").write_text("{}")
+    try:
+        code = cli.main(full)
+    except SystemExit as exc:  # argparse type errors exit 2
+        code = exc.code
+    assert code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_profile_command_is_registered_and_cheap_to_import():
+    assert cli.COMMANDS["profile"] == "harvest.predict.profiler.command"
+    out = subprocess.run(
+        [sys.executable, "-c", "import sys, harvest.predict.profiler.command; print(sorted(m for m in ('torch', 'sglang', 'sklearn', 'numpy') if m in sys.modules))"],
+        capture_output=True, text=True, timeout=60, env={**os.environ},
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_co_run_with_harvest_layer_split_trainer(tmp_path, tiny_llama_path):
+    from tests.train.trainer_helpers import DATA_DIR
+
+    job = tmp_path / "job.yaml"
+    job.write_text(
+        f"model_name_or_path: {tiny_llama_path}\ntemplate: default\ndataset: tiny_alpaca\ndataset_dir: {DATA_DIR}\n"
+        f"lora_rank: 4\nlora_alpha: 8\nlora_target: all\ncutoff_len: 64\nper_device_train_batch_size: 2\n"
+        f"max_steps: 2\noutput_dir: {tmp_path / 'job-out'}\nseed: 0\nharvest:\n  micro_batch_size: 2\n"
+    )
+    out = tmp_path / "trainer.json"
+    cmd = _profile_cmd(out, "--engine", "transformers", "--repeats", "4", "--finetune-job", str(job))
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-5000:]
+    profile = Profile.load(out)
+    finetune = profile.provenance.finetune
+    assert finetune.workload == "harvest-trainer" and "layer-split trainer" in finetune.description
+    assert finetune.base_model == str(tiny_llama_path)
+    corun = [r for r in profile.samples if r.stage == "corun"]
+    assert {r.phase for r in corun} == {"mixed"} and sum(r.trainer_units for r in corun) > 0
+    assert profile.stage2.by_phase == {} and not profile.stage2.use_phase_models
+    assert not (tmp_path / "job-out").exists()  # profiling ran the job in a scratch directory

@@ -1,0 +1,172 @@
+"""Profiles: round trip, validation on load, and the running-system mismatch checks."""
+
+from __future__ import annotations
+
+import copy
+import json
+import warnings
+
+import pytest
+
+from harvest.predict import compat
+from harvest.predict.calibrate import build_profile, describe_fit
+from harvest.predict.compat import ProfileMismatchError, RuntimeIdentity, check_compatible, load_for, model_config_hash
+from harvest.predict.fit import FitError
+from harvest.predict.ladder import LadderSpec, LevelSpec
+from harvest.predict.schema import SCHEMA_VERSION, Grid, Profile, ProfileError
+from tests.predict.synthetic import BUCKETS, H100_LADDER, provenance, records
+
+
+@pytest.fixture(scope="module")
+def profile() -> Profile:
+    return build_profile(provenance(), H100_LADDER, BUCKETS, Grid((4, 16, 64), (64, 128, 256, 512)), records(noise=0.01))
+
+
+def running(profile: Profile, **changes) -> RuntimeIdentity:
+    base = dict(
+        device_name=profile.provenance.device_name,
+        sm_count=132,
+        model_config_hash=profile.provenance.model.config_hash,
+        model_dtype="bfloat16",
+        ladder=H100_LADDER,
+    )
+    base.update(changes)
+    return RuntimeIdentity(**base)
+
+
+def test_round_trip_is_lossless(profile, tmp_path):
+    path = tmp_path / "p.json"
+    profile.save(path)
+    loaded = Profile.load(path)
+    assert loaded == profile
+    assert loaded.to_json() == profile.to_json()
+    predictor = loaded.predictor()
+    assert predictor.predict_colo(1, 16, 4000.0) == profile.predictor().predict_colo(1, 16, 4000.0)
+    assert len(loaded.samples) == len(profile.samples) and loaded.samples[0].step_latencies_s == profile.samples[0].step_latencies_s
+
+
+def test_profile_records_fit_quality_and_range(profile):
+    assert len(profile.stage1) == 7 and all(f.quality.mape < 0.02 for f in profile.stage1)
+    assert profile.stage2.use_phase_models and set(profile.stage2.by_phase) == {"forward", "backward"}
+    assert profile.profiled_range.min_batch_size == 4 and profile.profiled_range.max_batch_size == 64
+    text = describe_fit(profile)
+    assert "stage 1, level 6 (132/0 SMs)" in text and "stage 2, forward" in text and "per-phase stage-2 models in use" in text
+
+
+def _data(profile: Profile) -> dict:
+    return json.loads(profile.to_json())
+
+
+def _load_dict(data) -> Profile:
+    return Profile.from_json(json.dumps(data))
+
+
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda d: d.update(schema_version=SCHEMA_VERSION + 1), r"schema_version=2: this harvest reads version 1; re-run `harvest profile`"),
+        (lambda d: d.update(schema="something-else"), "not a harvest latency profile"),
+        (lambda d: d["provenance"].pop("device_name"), r"profile.provenance: missing field\(s\) device_name"),
+        (lambda d: d["provenance"].update(colour="red"), r"profile.provenance: unknown field\(s\) colour"),
+        (lambda d: d["provenance"].update(sm_count="132"), r"profile.provenance.sm_count: expected an integer"),
+        (lambda d: d["stage1"][0].update(b0=None), r"profile.stage1\[0\].b0: expected a finite number"),
+        (lambda d: d["stage1"].pop(), "6 entries for a ladder of 7 levels"),
+        (lambda d: d["samples"][0].update(level=9), r"samples\[0\].level=9: the ladder has 7 levels"),
+        (lambda d: d["samples"][0].update(latency_s=-1.0), "latencies must be > 0"),
+        (lambda d: d["samples"][0].update(stage="corun"), "co-run points name a trainer phase"),
+        (lambda d: d.update(samples=[s for s in d["samples"] if s["stage"] == "solo"]), "no co-run samples"),
+        (lambda d: d.update(samples=[s for s in d["samples"] if s["level"] != 3]), r"no solo samples for level\(s\) \[3\]"),
+        (lambda d: d.update(batch_size_buckets=[4, 2]), "strictly increasing"),
+        (lambda d: d["ladder"]["levels"].append({"decode_sms": 500, "trainer_sms": 0}), "more SMs than the device's 132"),
+        (lambda d: d["stage2"]["combined"]["quality"].update(mape=-0.5), "finite, non-negative errors"),
+    ],
+)
+def test_invalid_profiles_are_refused_naming_the_field(profile, mutate, message):
+    data = copy.deepcopy(_data(profile))
+    mutate(data)
+    with pytest.raises(ProfileError, match=message):
+        _load_dict(data)
+
+
+def test_corrupt_json_and_nan_tokens_are_refused(profile, tmp_path):
+    text = profile.to_json()
+    bad = tmp_path / "truncated.json"
+    bad.write_text(text[: len(text) // 2])
+    with pytest.raises(ProfileError, match=r"truncated.json: profile is not valid JSON"):
+        Profile.load(bad)
+    nan = tmp_path / "nan.json"
+    nan.write_text(text.replace('"latency_s": ', '"latency_s": NaN, "x": ', 1))
+    with pytest.raises(ProfileError, match="NaN, which is not valid JSON"):
+        Profile.load(nan)
+    with pytest.raises(ProfileError, match="cannot read profile"):
+        Profile.load(tmp_path / "missing.json")
+    with pytest.raises(ProfileError, match="expected a JSON object"):
+        Profile.from_json("[1, 2]")
+
+
+def test_save_is_atomic_and_refuses_nan(profile, tmp_path):
+    path = tmp_path / "p.json"
+    profile.save(path)
+    before = path.read_text()
+    broken = copy.copy(profile)
+    object.__setattr__(broken, "stage2", copy.copy(profile.stage2))
+    object.__setattr__(broken.stage2, "combined", copy.copy(profile.stage2.combined))
+    object.__setattr__(broken.stage2.combined, "b1", float("nan"))
+    with pytest.raises(ValueError):
+        broken.save(path)
+    assert path.read_text() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["p.json"]  # no temporary left behind
+
+
+def test_matching_system_is_accepted(profile, tmp_path):
+    path = tmp_path / "p.json"
+    profile.save(path)
+    assert load_for(path, running(profile)) == profile
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"device_name": "NVIDIA A100-SXM4-80GB"}, "GPU: profile measured on 'NVIDIA H100 80GB HBM3', running on 'NVIDIA A100-SXM4-80GB'"),
+        ({"sm_count": 108}, "SM count: profile 132, running device 108"),
+        ({"model_config_hash": "ffffffffffffffff"}, "model: profile is for 'llama3-8b'"),
+        ({"model_dtype": "float16"}, "model dtype: profile bfloat16, served float16"),
+        ({"ladder": LadderSpec(132, (LevelSpec(64, 68), LevelSpec(132, 0)), "green-context")}, "SM ladder: profile has green-context ladder"),
+    ],
+)
+def test_mismatch_is_refused_by_name_and_override_warns(profile, changes, message):
+    with pytest.raises(ProfileMismatchError, match=message):
+        check_compatible(profile, running(profile, **changes))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        found = check_compatible(profile, running(profile, **changes), allow_mismatch=True)
+    assert len(found) == 1 and any("override in effect" in str(w.message) for w in caught)
+
+
+def test_model_config_hash_ignores_paths_and_weights_but_not_shape():
+    config = {"architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "num_hidden_layers": 32, "_name_or_path": "/a"}
+    moved = dict(config, _name_or_path="/b", transformers_version="9.9")
+    deeper = dict(config, num_hidden_layers=33)
+    assert model_config_hash(config) == model_config_hash(moved) != model_config_hash(deeper)
+    assert len(model_config_hash(config)) == 16 and compat.LATENCY_CONFIG_KEYS
+
+
+def test_profile_with_too_few_samples_cannot_be_built():
+    sparse = [r for r in records(batch_sizes=(4,), context_lengths=(64, 128))]
+    with pytest.raises(FitError, match="stage 1, level 0: 2 samples, need at least 3"):
+        build_profile(provenance(), H100_LADDER, BUCKETS, Grid((4,), (64, 128)), sparse)
+
+
+def test_committed_cpu_profile_is_valid_and_matches_the_tiny_model(tiny_llama_path):
+    from pathlib import Path
+
+    from harvest.predict.compat import model_config_hash_of_path
+
+    path = Path(__file__).resolve().parents[2] / "profiles" / "cpu-tiny-llama-sglang.json"
+    profile = Profile.load(path)
+    assert profile.provenance.engine == "sglang" and profile.provenance.device_kind == "cpu"
+    assert profile.provenance.model.config_hash == model_config_hash_of_path(tiny_llama_path), (
+        "the tiny model changed: re-run `harvest profile --model-path tiny-llama --torch-threads 1 --repeats 20 "
+        "--out profiles/cpu-tiny-llama-sglang.json`"
+    )
+    assert profile.stage1[0].quality.mape < 0.10  # a sane fit, not a broken measurement

@@ -1,0 +1,169 @@
+"""The frozen-weight window: residency, swapping, reclaim between units, memory shortage."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.train.trainer_helpers import build, lora_params, max_abs_diff, randomize_lora_b
+
+
+def run_steps(trainer, num_steps: int) -> None:
+    target = trainer.global_step + num_steps
+    while trainer.global_step < target:
+        trainer.run_one_unit()
+
+
+def test_window_covering_all_stages_never_swaps(tiny_llama_path, tmp_path):
+    trainer = build(tiny_llama_path, tmp_path, harvest={"window_stages": "all"})
+    run_steps(trainer, 2)
+    window = trainer.window
+    assert window.num_loads == trainer.split.num_stages  # each stage copied in exactly once
+    assert window.num_evictions == 0
+    assert trainer.stats().window_bytes == sum(window.stage_bytes())
+
+
+def test_one_stage_window_keeps_one_stage_and_evicts_to_meta(tiny_llama_path, tmp_path):
+    trainer = build(tiny_llama_path, tmp_path, harvest={"window_stages": 1})
+    for _ in range(6):  # embed, layer 0, layer 1, head fwd, head bwd (no swap), layer 1 bwd
+        record = trainer.run_one_unit()
+        resident = trainer.window.resident_stages()
+        assert resident == [record.stage]
+        # Evicted stages hold meta placeholders: any use would fail loudly.
+        for layer_index, layer in enumerate(trainer.split.decoder.layers):
+            device = layer.mlp.up_proj.base_layer.weight.device
+            assert (device.type == "meta") == (layer_index + 1 not in resident)
+    assert trainer.window.num_evictions >= 4
+
+
+def test_resizing_the_window_between_units_keeps_results_identical(tiny_llama_path, tmp_path):
+    steady = build(tiny_llama_path, tmp_path / "steady")
+    resized = build(tiny_llama_path, tmp_path / "resized")
+    randomize_lora_b(steady)
+    randomize_lora_b(resized)
+    run_steps(steady, 2)
+
+    for _ in range(7):  # into the first step's backward pass
+        resized.run_one_unit()
+    full_bytes = resized.stats().window_bytes
+    held = resized.set_window_stages(1)  # reclaim: memory is freed before the call returns
+    assert held < full_bytes and held == resized.stats().window_bytes
+    assert len(resized.window.resident_stages()) <= 1
+    for _ in range(5):
+        resized.run_one_unit()
+    resized.set_window_stages(3)  # grow again: loads happen as units need them
+    run_steps(resized, 2 - resized.global_step)
+    assert len(resized.window.resident_stages()) == 3
+    assert resized.stats().window_stages == 3
+    assert max_abs_diff(lora_params(steady.split.peft_model), lora_params(resized.split.peft_model)) == 0.0
+
+
+def test_prefetch_backs_off_when_the_allocator_is_short(tiny_llama_path, tmp_path):
+    """An allocator that can hold only one stage (the general arena with few lent chunks):
+    W = 3 is asked for, prefetches fail transiently, training is still exact."""
+    from harvest.train.build import build_trainer
+    from harvest.train.job import load_job
+    from harvest.train.window_memory import TorchWindowAllocator
+    from tests.train.trainer_helpers import job_dict
+
+    reference = build(tiny_llama_path, tmp_path / "ref")
+    job = load_job(job_dict(tiny_llama_path, tmp_path / "short", harvest={"window_stages": 3}))
+    largest = max(reference.window.stage_bytes())
+    short = build_trainer(job, allocator=TorchWindowAllocator("cpu", limit_bytes=largest))
+    randomize_lora_b(reference)
+    randomize_lora_b(short)
+    run_steps(reference, 1)
+    run_steps(short, 1)
+    assert short.window.held_bytes <= largest
+    assert max_abs_diff(lora_params(reference.split.peft_model), lora_params(short.split.peft_model)) == 0.0
+
+
+def test_no_window_memory_is_transient_and_leaves_state_unchanged(tiny_llama_path, tmp_path):
+    from harvest.train.build import build_trainer
+    from harvest.train.errors import WindowMemoryUnavailable
+    from harvest.train.job import load_job
+    from harvest.train.window_memory import TorchWindowAllocator
+    from tests.train.trainer_helpers import job_dict
+
+    allocator = TorchWindowAllocator("cpu", limit_bytes=0)
+    job = load_job(job_dict(tiny_llama_path, tmp_path, harvest={"window_stages": 1, "micro_batch_size": 4}))
+    trainer = build_trainer(job, allocator=allocator)
+    before = trainer.next_unit()
+    with pytest.raises(WindowMemoryUnavailable, match="embed"):
+        trainer.run_one_unit()
+    assert trainer.next_unit() == before and trainer.stats().units_run == 0
+    allocator.limit_bytes = None  # decode gave memory back
+    record = trainer.run_one_unit()
+    assert (record.kind.value, record.stage) == ("forward", 0)
+
+
+def test_stats_report_window_and_resident_bytes(tiny_llama_path, tmp_path):
+    trainer = build(tiny_llama_path, tmp_path, harvest={"window_stages": 2})
+    run_steps(trainer, 1)
+    stats = trainer.stats()
+    trainable = sum(p.numel() * 4 for p in trainer.trainable_params)
+    assert stats.window_stages == 2
+    assert stats.window_bytes == sum(trainer.window.stage_bytes()[s] for s in trainer.window.resident_stages())
+    # Weights, grads, Adam m and v, plus AdamW's per-parameter step counters.
+    extra = stats.resident_bytes - stats.window_bytes - 4 * trainable
+    assert 0 <= extra <= 8 * len(trainer.trainable_params)
+    assert stats.global_step == 1 and stats.samples_seen == 4 and stats.tokens_seen > 0
+    sizes = sorted(trainer.window.stage_bytes(), reverse=True)
+    assert trainer.window.capacity_for_bytes(sizes[0] + sizes[1]) == 2
+    assert trainer.window.capacity_for_bytes(sizes[0] - 1) == 0
+    assert stats.units_run == len(trainer.split.pass_stages()) * 2 + 1
+
+
+def test_saved_weight_handles_survive_relocation():
+    """Autograd saves handles into window buffers, so backward sees the weights at their new
+    address after the stage was evicted and loaded again."""
+    from torch import nn
+
+    from harvest.train.weights import HostCopyWeightSource
+    from harvest.train.window import StageLayout, WeightWindow
+    from harvest.train.window_memory import TorchWindowAllocator
+
+    layers = [nn.Linear(8, 8, bias=True) for _ in range(2)]
+    host = {}
+    frozen = []
+    for index, layer in enumerate(layers):
+        layer.requires_grad_(False)
+        entries = [(f"l{index}.{attr}", layer, attr, getattr(layer, attr).detach().clone())
+                   for attr in ("weight", "bias")]
+        host.update({name: tensor for name, _, _, tensor in entries})
+        frozen.append(entries)
+    expected_weight = host["l0.weight"].clone()
+    layouts = [StageLayout.build(i, f"layer.{i}", entries) for i, entries in enumerate(frozen)]
+    window = WeightWindow(layouts, HostCopyWeightSource(host), TorchWindowAllocator("cpu"), capacity=1)
+    x = torch.randn(3, 8, requires_grad=True)
+    window.prepare(0, iter([1]))
+    with window.saved_tensor_hooks():
+        y = layers[0](x)
+    window.prepare(1, iter([0]))  # evicts layer 0
+    assert layers[0].weight.device.type == "meta"
+    occupied = [torch.empty(layouts[0].num_bytes, dtype=torch.uint8) for _ in range(4)]  # likely the old address
+    window.prepare(0, iter([]))  # back, most likely at another address
+    del occupied
+    torch.autograd.backward(y, torch.ones_like(y))
+    assert torch.allclose(x.grad, torch.ones(3, 8) @ expected_weight)
+
+
+def test_backward_without_its_stage_resident_fails_loudly():
+    from torch import nn
+
+    from harvest.train.weights import HostCopyWeightSource
+    from harvest.train.window import StageLayout, WeightWindow
+    from harvest.train.window_memory import TorchWindowAllocator
+
+    layers = [nn.Linear(4, 4, bias=False).requires_grad_(False) for _ in range(2)]
+    entries = [[(f"l{i}.weight", layer, "weight", layer.weight.detach().clone())] for i, layer in enumerate(layers)]
+    host = {e[0][0]: e[0][3] for e in entries}
+    layouts = [StageLayout.build(i, f"layer.{i}", e) for i, e in enumerate(entries)]
+    window = WeightWindow(layouts, HostCopyWeightSource(host), TorchWindowAllocator("cpu"), capacity=1)
+    x = torch.randn(2, 4, requires_grad=True)
+    window.prepare(0, iter([]))
+    with window.saved_tensor_hooks():
+        y = layers[0](x)
+    window.prepare(1, iter([]))
+    with pytest.raises(RuntimeError, match="layer.0"):
+        y.sum().backward()

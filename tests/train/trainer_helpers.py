@@ -1,0 +1,89 @@
+"""Helpers for the trainer tests: job dictionaries over the tiny models and the small
+alpaca-format dataset in tests/train/data, trainers built through LlamaFactory, and the
+plain PEFT reference they are compared with."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+DATA_DIR = Path(__file__).resolve().parent / "data"
+
+
+def job_dict(model_path, output_dir, **overrides) -> dict:
+    """A small, deterministic LlamaFactory job on the tiny dataset."""
+    harvest = {"micro_batch_size": 2, **overrides.pop("harvest", {})}
+    job = dict(
+        model_name_or_path=str(model_path), template="default", dataset="tiny_alpaca", dataset_dir=str(DATA_DIR),
+        lora_rank=4, lora_alpha=8, lora_target="all", lora_dropout=0.0, cutoff_len=64, learning_rate=1e-3,
+        per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=4, output_dir=str(output_dir),
+        save_steps=2, seed=0, harvest=harvest,
+    )
+    job.update(overrides)
+    return job
+
+
+def build(model_path, output_dir, **overrides):
+    from harvest.train.build import build_trainer
+    from harvest.train.job import load_job
+
+    return build_trainer(load_job(job_dict(model_path, output_dir, **overrides)))
+
+
+def randomize_lora_b(trainer, seed: int = 1) -> None:
+    """LoRA B starts at zero, which makes every LoRA A gradient zero; give it values so the
+    gradient comparison covers both matrices."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in trainer.split.peft_model.named_parameters():
+            if param.requires_grad and "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
+
+
+def reference_peft_model(trainer, model_path, output_dir, **overrides):
+    """The plain PEFT model LlamaFactory builds for the same job, with the trainer's LoRA weights."""
+    import copy
+
+    from harvest.train.job import import_llamafactory, load_job
+
+    import_llamafactory()
+    from llamafactory.model import load_model, load_tokenizer
+
+    job = load_job(job_dict(model_path, output_dir, **overrides))
+    model_args = copy.copy(job.model_args)
+    model_args.device_map = {"": "cpu"}
+    tokenizer = load_tokenizer(model_args)["tokenizer"]
+    model = load_model(tokenizer, model_args, job.finetuning_args, is_trainable=True)
+    trained = dict(trainer.split.peft_model.named_parameters())
+    with __import__("torch").no_grad():
+        for name, param in model.named_parameters():
+            if param.requires_grad:
+                param.copy_(trained[name])
+    return model
+
+
+def full_batch(trainer, step: int):
+    """The step's samples collated as one batch (what a plain trainer would feed)."""
+    features = [trainer.batches.dataset[i] for i in trainer.batches.step_indices(step)]
+    return trainer.batches.collate(features)
+
+
+def run_until_optimizer(trainer) -> None:
+    from harvest.train.stats import UnitKind
+
+    while trainer.next_unit().kind != UnitKind.OPTIMIZER:
+        trainer.run_one_unit()
+
+
+def lora_grads(model) -> dict:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def lora_params(model) -> dict:
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def max_abs_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
