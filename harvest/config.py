@@ -9,7 +9,8 @@ Example::
 
     qos:
       target_tpot_ms: 40        # per-token latency target of every decode step
-    profile: profiles/h100-llama3-8b.json   # optional: none = measure online from scratch
+    profile: profiles/h100-llama3-8b.json   # `harvest profile` output; required with jobs
+    allow_profile_mismatch: false           # true: use a profile of another GPU/model (warns)
     jobs: [jobs/alpaca-lora.yaml]           # LlamaFactory-style job files, run in order
     ladder: auto                # or a list of decode SM counts, e.g. [132, 96, 64, 32]
     memory:
@@ -54,6 +55,7 @@ class MetricsConfig:
 class HarvestConfig:
     qos: QosConfig = QosConfig()
     profile: Path | None = None
+    allow_profile_mismatch: bool = False
     jobs: tuple[Path, ...] = ()
     ladder: tuple[int, ...] | None = None  # None: planned from the device ("auto")
     memory: MemoryConfig = MemoryConfig()
@@ -123,12 +125,18 @@ def parse(raw: Any, *, base_dir: Path, source: Path | None = None) -> HarvestCon
     profile_raw = raw.pop("profile", None)
     profile = None if profile_raw is None else _path(profile_raw, "profile", base_dir, must_exist=True)
 
+    allow_mismatch = raw.pop("allow_profile_mismatch", False)
+    if not isinstance(allow_mismatch, bool):
+        raise _fail("allow_profile_mismatch", allow_mismatch, "true or false")
+
     jobs_raw = raw.pop("jobs", [])
     if isinstance(jobs_raw, str):
         jobs_raw = [jobs_raw]
     if not isinstance(jobs_raw, list):
         raise _fail("jobs", jobs_raw, "a list of job file paths")
     jobs = tuple(_path(j, f"jobs[{i}]", base_dir, must_exist=True) for i, j in enumerate(jobs_raw))
+    if jobs and profile is None:
+        raise ConfigError("harvest config: profile is required when jobs are given (run `harvest profile` for this GPU and model)")
 
     ladder_raw = raw.pop("ladder", "auto")
     if ladder_raw == "auto":
@@ -158,8 +166,8 @@ def parse(raw: Any, *, base_dir: Path, source: Path | None = None) -> HarvestCon
     metrics = MetricsConfig(port=_number(metrics_raw, "port", "metrics", 9400, low=0, high=65535, integer=True))
     _no_leftovers(metrics_raw, "metrics", ("port",))
 
-    _no_leftovers(raw, "", ("qos", "profile", "jobs", "ladder", "memory", "metrics"))
-    return HarvestConfig(qos=qos, profile=profile, jobs=jobs, ladder=ladder, memory=memory, metrics=metrics, source=source)
+    _no_leftovers(raw, "", ("qos", "profile", "allow_profile_mismatch", "jobs", "ladder", "memory", "metrics"))
+    return HarvestConfig(qos=qos, profile=profile, allow_profile_mismatch=allow_mismatch, jobs=jobs, ladder=ladder, memory=memory, metrics=metrics, source=source)
 
 
 def load(path: str | Path) -> HarvestConfig:

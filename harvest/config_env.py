@@ -65,3 +65,14 @@ def harvest_config_path() -> Path | None:
     """HARVEST_CONFIG: path of harvest.yaml (set by --harvest-config); None = defaults."""
     value = os.environ.get(CONFIG_VAR)
     return Path(value) if value else None
+
+
+def fault_after_units() -> int | None:
+    """HARVEST_FAULT_AFTER_UNITS: test knob; the co-located trainer raises after this many
+    units (fault-isolation tests). Unset in production."""
+    value = os.environ.get("HARVEST_FAULT_AFTER_UNITS")
+    if not value:
+        return None
+    if not value.isdigit():
+        raise ValueError(f"HARVEST_FAULT_AFTER_UNITS={value!r} must be a non-negative integer")
+    return int(value)

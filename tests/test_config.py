@@ -18,13 +18,13 @@ def test_full_document_and_relative_paths(tmp_path):
     (tmp_path / "jobs" / "a.yaml").write_text("x: 1\n")
     (tmp_path / "p.json").write_text("{}")
     (tmp_path / "harvest.yaml").write_text(
-        "qos: {target_tpot_ms: 25, margin: 0.1}\nprofile: p.json\njobs: [jobs/a.yaml]\n"
+        "qos: {target_tpot_ms: 25, margin: 0.1}\nprofile: p.json\nallow_profile_mismatch: true\njobs: [jobs/a.yaml]\n"
         "ladder: [64, 132, 96]\nmemory: {reserve_tokens: 2048, hysteresis_chunks: 2, max_lend_fraction: 0.5}\n"
         "metrics: {port: 0}\n"
     )
     config = load(tmp_path / "harvest.yaml")
     assert config.qos.target_tpot_ms == 25 and config.qos.margin == 0.1
-    assert config.profile == tmp_path / "p.json"
+    assert config.profile == tmp_path / "p.json" and config.allow_profile_mismatch
     assert config.jobs == (tmp_path / "jobs" / "a.yaml",)
     assert config.ladder == (132, 96, 64)
     assert config.memory.reserve_tokens == 2048 and config.memory.max_lend_fraction == 0.5
@@ -53,6 +53,7 @@ def test_full_document_and_relative_paths(tmp_path):
         ({"jobs": ["nope.yaml"]}, r"jobs\[0\]='nope.yaml': file not found"),
         ({"jobs": {"a": 1}}, r"jobs=\{'a': 1\}: expected a list"),
         ({"trainer": {}}, r"unknown key\(s\) trainer \(known: qos, profile"),
+        ({"allow_profile_mismatch": "yes"}, r"allow_profile_mismatch='yes': expected true or false"),
         ([1, 2], r"the document must be a mapping, got list"),
     ],
 )
@@ -68,3 +69,9 @@ def test_unreadable_and_invalid_yaml(tmp_path):
     bad.write_text("qos: [unclosed\n")
     with pytest.raises(ConfigError, match="is not valid YAML"):
         load(bad)
+
+
+def test_jobs_need_a_profile(tmp_path):
+    (tmp_path / "a.yaml").write_text("x: 1\n")
+    with pytest.raises(ConfigError, match="profile is required when jobs are given"):
+        parse({"jobs": ["a.yaml"]}, base_dir=tmp_path)

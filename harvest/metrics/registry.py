@@ -58,6 +58,7 @@ class HarvestMetrics:
         self.gpu_memory_bandwidth_utilization_ratio = gauge("harvest_gpu_memory_bandwidth_utilization_ratio", "GPU memory bandwidth utilisation reported by NVML (0..1).")
         self.gpu_memory_used_bytes = gauge("harvest_gpu_memory_used_bytes", "GPU memory in use reported by NVML.")
         self._last_level: int | None = None
+        self._last_split: tuple | None = None
         self._last_counters = {"tokens": 0, "samples": 0, "steps": 0}
 
     # --- per decode step -------------------------------------------------------------
@@ -65,14 +66,19 @@ class HarvestMetrics:
         self.decode_step_seconds.observe(measured_s)
         if predicted_s is not None:
             self.predicted_step_seconds.set(predicted_s)
-        self.qos_target_seconds.set(target_s)
         if measured_s > target_s:
             self.qos_violations_total.inc()
-        if self._last_level is not None and level_index != self._last_level:
-            self.partition_changes_total.inc()
-        self._last_level = level_index
-        self.decode_sms.set(decode_sms)
-        self.trainer_sms.set(trainer_sms)
+        # Per-step cost matters (this runs before every decode step): gauges that rarely
+        # change are written only when they do.
+        split = (target_s, level_index, decode_sms, trainer_sms)
+        if split != self._last_split:
+            if self._last_level is not None and level_index != self._last_level:
+                self.partition_changes_total.inc()
+            self._last_level = level_index
+            self.qos_target_seconds.set(target_s)
+            self.decode_sms.set(decode_sms)
+            self.trainer_sms.set(trainer_sms)
+            self._last_split = split
 
     def set_prediction_error(self, mape: float) -> None:
         self.prediction_error_ratio.set(mape)

@@ -5,6 +5,7 @@ where the trainer and the metrics live; SGLang's HTTP server runs in another pro
 
     GET  /metrics          Prometheus text format (open, as SGLang's own /metrics)
     GET  /harvest/status   JSON: trainer, SM level, memory, QoS counters
+    GET  /harvest/steps    JSON: the last decode steps (time, batch, latency, level, trainer on)
     POST /harvest/pause    trainer pauses at its next unit boundary
     POST /harvest/resume
     POST /harvest/stop     trainer checkpoints and stops
@@ -33,6 +34,7 @@ class Controllable(Protocol):
     def resume_trainer(self) -> dict: ...
     def stop_trainer(self) -> dict: ...
     def metrics_exposition(self) -> bytes: ...
+    def recent_steps(self) -> list: ...
 
 
 class ControlServer:
@@ -67,6 +69,9 @@ class ControlServer:
                 elif self.path == "/harvest/status":
                     if self._allowed():
                         self._json(200, target.status())
+                elif self.path == "/harvest/steps":
+                    if self._allowed():
+                        self._json(200, {"steps": target.recent_steps()})
                 else:
                     self._json(404, {"error": f"no such endpoint {self.path}"})
 

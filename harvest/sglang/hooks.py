@@ -13,9 +13,17 @@ SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
 
 # Every SGLang attribute harvest hooks; the plugin resolves each at load and refuses to
 # enable harvest if one is missing (another SGLang version moved it).
+KV_POOL_CREATE = "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool._create_buffers_normal"
+TOKEN_ALLOCATOR = "sglang.srt.mem_cache.allocator.token.TokenToKVPoolAllocator"
+POOL_INVARIANT = "sglang.srt.managers.scheduler_components.invariant_checker.SchedulerInvariantChecker._check_pool_invariant"
+
 TARGETS = [
     f"{SCHEDULER}.__init__",
     f"{SCHEDULER}.run_batch",
+    f"{SCHEDULER}.on_idle",
+    KV_POOL_CREATE,
+    f"{TOKEN_ALLOCATOR}.alloc",
+    POOL_INVARIANT,
 ]
 
 RUNTIME_ATTR = "_harvest_runtime"
@@ -37,6 +45,43 @@ def _run_batch(original, scheduler, batch, *args, **kwargs):
     return runtime.run_step(original, scheduler, batch, *args, **kwargs)
 
 
+def _on_idle(result, scheduler, *args, **kwargs):
+    runtime = getattr(scheduler, RUNTIME_ATTR, None)
+    if runtime is not None:
+        runtime.on_idle()
+    return result
+
+
+# The token allocator does not know its scheduler; the runtime registers its lending
+# controller here (one scheduler, one allocator per process: tp_size 1).
+_lending_by_allocator: dict[int, object] = {}
+
+
+def _token_alloc(original, allocator, need_size, *args, **kwargs):
+    lending = _lending_by_allocator.get(id(allocator))
+    if lending is not None and need_size > allocator.available_size():
+        lending.ensure_available(need_size)  # take lent chunks back rather than fail
+    return original(allocator, need_size, *args, **kwargs)
+
+
+def register_lending(token_allocator, lending) -> None:
+    _lending_by_allocator[id(token_allocator)] = lending
+
+
+def _pool_invariant(original, pool_name, available, *args, **kwargs):
+    # SGLang's idle leak check: available + evictable + ... == total. Lent slots are out of
+    # the free list but accounted for (the trainer holds them until reclaimed).
+    if pool_name == "full":
+        available += sum(lending.num_lent * lending.tokens_per_chunk for lending in _lending_by_allocator.values())
+    return original(pool_name, available, *args, **kwargs)
+
+
 def register(registry, hook_type) -> None:
+    from harvest.sglang import kv_backing
+
     registry.register(f"{SCHEDULER}.__init__", _scheduler_init, hook_type.AFTER)
     registry.register(f"{SCHEDULER}.run_batch", _run_batch, hook_type.AROUND)
+    registry.register(f"{SCHEDULER}.on_idle", _on_idle, hook_type.AFTER)
+    registry.register(KV_POOL_CREATE, kv_backing._create_buffers_normal, hook_type.AROUND)
+    registry.register(f"{TOKEN_ALLOCATOR}.alloc", _token_alloc, hook_type.AROUND)
+    registry.register(POOL_INVARIANT, _pool_invariant, hook_type.AROUND)

@@ -161,6 +161,13 @@ class LayerSplitTrainer:
             self.window.set_capacity(num_stages)
             return self.window.held_bytes
 
+    def release_window(self) -> int:
+        """Free all of the window's memory between units (a unit that needs a stage loads it
+        again). Returns the bytes the window holds afterwards (0 unless weights are shared)."""
+        with self._unit_lock:
+            self.window.evict_all()
+            return self.window.held_bytes
+
     # -- checkpoints -----------------------------------------------------------------------
     def save_checkpoint(self) -> Path | None:
         """Checkpoint the state of the last completed step (mid-step work is redone on

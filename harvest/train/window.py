@@ -142,6 +142,14 @@ class WeightWindow:
         for stage in [s for s in self._resident if s not in keep]:
             self._evict(stage)
 
+    def evict_all(self) -> None:
+        """Drop every resident stage (W is unchanged: the next units load what they need).
+        For a full reclaim of lent memory; the caller holds the trainer's unit lock."""
+        if self.source.device_resident:
+            return
+        for stage in list(self._resident):
+            self._evict(stage)
+
     # -- per unit ----------------------------------------------------------------------
     def prepare(self, stage: int, upcoming: Iterable[int], stream=None) -> float:
         """Make `stage` resident for a unit about to run on `stream`, evicting the stages

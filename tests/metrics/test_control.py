@@ -35,6 +35,9 @@ class FakeRuntime:
     def metrics_exposition(self):
         return b"harvest_x 1\n"
 
+    def recent_steps(self):
+        return [[1.0, 4, 3.5, 3.2, 0, True]]
+
 
 def request(port, method, path, token=None):
     req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", method=method, data=b"" if method == "POST" else None)
@@ -64,6 +67,8 @@ def test_routes_without_keys(open_server):
         status, body = request(port, "POST", f"/harvest/{action}")
         assert status == 200
     assert runtime.calls == ["pause", "resume", "stop"]
+    status, body = request(port, "GET", "/harvest/steps")
+    assert status == 200 and json.loads(body) == {"steps": [[1.0, 4, 3.5, 3.2, 0, True]]}
     assert request(port, "GET", "/harvest/nope")[0] == 404
     assert request(port, "POST", "/harvest/explode")[0] == 404
 

@@ -1,0 +1,153 @@
+"""Per-decode-step control: predict, decide, apply, measure (Harli §5-§6).
+
+    decision = control.before_step(StepLoad(batch_size, sum_context, is_decode))
+    ... the engine runs the step on control.decode_stream ...
+    control.after_step(measured_s)       # or later, when a CUDA-event timer completes
+
+Prediction: the latency predictor fills one preallocated list per stage for every ladder
+level (plain arithmetic); the QoS controller picks the level and whether the trainer runs.
+Applying is an O(1) partition selection plus the trainer gate. Measurements feed the
+QoS controller's feedback margin, the online predictor's rolling windows (refit runs on
+its own thread, off the decode path) and the metrics.
+
+Steps the profile does not cover (prefill or mixed batches on a non-disaggregated server)
+are predicted as NaN: the scheduler never co-locates them, the trainer pauses.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import time
+from typing import NamedTuple
+
+from harvest.logs import get_logger
+from harvest.schedule import QoSController, SchedulerInput, TrainerAction, TrainerState
+from harvest.schedule.snapshots import WHOLE_GPU
+
+logger = get_logger(__name__)
+
+
+class StepLoad(NamedTuple):
+    batch_size: int
+    sum_context: int
+    is_decode: bool
+
+
+class _Pending(NamedTuple):
+    step: int  # the QoS decision's step number
+    load: StepLoad
+    level: int
+    phase: str | None  # trainer phase co-running; None: decode alone
+    predicted_s: float
+    trainer_ran: bool
+
+
+class StepRecord(NamedTuple):
+    time_s: float  # wall clock (time.time) at the end of the step
+    batch_size: int
+    measured_ms: float
+    predicted_ms: float  # NaN when nothing was predicted
+    level: int
+    trainer_ran: bool
+
+
+class StepController:
+    def __init__(self, *, partitioner, qos: QoSController, trainer_host, predictor=None, refiner=None, metrics=None,
+                 target_tpot_ms: float):
+        self.partitioner = partitioner
+        self.qos = qos
+        self.trainer = trainer_host
+        self.predictor = predictor
+        self.refiner = refiner
+        self.metrics = metrics
+        self.target_s = target_tpot_ms / 1e3
+        self.levels = partitioner.levels
+        self.whole_index = partitioner.whole_device_index
+        num_levels = len(self.levels)
+        self._solo = [math.nan] * num_levels
+        self._colo = [math.nan] * num_levels
+        self._no_prediction = (math.nan,) * num_levels
+        self._phase_index = {}
+        if predictor is not None:
+            self._phase_index = {name: predictor.phase_index(name) for name in ("forward", "backward", None)}
+        self._pending: collections.deque[_Pending] = collections.deque()
+        self.recent_steps: collections.deque[StepRecord] = collections.deque(maxlen=8192)
+        self.level = self.levels[self.whole_index]
+        self.num_steps = 0
+        self._last_decision_step = -1
+        self.control_ns = 0  # time spent in before_step + after_step (hook overhead)
+        self.last_step_end = time.monotonic()
+
+    @property
+    def decode_stream(self):
+        return self.level.decode_stream
+
+    # -- before the step ------------------------------------------------------------------
+    def before_step(self, load: StepLoad):
+        started = time.perf_counter_ns()
+        trainer_state = self.trainer.scheduler_state() if self.trainer is not None else TrainerState.ABSENT
+        phase = None
+        colo_ms = self._no_prediction
+        whole_ms = math.nan
+        if load.is_decode and self.predictor is not None and trainer_state is TrainerState.RUNNING:
+            phase = self.trainer.next_phase()
+            self.predictor.predict_levels(load.batch_size, load.sum_context, self._solo, self._colo,
+                                          self._phase_index.get(phase, 0))
+            colo_ms = tuple(c * 1e3 for c in self._colo)
+            whole_ms = self._solo[self.whole_index] * 1e3
+        decision = self.qos.decide(SchedulerInput(colo_ms, trainer_state, whole_ms))
+        index = self.whole_index if decision.level_index == WHOLE_GPU else decision.level_index
+        run = decision.trainer_action is TrainerAction.RUN
+        self.level = self.partitioner.select(index)
+        if self.trainer is not None:
+            self.trainer.apply(run, self.level.trainer_stream)
+        if run:
+            predicted_s = self._colo[index]
+        elif load.is_decode and self.predictor is not None:
+            predicted_s = self.predictor.predict_solo(index, load.batch_size, load.sum_context)
+        else:
+            predicted_s = math.nan
+        self._last_decision_step = decision.step
+        self._pending.append(_Pending(decision.step, load, index, phase if run else None, predicted_s, run))
+        self.control_ns += time.perf_counter_ns() - started
+        return decision
+
+    # -- after the step (measurements may arrive one step late, in order) -----------------
+    def after_step(self, measured_s: float) -> None:
+        started = time.perf_counter_ns()
+        pending = self._pending.popleft()
+        self.num_steps += 1
+        self.last_step_end = time.monotonic()
+        if not measured_s > 0:
+            return
+        self.recent_steps.append(StepRecord(time.time(), pending.load.batch_size, measured_s * 1e3,
+                                            pending.predicted_s * 1e3, pending.level, pending.trainer_ran))
+        # The scheduler takes a measurement only for its latest decision; a late one (CUDA
+        # events under overlap scheduling) still feeds the predictor and the metrics.
+        if pending.step == self._last_decision_step:
+            self.qos.observe_measurement(measured_s * 1e3)
+        if self.refiner is not None and pending.load.is_decode:
+            self.refiner.observe(pending.level, pending.load.batch_size, pending.load.sum_context, measured_s,
+                                 phase=pending.phase, predicted_s=None if math.isnan(pending.predicted_s) else pending.predicted_s)
+        if self.metrics is not None:
+            level = self.levels[pending.level]
+            self.metrics.observe_step(
+                measured_s=measured_s, predicted_s=None if math.isnan(pending.predicted_s) else pending.predicted_s,
+                target_s=self.target_s, level_index=pending.level, decode_sms=level.decode_sms,
+                trainer_sms=level.trainer_sms if pending.trainer_ran else 0,
+            )
+        self.control_ns += time.perf_counter_ns() - started
+
+    # -- idle ---------------------------------------------------------------------------
+    def on_idle(self) -> None:
+        """No decode step is running: give the trainer the level with the most trainer SMs."""
+        if self.trainer is None or self._pending:
+            return
+        if self.trainer.scheduler_state() not in (TrainerState.RUNNING, TrainerState.STARVED):
+            return
+        best = max(range(len(self.levels)), key=lambda i: self.levels[i].trainer_sms)
+        if self.levels[best].trainer_sms == 0:
+            return
+        self.level = self.partitioner.select(best)
+        self.trainer.apply(True, self.level.trainer_stream)

@@ -1,0 +1,44 @@
+"""Write a ready co-location setup for the tiny local model: a LoRA job and harvest.yaml.
+
+Used by `harvest demo`, the co-location tests and scripts/bench_colocate.py, so all three
+exercise the same files an operator would write. The job trains LoRA adapters on the small
+alpaca-format dataset shipped in harvest/data/demo; the profile is the committed CPU
+profile of the tiny model (``allow_profile_mismatch`` because the CPU it was measured on
+may differ from this one; online refinement corrects the coefficients as steps are seen).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from harvest.config_env import PROJECT_ROOT
+
+DEMO_DATA = Path(__file__).resolve().parent / "data" / "demo"
+CPU_PROFILE = PROJECT_ROOT / "profiles" / "cpu-tiny-llama-sglang.json"
+
+
+def write(directory: Path, model_path: Path, *, target_tpot_ms: float = 40.0, max_steps: int = 100_000,
+          metrics_port: int = 0, profile: Path = CPU_PROFILE, save_steps: int = 500) -> Path:
+    """Write ``job.yaml`` and ``harvest.yaml`` into ``directory``; return harvest.yaml's path."""
+    directory.mkdir(parents=True, exist_ok=True)
+    job = {
+        "model_name_or_path": str(model_path), "template": "default",
+        "dataset": "demo_alpaca", "dataset_dir": str(DEMO_DATA), "finetuning_type": "lora",
+        "lora_rank": 4, "lora_alpha": 8, "lora_target": "all", "cutoff_len": 64, "learning_rate": 1e-3,
+        "per_device_train_batch_size": 2, "gradient_accumulation_steps": 1, "max_steps": max_steps,
+        "output_dir": str(directory / "adapter"), "save_steps": save_steps, "seed": 0,
+        "harvest": {"micro_batch_size": 2},
+    }
+    (directory / "job.yaml").write_text(yaml.safe_dump(job, sort_keys=False))
+    config = {
+        "qos": {"target_tpot_ms": target_tpot_ms},
+        "profile": str(profile),
+        "allow_profile_mismatch": True,
+        "jobs": ["job.yaml"],
+        "metrics": {"port": metrics_port},
+    }
+    path = directory / "harvest.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path

@@ -1,0 +1,281 @@
+"""harvest inside one SGLang scheduler process: composition, the step hook, control.
+
+Created by the ``Scheduler.__init__`` hook when harvest is enabled (``HARVEST_ENABLED``).
+It composes the engine-agnostic pieces (harvest.colocate) with SGLang's objects:
+
+- the KV pool, already on harvest's allocator (harvest.sglang.kv_backing), and a
+  :class:`~harvest.sglang.kv_lending.KvLendingController` on SGLang's token allocator;
+- the SM partitioner (green contexts, or the whole-device fallback), the profile's latency
+  predictor with online refinement, the QoS controller, the trainer thread;
+- metrics and the control endpoint on ``metrics.port``.
+
+Every decode step goes through :meth:`run_step`; the loop reads like the spec::
+
+    load = observe(batch); decision = control.before_step(load)
+    with decode stream: result = run_batch(batch)
+    control.after_step(measured); lending.after_step()
+
+Anything wrong at start-up raises (SGLang then refuses to start); a trainer fault later
+only stops the trainer: it gets no SMs and all lent memory comes back.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import dataclasses
+import math
+import time
+
+from harvest import config_env
+from harvest.logs import get_logger
+
+logger = get_logger(__name__)
+
+
+def observe(batch):
+    """The StepLoad of an SGLang ScheduleBatch."""
+    from harvest.colocate import StepLoad
+
+    mode = batch.forward_mode
+    return StepLoad(batch.batch_size(), int(batch.seq_lens_sum or 0), bool(mode.is_decode()))
+
+
+class HarvestRuntime:
+    def __init__(self, *, config, control, lending, trainer_host, timer, metrics, partitioner, refiner, device_type):
+        self.config = config
+        self.control = control
+        self.lending = lending
+        self.trainer_host = trainer_host
+        self.timer = timer
+        self.metrics = metrics
+        self.partitioner = partitioner
+        self.refiner = refiner
+        self.device_type = device_type
+        self.control_server = None
+        self.num_steps = 0
+        self.step_ns_total = 0
+        self._closed = False
+
+    # -- start-up ---------------------------------------------------------------------
+    @classmethod
+    def attach(cls, scheduler) -> "HarvestRuntime":
+        from harvest.colocate import StepController, TrainerHost, make_step_timer
+        from harvest.compute import create_partitioner
+        from harvest.config import HarvestConfig, load
+        from harvest.memory.lending import LendingPolicy
+        from harvest.memory.reserve import reserve_tokens
+        from harvest.metrics.registry import HarvestMetrics
+        from harvest.predict.compat import load_for
+        from harvest.predict.online import OnlineRefiner
+        from harvest.predict.profiler.levels import from_partitioner
+        from harvest.predict.profiler.provenance import running_identity
+        from harvest.schedule import QoSController, SchedulerConfig
+        from harvest.sglang.kv_backing import allocator_of
+        from harvest.sglang.kv_lending import KvLendingController
+
+        path = config_env.harvest_config_path()
+        config = load(path) if path is not None else HarvestConfig()
+        server_args = scheduler.server_args
+        if server_args.tp_size != 1 or server_args.pp_size != 1 or server_args.dp_size != 1:
+            raise RuntimeError("harvest supports tp_size = pp_size = dp_size = 1 for now")
+        token_allocator = scheduler.token_to_kv_pool_allocator
+        pool = token_allocator.get_kvcache()
+        allocator = allocator_of(pool)
+        if allocator is None:
+            raise RuntimeError("harvest: the KV cache is not on harvest's allocator (the KV hook did not run)")
+        device = str(pool.device)
+        device_type = "cuda" if device.startswith("cuda") else "cpu"
+
+        metrics = HarvestMetrics()
+        levels_arg = {} if config.ladder is None else {"levels": list(config.ladder)}
+        partitioner = create_partitioner(device, **levels_arg)
+
+        predictor = refiner = None
+        if config.profile is not None:
+            ladder = from_partitioner(partitioner).ladder
+            identity = running_identity(device, server_args.model_path, str(scheduler.model_config.dtype).replace("torch.", ""), ladder)
+            profile = load_for(config.profile, identity, allow_mismatch=config.allow_profile_mismatch)
+            refiner = OnlineRefiner.from_profile(profile)
+            predictor = refiner.predictor
+
+        qos = QoSController(
+            SchedulerConfig(target_tpot_ms=config.qos.target_tpot_ms, initial_margin=config.qos.margin),
+            partitioner.levels,
+        )
+
+        from harvest.train.job import load_job
+
+        for job_path in config.jobs:
+            load_job(job_path)  # field-level validation now, at start-up; built on the trainer thread
+        trainer_host = None
+        if config.jobs:
+            trainer_host = TrainerHost(list(config.jobs), build=_job_builder(allocator, device))
+
+        g = allocator.geometry
+        num_chunks = min(g.num_chunks, math.ceil((token_allocator.size + 1) / g.tokens_per_chunk))
+        max_bs = max(1, int(scheduler.max_running_requests))
+        reserve = config.memory.reserve_tokens
+        if reserve is None:
+            # Harli §4.4 with T_swap taken as two steps (a trainer layer swaps out within a
+            # unit boundary; units are shorter than a step): reserve = 2 * max_bs tokens,
+            # capped at a quarter of the pool (SGLang's max_running_requests default on a
+            # CPU is 4096, far above any real decode batch there).
+            target_s = config.qos.target_tpot_ms / 1e3
+            reserve = min(reserve_tokens(2 * target_s, target_s, max_bs, g.kv_bytes_per_token), token_allocator.size // 4)
+        policy = LendingPolicy(tokens_per_chunk=g.tokens_per_chunk, num_chunks=num_chunks, reserve_tokens=reserve,
+                               hysteresis_chunks=config.memory.hysteresis_chunks, max_lend_fraction=config.memory.max_lend_fraction)
+        lending = KvLendingController(token_allocator, allocator, policy, trainer_host=trainer_host, metrics=metrics)
+        from harvest.sglang.hooks import register_lending
+
+        register_lending(token_allocator, lending)
+
+        control = StepController(partitioner=partitioner, qos=qos, trainer_host=trainer_host, predictor=predictor,
+                                 refiner=refiner, metrics=metrics, target_tpot_ms=config.qos.target_tpot_ms)
+        runtime = cls(config=config, control=control, lending=lending, trainer_host=trainer_host,
+                      timer=make_step_timer(device_type), metrics=metrics, partitioner=partitioner, refiner=refiner,
+                      device_type=device_type)
+        if trainer_host is not None:
+            trainer_host._on_fault = runtime._on_trainer_fault
+        if config.metrics.port:
+            from harvest.sglang.control import ControlServer
+
+            runtime.control_server = ControlServer(runtime, port=config.metrics.port, api_key=server_args.api_key,
+                                                   admin_api_key=getattr(server_args, "admin_api_key", None)).start()
+        if refiner is not None:
+            refiner.start()
+        if trainer_host is not None:
+            trainer_host.start()
+        atexit.register(runtime.close)
+        logger.info(
+            "harvest co-location on %s: %s; KV %d chunks x %d tokens, reserve %d tokens; target TPOT %.1f ms; jobs: %s",
+            device, partitioner.description, num_chunks, g.tokens_per_chunk, reserve, config.qos.target_tpot_ms,
+            ", ".join(map(str, config.jobs)) or "none",
+        )
+        return runtime
+
+    # -- the decode step ----------------------------------------------------------------
+    def run_step(self, original, scheduler, batch, *args, **kwargs):
+        mode = batch.forward_mode
+        if mode.is_idle() or mode.is_prebuilt():
+            return original(scheduler, batch, *args, **kwargs)
+        started = time.perf_counter_ns()
+        for measured in self.timer.completed():
+            self.control.after_step(measured)
+        load = observe(batch)
+        self.lending.ensure_available(load.batch_size)  # a decode step never waits for lent memory
+        self.control.before_step(load)
+        stream = self.control.decode_stream
+        overhead = time.perf_counter_ns() - started
+        with _on_stream(stream):
+            self.timer.start(stream)
+            result = original(scheduler, batch, *args, **kwargs)
+            self.timer.stop(stream)
+        started = time.perf_counter_ns()
+        for measured in self.timer.completed():
+            self.control.after_step(measured)
+        self.lending.after_step()
+        self.num_steps += 1
+        self.step_ns_total += overhead + time.perf_counter_ns() - started
+        return result
+
+    def on_idle(self) -> None:
+        self.control.on_idle()
+        self.lending.maybe_lend()
+        self._publish()
+
+    def _publish(self) -> None:
+        if self.trainer_host is not None:
+            status = self.trainer_host.status()
+            stats = status.stats or {}
+            state = {"running": "running", "paused": "paused", "building": "paused"}.get(status.state, "stopped")
+            if state == "running" and self.trainer_host.scheduler_state().value == "starved":
+                state = "starved"
+            self.metrics.set_trainer(state=state, tokens=stats.get("tokens_seen", 0), samples=stats.get("samples_seen", 0),
+                                     steps=stats.get("global_step", 0), loss=stats.get("loss"),
+                                     window_layers=stats.get("window_stages", 0), resident_bytes=stats.get("resident_bytes", 0))
+        lent = self.lending.num_lent
+        self.metrics.set_kv_chunks(mapped=self.lending.policy.num_chunks - lent, lent=lent,
+                                   fragmentation_bytes=self.lending.stats()["fragmentation_bytes"])
+        if self.refiner is not None:
+            self.metrics.set_prediction_error(self.refiner.error)
+
+    # -- faults and shutdown --------------------------------------------------------------
+    def _on_trainer_fault(self, exc: BaseException) -> None:
+        """Trainer thread: return every SM and all lent memory to decode."""
+        self.metrics.trainer_fault()
+        self.lending.reclaim_all()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self.trainer_host is not None:
+            self.trainer_host.shutdown()  # checkpoints first
+        if self.refiner is not None:
+            self.refiner.stop()
+        if self.control_server is not None:
+            self.control_server.close()
+
+    # -- control endpoint (harvest.sglang.control.Controllable) --------------------------
+    def status(self) -> dict:
+        self._publish()
+        trainer = dataclasses.asdict(self.trainer_host.status()) if self.trainer_host is not None else None
+        return {
+            "trainer": trainer,
+            "level": {"index": self.control.level.index, "decode_sms": self.control.level.decode_sms,
+                      "trainer_sms": self.control.level.trainer_sms, "partitioner": self.partitioner.description},
+            "kv": self.lending.stats(),
+            "qos": {"target_tpot_ms": self.config.qos.target_tpot_ms, **self.control.qos.stats().to_dict()},
+            "steps": self.num_steps,
+            "hook_overhead_us_per_step": (self.step_ns_total / self.num_steps / 1e3) if self.num_steps else 0.0,
+            "prediction_error": self.refiner.error if self.refiner is not None else None,
+        }
+
+    def pause_trainer(self) -> dict:
+        if self.trainer_host is None:
+            return {"error": "no finetune job configured"}
+        self.trainer_host.operator_pause()
+        return {"trainer": "paused"}
+
+    def resume_trainer(self) -> dict:
+        if self.trainer_host is None:
+            return {"error": "no finetune job configured"}
+        self.trainer_host.operator_resume()
+        return {"trainer": "resumed"}
+
+    def stop_trainer(self) -> dict:
+        if self.trainer_host is None:
+            return {"error": "no finetune job configured"}
+        self.trainer_host.operator_stop()
+        return {"trainer": "stopping (checkpoint first)"}
+
+    def recent_steps(self) -> list:
+        return [list(record) for record in list(self.control.recent_steps)]
+
+    def metrics_exposition(self) -> bytes:
+        self._publish()
+        return self.metrics.exposition()
+
+
+def _job_builder(allocator, device: str):
+    def build(job_path):
+        from harvest.train.arena_window import ArenaWindowAllocator
+        from harvest.train.build import build_trainer
+        from harvest.train.job import load_job
+
+        job = load_job(job_path)
+        return build_trainer(job, allocator=ArenaWindowAllocator(allocator, device))
+
+    return build
+
+
+@contextlib.contextmanager
+def _on_stream(stream):
+    if stream is None:
+        yield
+        return
+    import torch
+
+    with torch.cuda.stream(stream):
+        yield

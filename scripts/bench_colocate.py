@@ -1,0 +1,157 @@
+#!/usr/bin/env python3
+"""Co-location benchmark on a real SGLang server (CPU by default), in one run:
+
+1. harvest off: the trace slice's greedy outputs (the reference).
+2. harvest on, no job: decode alone; its median step time sets the QoS target
+   (``--target-factor`` x solo, 1.5 by default, since a CPU's absolute step times mean
+   nothing for a GPU target) and gives the hook's overhead without a trainer.
+3. harvest on with the LoRA job: outputs compared with (1); TPOT p99, violations,
+   trainer tokens/s, KV chunks lent and reclaimed, failed requests, hook overhead.
+4. the same trainer alone (no serving) for ``--solo-seconds``: its tokens/s.
+
+The last stdout line is one JSON object. Targets: outputs_identical, failed_requests 0,
+qos_violation_rate <= 0.01, hook_overhead_fraction <= 0.005.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import statistics
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def _get(port, path):
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as response:
+        return json.loads(response.read())
+
+
+def _replay(srv, trace, args):
+    def one(index, request):
+        delay = request.arrival_s * args.time_scale - (time.monotonic() - t0)
+        if delay > 0:
+            time.sleep(delay)
+        ids = [(7 * index + 3 * j) % 400 + 5 for j in range(max(1, min(request.context_tokens, args.max_context)))]
+        n = max(2, min(request.generated_tokens, args.max_output))
+        try:
+            out = srv.post("/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}})
+        except Exception as exc:  # noqa: BLE001
+            return None, str(exc)
+        return out["output_ids"], None
+
+    t0 = time.monotonic()
+    with concurrent.futures.ThreadPoolExecutor(max_workers=64) as pool:
+        return list(pool.map(lambda item: one(*item), enumerate(trace)))
+
+
+def _steps(port):
+    return _get(port, "/harvest/steps")["steps"]
+
+
+def _trainer_alone(job_path: Path, seconds: float) -> float:
+    from harvest.train.build import build_trainer
+    from harvest.train.job import load_job
+
+    trainer = build_trainer(load_job(job_path))
+    for _ in range(8):  # warm up
+        trainer.run_one_unit()
+    tokens0, started = trainer.stats().tokens_seen, time.monotonic()
+    while time.monotonic() - started < seconds and not trainer.finished:
+        trainer.run_one_unit()
+    elapsed = time.monotonic() - started
+    tokens = trainer.stats().tokens_seen - tokens0
+    trainer.close()
+    return tokens / elapsed
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print only the JSON result line")
+    parser.add_argument("--requests", type=int, default=200)
+    parser.add_argument("--time-scale", type=float, default=0.02)
+    parser.add_argument("--max-context", type=int, default=256)
+    parser.add_argument("--max-output", type=int, default=32)
+    parser.add_argument("--target-factor", type=float, default=1.5, help="QoS target = factor x solo median step (CPU)")
+    parser.add_argument("--solo-seconds", type=float, default=15.0)
+    args = parser.parse_args()
+
+    from harvest import colocation_config
+    from harvest.replay.trace import FULL_TRACE, SAMPLE_TRACE, read_trace
+    from harvest.sglang import server
+    from harvest.tiny_model import ensure_tiny_model
+
+    log = (lambda *a: None) if args.json else print
+    trace = read_trace(FULL_TRACE if FULL_TRACE.is_file() else SAMPLE_TRACE, limit=args.requests)
+    model = ensure_tiny_model()
+    work = Path(tempfile.mkdtemp(prefix="harvest-bench-colocate-"))
+    base = server.cpu_server_args(model)
+
+    log("[1/4] harvest off: reference outputs")
+    with server.launch(base, log_path=work / "off.log") as srv:
+        reference = _replay(srv, trace, args)
+
+    log("[2/4] harvest on, no job: solo step time")
+    port = server.free_port()
+    no_job = work / "no-job"
+    no_job.mkdir()
+    (no_job / "harvest.yaml").write_text(f"metrics: {{port: {port}}}\n")
+    with server.launch(base + ["--enable-harvest", "--harvest-config", str(no_job / "harvest.yaml")], log_path=work / "solo.log") as srv:
+        solo_outputs = _replay(srv, trace, args)
+        solo_steps = _steps(port)
+        solo_status = _get(port, "/harvest/status")
+    solo_ms = statistics.median(s[2] for s in solo_steps)
+    target_ms = args.target_factor * solo_ms
+
+    log(f"[3/4] harvest on with the LoRA job, target {target_ms:.2f} ms ({args.target_factor} x solo {solo_ms:.2f} ms)")
+    port = server.free_port()
+    config = colocation_config.write(work / "colocate", model, target_tpot_ms=target_ms, metrics_port=port)
+    with server.launch(base + ["--enable-harvest", "--harvest-config", str(config)], log_path=work / "colocate.log") as srv:
+        deadline = time.monotonic() + 180
+        while (_get(port, "/harvest/status")["trainer"]["stats"] or {}).get("global_step", 0) == 0 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        before = _get(port, "/harvest/status")
+        started = time.monotonic()
+        outputs = _replay(srv, trace, args)
+        replay_s = time.monotonic() - started
+        after = _get(port, "/harvest/status")
+        steps = [s for s in _steps(port) if s[0] >= time.time() - replay_s - 1]
+
+    log(f"[4/4] the same trainer alone for {args.solo_seconds:.0f}s")
+    solo_tokens_per_s = _trainer_alone(work / "colocate" / "job.yaml", args.solo_seconds)
+
+    measured = [s[2] for s in steps]
+    tokens = after["trainer"]["stats"]["tokens_seen"] - before["trainer"]["stats"]["tokens_seen"]
+    result = {
+        "requests": len(trace),
+        "outputs_identical": [o for o, _ in outputs] == [o for o, _ in reference],
+        "outputs_identical_no_job": [o for o, _ in solo_outputs] == [o for o, _ in reference],
+        "failed_requests": sum(e is not None for _, e in outputs),
+        "qos_target_ms": round(target_ms, 3),
+        "qos_target_rule": f"{args.target_factor} x median solo decode step ({solo_ms:.3f} ms) on this CPU",
+        "tpot_p50_ms": statistics.median(measured),
+        "tpot_p99_ms": sorted(measured)[min(len(measured) - 1, round(0.99 * (len(measured) - 1)))],
+        "qos_violation_rate": sum(m > target_ms for m in measured) / len(measured),
+        "decode_steps": len(measured),
+        "trainer_tokens_per_s": tokens / replay_s,
+        "trainer_solo_tokens_per_s": solo_tokens_per_s,
+        "hook_overhead_fraction": after["hook_overhead_us_per_step"] / 1e3 / statistics.median(measured),
+        "hook_overhead_fraction_no_trainer": solo_status["hook_overhead_us_per_step"] / 1e3 / solo_ms,
+        "hook_overhead_us_per_step": after["hook_overhead_us_per_step"],
+        "chunks_lent": after["kv"]["lends_total"],
+        "chunks_reclaimed": after["kv"]["reclaims_total"],
+        "decisions_by_reason": {k: v for k, v in after["qos"]["decisions_by_reason"].items() if v},
+        "device": "cpu",
+    }
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

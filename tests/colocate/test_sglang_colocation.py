@@ -1,0 +1,131 @@
+"""Co-location on a real SGLang server on CPU, with the tiny model and a real LoRA job.
+
+- greedy outputs of 200 requests are identical with harvest on (trainer running, KV
+  chunks lent and reclaimed) and off;
+- a burst that needs the lent memory gets it back (reclaim) with no failed request;
+- the trainer makes progress between bursts;
+- /metrics on harvest's port exports the harvest_* metrics and they move;
+- a trainer that raises mid-step leaves the server serving, with everything reclaimed.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import time
+import urllib.request
+
+import pytest
+
+from harvest import colocation_config
+from harvest.sglang import server
+
+pytestmark = [pytest.mark.sglang, pytest.mark.slow, pytest.mark.timeout(900)]
+
+NUM_REQUESTS = 200
+BURST = 64  # concurrent long requests: more KV than the pool has without the lent chunks
+
+
+def _prompts():
+    light = [[5 + (i * 7 + j) % 300 for j in range(12 + i % 9)] for i in range(NUM_REQUESTS - BURST)]
+    burst = [[5 + (i * 13 + j) % 300 for j in range(230)] for i in range(BURST)]
+    return light, burst
+
+
+def _generate_all(srv, prompts, workers):
+    def one(ids):
+        out = srv.post("/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}})
+        return out["output_ids"]
+
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        return list(pool.map(one, prompts))
+
+
+def _status(port):
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/harvest/status", timeout=10) as response:
+        return json.loads(response.read())
+
+
+def _metrics(port):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return {s.name + json.dumps(s.labels, sort_keys=True): s.value for f in text_string_to_metric_families(text) for s in f.samples}, \
+        {f.name: f.type for f in text_string_to_metric_families(text)}
+
+
+def _wait_for(predicate, timeout_s=60.0, interval_s=0.5):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval_s)
+    return predicate()
+
+
+
+
+def _args(model_path, *extra):
+    # No radix cache, as on a decode instance: cached prefixes hold slots that are evictable
+    # but not free, and harvest lends only free chunks (it never evicts SGLang's cache).
+    args = server.cpu_server_args(model_path, max_total_tokens=16384) + ["--disable-radix-cache"]
+    return args + list(extra)
+
+
+@pytest.fixture(scope="module")
+def reference_outputs(tiny_llama_path, tmp_path_factory):
+    light, burst = _prompts()
+    log = tmp_path_factory.mktemp("reference") / "sglang.log"
+    with server.launch(_args(tiny_llama_path), log_path=log) as srv:
+        return _generate_all(srv, light, 8), _generate_all(srv, burst, BURST)
+
+
+def test_outputs_identical_reclaim_progress_and_metrics(tiny_llama_path, tmp_path, reference_outputs):
+    port = server.free_port()
+    config = colocation_config.write(tmp_path / "harvest", tiny_llama_path, metrics_port=port)
+    light, burst = _prompts()
+    with server.launch(_args(tiny_llama_path, "--enable-harvest", "--harvest-config", str(config)), log_path=tmp_path / "sglang.log") as srv:
+        # The trainer builds on its own thread; KV chunks are lent while the server idles.
+        status = _wait_for(lambda: (s := _status(port))["kv"]["chunks_lent"] > 0 and s["trainer"]["stats"] and s["trainer"]["stats"]["global_step"] > 0 and s)
+        assert status, _status(port)
+        lent_before = status["kv"]["chunks_lent"]
+        light_out = _generate_all(srv, light, 8)
+        step_between = _wait_for(lambda: (s := _status(port))["trainer"]["stats"]["global_step"] > status["trainer"]["stats"]["global_step"] and s)
+        assert step_between, "the trainer made no progress between bursts"
+        lent_before_burst = _wait_for(lambda: _status(port)["kv"]["chunks_lent"] >= lent_before and _status(port)["kv"]["chunks_lent"])
+        burst_out = _generate_all(srv, burst, BURST)
+        after = _status(port)
+        samples, types = _metrics(port)
+        log = srv.log_path.read_text(errors="replace")
+    assert (light_out, burst_out) == reference_outputs
+    assert lent_before_burst and after["kv"]["reclaims_total"] > 0, after["kv"]  # the burst took lent chunks back
+    assert after["trainer"]["error"] is None and after["trainer"]["stats"]["global_step"] > status["trainer"]["stats"]["global_step"]
+    harvest_errors = [line for line in log.splitlines() if "harvest pid=" in line and ("ERROR" in line or "WARNING" in line)]
+    assert not harvest_errors, harvest_errors
+    # Metrics: harvest's names and types, and the values moved.
+    assert types["harvest_decode_step_seconds"] == "histogram" and types["harvest_kv_lends"] == "counter"
+    assert samples['harvest_decode_step_seconds_count{}'] > 0
+    assert samples['harvest_kv_lends_total{}'] >= lent_before and samples['harvest_kv_reclaims_total{}'] > 0
+    assert samples['harvest_trainer_tokens_total{}'] > 0 and samples['harvest_trainer_steps_total{}'] > 0
+    assert samples['harvest_qos_target_seconds{}'] == pytest.approx(0.040)
+
+
+def test_trainer_fault_leaves_the_server_serving(tiny_llama_path, tmp_path, reference_outputs, monkeypatch):
+    port = server.free_port()
+    config = colocation_config.write(tmp_path / "harvest", tiny_llama_path, metrics_port=port)
+    env = server.cpu_server_env()
+    env["HARVEST_FAULT_AFTER_UNITS"] = "40"
+    light, _ = _prompts()
+    with server.launch(_args(tiny_llama_path, "--enable-harvest", "--harvest-config", str(config)), log_path=tmp_path / "sglang.log", env=env) as srv:
+        failed = _wait_for(lambda: (s := _status(port))["trainer"]["state"] == "failed" and s, timeout_s=120)
+        assert failed, _status(port)
+        outputs = _generate_all(srv, light[:40], 8)
+        after = _status(port)
+        samples, _ = _metrics(port)
+    assert "InjectedTrainerFault" in failed["trainer"]["error"]
+    assert outputs == reference_outputs[0][:40]  # still serving, same answers
+    assert after["kv"]["chunks_lent"] == 0  # everything lent came back
+    assert samples['harvest_trainer_faults_total{}'] == 1
