@@ -20,8 +20,13 @@ CPU_PROFILE = PROJECT_ROOT / "profiles" / "cpu-tiny-llama-sglang.json"
 
 
 def write(directory: Path, model_path: Path, *, target_tpot_ms: float = 40.0, max_steps: int = 100_000,
-          metrics_port: int = 0, profile: Path = CPU_PROFILE, save_steps: int = 500) -> Path:
-    """Write ``job.yaml`` and ``harvest.yaml`` into ``directory``; return harvest.yaml's path."""
+          metrics_port: int = 0, profile: Path = CPU_PROFILE, save_steps: int = 500,
+          share_served_weights: bool = False) -> Path:
+    """Write ``job.yaml`` and ``harvest.yaml`` into ``directory``; return harvest.yaml's path.
+
+    The job's base is the served model, so by default sharing is turned off here: the
+    demo and the tests then exercise the general path (frozen weights swapped through a
+    window of lent KV memory), which a job on another base model always takes."""
     directory.mkdir(parents=True, exist_ok=True)
     job = {
         "model_name_or_path": str(model_path), "template": "default",
@@ -37,6 +42,7 @@ def write(directory: Path, model_path: Path, *, target_tpot_ms: float = 40.0, ma
         "profile": str(profile),
         "allow_profile_mismatch": True,
         "jobs": ["job.yaml"],
+        "share_served_weights": share_served_weights,
         "metrics": {"port": metrics_port},
     }
     path = directory / "harvest.yaml"

@@ -12,6 +12,7 @@ Example::
     profile: profiles/h100-llama3-8b.json   # `harvest profile` output; required with jobs
     allow_profile_mismatch: false           # true: use a profile of another GPU/model (warns)
     jobs: [jobs/alpaca-lora.yaml]           # LlamaFactory-style job files, run in order
+    share_served_weights: true  # a job whose base is the served checkpoint uses its weights in place
     ladder: auto                # or a list of decode SM counts, e.g. [132, 96, 64, 32]
     memory:
       reserve_tokens: auto      # free KV slots kept mapped; auto = Harli's formula
@@ -57,6 +58,7 @@ class HarvestConfig:
     profile: Path | None = None
     allow_profile_mismatch: bool = False
     jobs: tuple[Path, ...] = ()
+    share_served_weights: bool = True
     ladder: tuple[int, ...] | None = None  # None: planned from the device ("auto")
     memory: MemoryConfig = MemoryConfig()
     metrics: MetricsConfig = MetricsConfig()
@@ -138,6 +140,10 @@ def parse(raw: Any, *, base_dir: Path, source: Path | None = None) -> HarvestCon
     if jobs and profile is None:
         raise ConfigError("harvest config: profile is required when jobs are given (run `harvest profile` for this GPU and model)")
 
+    share = raw.pop("share_served_weights", True)
+    if not isinstance(share, bool):
+        raise _fail("share_served_weights", share, "true or false")
+
     ladder_raw = raw.pop("ladder", "auto")
     if ladder_raw == "auto":
         ladder = None
@@ -166,8 +172,8 @@ def parse(raw: Any, *, base_dir: Path, source: Path | None = None) -> HarvestCon
     metrics = MetricsConfig(port=_number(metrics_raw, "port", "metrics", 9400, low=0, high=65535, integer=True))
     _no_leftovers(metrics_raw, "metrics", ("port",))
 
-    _no_leftovers(raw, "", ("qos", "profile", "allow_profile_mismatch", "jobs", "ladder", "memory", "metrics"))
-    return HarvestConfig(qos=qos, profile=profile, allow_profile_mismatch=allow_mismatch, jobs=jobs, ladder=ladder, memory=memory, metrics=metrics, source=source)
+    _no_leftovers(raw, "", ("qos", "profile", "allow_profile_mismatch", "jobs", "share_served_weights", "ladder", "memory", "metrics"))
+    return HarvestConfig(qos=qos, profile=profile, allow_profile_mismatch=allow_mismatch, jobs=jobs, share_served_weights=share, ladder=ladder, memory=memory, metrics=metrics, source=source)
 
 
 def load(path: str | Path) -> HarvestConfig:

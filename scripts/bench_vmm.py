@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Benchmark of the unified allocator (libharvest_vmm through harvest.memory).
 
-    python scripts/bench_vmm.py --json [--backend host|cuda] [--fuzz-ops 100000]
+    python scripts/bench_vmm.py --json [--backend host|cuda] [--fuzz-ops 100000] [--num-layers 4]
 
 The last stdout line is one JSON object. What each figure measures:
 
@@ -11,7 +11,8 @@ The last stdout line is one JSON object. What each figure measures:
       range, one map of the dummy page into that KV slot, one map into the general
       arena; access is set once per contiguous run (one per KV range + one for the
       arena). access_calls_per_lend_of_4 is the same for 4 adjacent chunks lent as one
-      batch (still one access call per KV range run).
+      batch (still one access call per KV range run). --num-layers sets the layers of
+      this geometry (default 4; 32 is Llama-3-8B's full KV geometry: 64 pages per chunk).
   create_calls_after_init
       cuMemCreate-equivalent calls after start-up, summed over every allocator this
       run made (all the work below included). Must be 0.
@@ -54,23 +55,27 @@ def parse_args(argv=None):
     parser.add_argument("--backend", choices=("host", "cuda"), default="host")
     parser.add_argument("--fuzz-ops", type=int, default=100_000)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--num-layers", type=int, default=4,
+                        help="layers of the lend/reclaim geometry (32: Llama-3-8B's; default 4)")
     args = parser.parse_args(argv)
+    if args.num_layers < 1:
+        parser.error(f"--num-layers={args.num_layers} must be at least 1")
     if args.fuzz_ops < 1:
         parser.error(f"--fuzz-ops={args.fuzz_ops} must be at least 1")
     return args
 
 
-def llama_like(backend: str, chunks: int, small_pool_bytes: int):
+def llama_like(backend: str, chunks: int, small_pool_bytes: int, num_layers: int = 4):
     from harvest.memory import UnifiedAllocator
 
     # 8 KV heads x 128 x 2 bytes (Llama-3-8B per layer) with 4 layers: 1024 tokens and
     # 8 pages of 2 MiB per chunk, small enough to run on a CPU machine's RAM.
-    return UnifiedAllocator(num_layers=4, kv_heads=8, head_dim=128, dtype_bytes=2, max_tokens=chunks * 1024,
+    return UnifiedAllocator(num_layers=num_layers, kv_heads=8, head_dim=128, dtype_bytes=2, max_tokens=chunks * 1024,
                             small_pool_bytes=small_pool_bytes, backend=backend)
 
 
-def measure_lend(backend: str) -> dict:
-    alloc = llama_like(backend, chunks=12, small_pool_bytes=0)
+def measure_lend(backend: str, num_layers: int = 4) -> dict:
+    alloc = llama_like(backend, chunks=12, small_pool_bytes=0, num_layers=num_layers)
     g = alloc.geometry
     before = alloc.counters()
     alloc.lend(5)
@@ -93,6 +98,7 @@ def measure_lend(backend: str) -> dict:
         reclaim_us.append((t2 - t1) * 1e6)
     alloc.check_integrity()
     result = {
+        "num_layers": num_layers,
         "page_bytes": g.page_bytes,
         "pages_per_chunk": g.pages_per_chunk,
         "map_calls_per_lend": lend.map,
@@ -224,7 +230,7 @@ def main(argv=None) -> int:
     result: dict = {"backend": args.backend}
     creates = 0
     for name, measure in (
-        ("lend/reclaim call counts", lambda: measure_lend(args.backend)),
+        ("lend/reclaim call counts", lambda: measure_lend(args.backend, args.num_layers)),
         ("small pool vs malloc", lambda: measure_small_pool(args.backend, args.seed)),
         ("fragmentation trace", lambda: measure_fragmentation(args.backend, args.seed)),
         ("fuzz", lambda: measure_fuzz(args.backend, args.fuzz_ops, args.seed)),

@@ -54,6 +54,7 @@ def test_full_document_and_relative_paths(tmp_path):
         ({"jobs": {"a": 1}}, r"jobs=\{'a': 1\}: expected a list"),
         ({"trainer": {}}, r"unknown key\(s\) trainer \(known: qos, profile"),
         ({"allow_profile_mismatch": "yes"}, r"allow_profile_mismatch='yes': expected true or false"),
+        ({"share_served_weights": 1}, r"share_served_weights=1: expected true or false"),
         ([1, 2], r"the document must be a mapping, got list"),
     ],
 )

@@ -69,14 +69,17 @@ class _FaultInjectingGate:
 
 class TrainerHost:
     def __init__(self, job_paths: list[Path], *, build: Callable, on_fault: Callable[[BaseException], None] | None = None,
-                 switch_interval_s: float = CO_LOCATED_SWITCH_INTERVAL_S):
+                 on_unit: Callable[[object], None] | None = None, switch_interval_s: float = CO_LOCATED_SWITCH_INTERVAL_S):
         """``build(job_path) -> LayerSplitTrainer`` runs on the trainer thread (loading a
-        model and dataset takes seconds; start-up of the server does not wait for it)."""
+        model and dataset takes seconds; start-up of the server does not wait for it).
+        ``on_unit(record)`` runs on the trainer thread after every unit: background work
+        (the predictor's refit) belongs there, not on the decode thread."""
         from harvest.train.gate import Gate
 
         self.job_paths = list(job_paths)
         self._build = build
         self._on_fault = on_fault
+        self.on_unit = on_unit
         self._switch_interval_s = switch_interval_s
         self.gate = Gate()
         self.gate.pause()  # the scheduler opens it with its first decision
@@ -128,12 +131,13 @@ class TrainerHost:
                 trainer = self._build(path)
                 with self._lock:
                     self.trainer = trainer
-                    self._starved_fn = trainer.next_unit_ready
+                    # Lock-free: the decode thread must never wait for a running unit.
+                    self._starved_fn = trainer.peek_next_unit_ready
                     self._state = "running"
                 logger.info("trainer started job %s (%d steps)", path, trainer.total_steps)
                 fault_after = config_env.fault_after_units()
                 gate = self.gate if fault_after is None else _FaultInjectingGate(self.gate, fault_after)
-                outcome = trainer.run(gate)
+                outcome = trainer.run(gate, on_unit=self.on_unit)
                 logger.info("trainer job %s %s at step %d", path, outcome, trainer.global_step)
                 with self._lock:
                     self._jobs_done += outcome == "finished"
@@ -182,7 +186,7 @@ class TrainerHost:
         trainer = self.trainer
         if trainer is None:
             return None
-        unit = trainer.next_unit()
+        unit = trainer.peek_next_unit()
         return None if unit is None else unit.kind.value
 
     def apply(self, run: bool, stream=None) -> None:

@@ -25,6 +25,7 @@ import atexit
 import contextlib
 import dataclasses
 import math
+import threading
 import time
 
 from harvest import config_env
@@ -55,6 +56,9 @@ class HarvestRuntime:
         self.control_server = None
         self.num_steps = 0
         self.step_ns_total = 0
+        self.step_cpu_ns_total = 0
+        self._last_refit = 0.0
+        self._refit_lock = threading.Lock()
         self._closed = False
 
     # -- start-up ---------------------------------------------------------------------
@@ -110,7 +114,10 @@ class HarvestRuntime:
             load_job(job_path)  # field-level validation now, at start-up; built on the trainer thread
         trainer_host = None
         if config.jobs:
-            trainer_host = TrainerHost(list(config.jobs), build=_job_builder(allocator, device))
+            served = None
+            if config.share_served_weights:
+                served = (server_args.model_path, scheduler.tp_worker.model_runner.model, scheduler.model_config.hf_config)
+            trainer_host = TrainerHost(list(config.jobs), build=_job_builder(allocator, device, served))
 
         g = allocator.geometry
         num_chunks = min(g.num_chunks, math.ceil((token_allocator.size + 1) / g.tokens_per_chunk))
@@ -137,13 +144,14 @@ class HarvestRuntime:
                       device_type=device_type)
         if trainer_host is not None:
             trainer_host._on_fault = runtime._on_trainer_fault
+            trainer_host.on_unit = runtime._after_trainer_unit
+        if refiner is not None:
+            import sklearn.linear_model  # noqa: F401 - pay the ~1 s import at start-up, not in the first refit
         if config.metrics.port:
             from harvest.sglang.control import ControlServer
 
             runtime.control_server = ControlServer(runtime, port=config.metrics.port, api_key=server_args.api_key,
                                                    admin_api_key=getattr(server_args, "admin_api_key", None)).start()
-        if refiner is not None:
-            refiner.start()
         if trainer_host is not None:
             trainer_host.start()
         atexit.register(runtime.close)
@@ -159,30 +167,56 @@ class HarvestRuntime:
         mode = batch.forward_mode
         if mode.is_idle() or mode.is_prebuilt():
             return original(scheduler, batch, *args, **kwargs)
-        started = time.perf_counter_ns()
+        # Overhead accounting, two clocks: thread CPU time is what harvest's control costs
+        # this thread; wall time adds OS preemption and GIL waits (large on a loaded CPU).
+        wall0, cpu0 = time.perf_counter_ns(), time.thread_time_ns()
         for measured in self.timer.completed():
             self.control.after_step(measured)
         load = observe(batch)
         self.lending.ensure_available(load.batch_size)  # a decode step never waits for lent memory
         self.control.before_step(load)
         stream = self.control.decode_stream
-        overhead = time.perf_counter_ns() - started
+        wall1, cpu1 = time.perf_counter_ns(), time.thread_time_ns()
         with _on_stream(stream):
             self.timer.start(stream)
             result = original(scheduler, batch, *args, **kwargs)
             self.timer.stop(stream)
-        started = time.perf_counter_ns()
+        wall2, cpu2 = time.perf_counter_ns(), time.thread_time_ns()
         for measured in self.timer.completed():
             self.control.after_step(measured)
         self.lending.after_step()
         self.num_steps += 1
-        self.step_ns_total += overhead + time.perf_counter_ns() - started
+        self.step_ns_total += (wall1 - wall0) + time.perf_counter_ns() - wall2
+        self.step_cpu_ns_total += (cpu1 - cpu0) + time.thread_time_ns() - cpu2
         return result
+
+    REFIT_MIN_INTERVAL_S = 2.0
 
     def on_idle(self) -> None:
         self.control.on_idle()
         self.lending.maybe_lend()
-        self._publish()
+        self._maybe_refit()
+
+    def _after_trainer_unit(self, record) -> None:
+        self._maybe_refit()
+
+    def _maybe_refit(self) -> None:
+        """Refit the predictor when enough new steps were seen: from the trainer thread
+        between units, or from the scheduler thread when idle; never inside a decode step.
+        (A scikit-learn refit holds the GIL ~30 ms; a dedicated thread would take it from
+        decode at any moment, measured as QoS violations on CPU.)"""
+        now = time.monotonic()
+        if self.refiner is None or not self.refiner.refit_due() or now - self._last_refit < self.REFIT_MIN_INTERVAL_S:
+            return
+        if not self._refit_lock.acquire(blocking=False):
+            return  # the other thread is refitting
+        try:
+            self._last_refit = now
+            self.refiner.refit()
+        except Exception:  # noqa: BLE001 - a failed refit keeps the old model; serving goes on
+            logger.exception("predictor refit failed; keeping the previous coefficients")
+        finally:
+            self._refit_lock.release()
 
     def _publish(self) -> None:
         if self.trainer_host is not None:
@@ -212,8 +246,6 @@ class HarvestRuntime:
         self._closed = True
         if self.trainer_host is not None:
             self.trainer_host.shutdown()  # checkpoints first
-        if self.refiner is not None:
-            self.refiner.stop()
         if self.control_server is not None:
             self.control_server.close()
 
@@ -229,6 +261,7 @@ class HarvestRuntime:
             "qos": {"target_tpot_ms": self.config.qos.target_tpot_ms, **self.control.qos.stats().to_dict()},
             "steps": self.num_steps,
             "hook_overhead_us_per_step": (self.step_ns_total / self.num_steps / 1e3) if self.num_steps else 0.0,
+            "hook_cpu_us_per_step": (self.step_cpu_ns_total / self.num_steps / 1e3) if self.num_steps else 0.0,
             "prediction_error": self.refiner.error if self.refiner is not None else None,
         }
 
@@ -258,14 +291,32 @@ class HarvestRuntime:
         return self.metrics.exposition()
 
 
-def _job_builder(allocator, device: str):
+def _job_builder(allocator, device: str, served=None):
+    """``build(job_path)`` for the trainer thread. ``served`` = (model path, SGLang model,
+    HF config): a job whose base is that checkpoint trains on the served weights in place."""
+
     def build(job_path):
         from harvest.train.arena_window import ArenaWindowAllocator
         from harvest.train.build import build_trainer
+        from harvest.train.errors import WeightSourceError
         from harvest.train.job import load_job
 
         job = load_job(job_path)
-        return build_trainer(job, allocator=ArenaWindowAllocator(allocator, device))
+        window = ArenaWindowAllocator(allocator, device)
+        if served is not None:
+            from harvest.sglang.served_weights import same_checkpoint, served_weight_tensors
+            from harvest.train.weights import SharedTensorWeightSource
+
+            served_path, model, hf_config = served
+            if same_checkpoint(job.llamafactory_args["model_name_or_path"], served_path):
+                try:
+                    trainer = build_trainer(job, allocator=window,
+                                            weight_source=SharedTensorWeightSource(served_weight_tensors(model, hf_config)))
+                    logger.info("job %s trains on the served weights in place (same base model: no second copy)", job_path)
+                    return trainer
+                except WeightSourceError as exc:
+                    logger.warning("job %s: cannot share the served weights (%s); using a host copy", job_path, exc)
+        return build_trainer(job, allocator=window)
 
     return build
 

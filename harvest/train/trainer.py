@@ -102,6 +102,24 @@ class LayerSplitTrainer:
                 return Unit(UnitKind.FORWARD, 0, 0)
             return self._step.plan[self._step.cursor]
 
+    def peek_next_unit(self) -> Unit | None:
+        """Like `next_unit()` but without the unit lock, so a caller on another thread (the
+        decode step) never waits for the unit in flight. May be one unit stale while a unit
+        is finishing; the scheduler only uses it to pick the stage-2 model and to tell
+        whether the trainer is starved."""
+        if self.finished:
+            return None
+        step = self._step
+        if step is None or step.step != self.global_step:
+            return Unit(UnitKind.FORWARD, 0, 0)
+        plan, cursor = step.plan, step.cursor
+        return plan[cursor] if cursor < len(plan) else None
+
+    def peek_next_unit_ready(self) -> bool:
+        """Lock-free `next_unit_ready()` (see `peek_next_unit`)."""
+        unit = self.peek_next_unit()
+        return unit is None or unit.kind == UnitKind.OPTIMIZER or self.window.is_ready(unit.stage)
+
     def next_unit_ready(self) -> bool:
         """False while the next unit's stage is still being copied in (the trainer is starved)."""
         unit = self.next_unit()

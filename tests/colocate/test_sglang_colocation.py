@@ -129,3 +129,20 @@ def test_trainer_fault_leaves_the_server_serving(tiny_llama_path, tmp_path, refe
     assert outputs == reference_outputs[0][:40]  # still serving, same answers
     assert after["kv"]["chunks_lent"] == 0  # everything lent came back
     assert samples['harvest_trainer_faults_total{}'] == 1
+
+
+def test_same_base_model_trains_on_the_served_weights(tiny_llama_path, tmp_path, reference_outputs):
+    port = server.free_port()
+    config = colocation_config.write(tmp_path / "harvest", tiny_llama_path, metrics_port=port, share_served_weights=True)
+    light, _ = _prompts()
+    with server.launch(_args(tiny_llama_path, "--enable-harvest", "--harvest-config", str(config)), log_path=tmp_path / "sglang.log") as srv:
+        status = _wait_for(lambda: ((s := _status(port))["trainer"]["stats"] or {}).get("global_step", 0) > 0 and s, timeout_s=120)
+        assert status, _status(port)
+        outputs = _generate_all(srv, light[:60], 8)
+        after = _status(port)
+        log = srv.log_path.read_text(errors="replace")
+    assert "trains on the served weights in place" in log
+    assert status["trainer"]["stats"]["window_bytes"] == 0  # no second copy of the frozen weights
+    assert after["trainer"]["stats"]["global_step"] >= status["trainer"]["stats"]["global_step"]
+    assert after["trainer"]["error"] is None
+    assert outputs == reference_outputs[0][:60]  # training never touched the served weights

@@ -1,0 +1,569 @@
+#!/usr/bin/env python3
+"""Co-location without SGLang: a transformers decode engine serving a slice of the Azure
+trace, with the layer-split LoRA trainer beside it. The last stdout line is one JSON object.
+
+    python scripts/colocate_gpu.py --model-path DIR --random-weights --device cuda \\
+        --profile PROFILE.json [--modes decode-alone,harvest,static,trainer-alone]
+
+Modes, run one after another in one process over the same requests:
+  decode-alone   decode on the whole device, no trainer (the TPOT baseline);
+  harvest        harvest.colocate.StepController: the profile's predictor (refined online)
+                 and the QoS controller choose the SM level before every step and open or
+                 close the trainer's gate; idle gaps give the trainer the most SMs;
+  static         StaticMode: the ladder level nearest 60% decode SMs, trainer always on;
+  trainer-alone  the trainer alone on the whole device for --trainer-alone-s seconds.
+
+Requests (harvest.replay's model): a window of the trace, arrival times scaled by
+--time-scale, context and output lengths capped (--max-context, --max-generated). A
+request joins the running batch at the first step boundary after its arrival (wall
+clock) and leaves after ``generated - 1`` decode steps (its prefill ran on a prefill
+instance and produced the first token). Its KV cache arrives as random values: a step's
+cost does not depend on them (as with the model's random weights).
+
+Engine: one forward of the Hugging Face model per step for the whole batch (greedy
+token). Requests of different lengths share a left-padded KV cache (transformers'
+DynamicCache, attention mask over the padding), so a step costs what a uniform batch of
+the longest request costs; the load the scheduler sees is that padded Σctx, n × (longest
++ 1), the quantity a transformers-engine profile measures. TPOT = a step's latency,
+CUDA events on the decode stream around the forward (host timer on CPU), as the scheduler
+sees it; ITL = the wall time between a request's tokens (control decision, joins and
+leaves included). The stream is synchronised after each step, as a serving loop reading
+its tokens does.
+
+Trainer: harvest's LayerSplitTrainer (harvest.train.build.assemble_trainer, no
+LlamaFactory) with LoRA on every linear layer of the served model, its frozen weights
+shared with the decode engine (same-base-model mode: nothing swapped), synthetic token
+batches; hosted by harvest.colocate.TrainerHost. Trainer tokens/s = tokens of completed
+optimizer steps over the mode's wall time (granularity: one step, see trainer_steps).
+
+On a CPU (--device cpu) the ladder is one shared level; the run exercises the same code
+paths (tests/test_gpu_scripts.py runs it with the tiny model).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import dataclasses
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # a source checkout on PYTHONPATH-less runs
+    sys.path.insert(0, str(ROOT))
+
+MODES = ("decode-alone", "harvest", "static", "trainer-alone")
+STATIC_DECODE_FRACTION = 0.6
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    request_id: int
+    arrival_s: float
+    context_tokens: int
+    decode_steps: int
+
+
+def load_requests(trace, start_s, duration_s, time_scale, max_context, max_generated) -> list[Request]:
+    """The trace window as decode work; requests with one output token never reach decode."""
+    from harvest.replay.trace import SAMPLE_TRACE, read_trace
+    from harvest.replay.workload import TraceWindow, prepare
+
+    window = TraceWindow(start_s=start_s, duration_s=duration_s, time_scale=time_scale)
+    chosen = prepare(read_trace(trace or SAMPLE_TRACE), window)
+    return [Request(i, r.arrival_s, max(1, min(r.context_tokens, max_context)), min(r.generated_tokens, max_generated) - 1)
+            for i, r in enumerate(chosen) if min(r.generated_tokens, max_generated) > 1]
+
+
+class RaggedDecodeBatch:
+    """Requests of different lengths decoding together through one HF model: rows are
+    right-aligned in a left-padded KV cache; each step appends one token per row."""
+
+    def __init__(self, model, device, seed: int = 0):
+        import torch
+
+        self._torch = torch
+        config = model.config
+        self.model, self.config, self.device = model, config, torch.device(device)
+        self.kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.request_ids: list[int] = []
+        self.lengths: list[int] = []  # tokens each row holds in the KV cache
+        self.last_logits = None
+        self._cache = self._mask = self._next_ids = None
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.request_ids)
+
+    @property
+    def padded_length(self) -> int:
+        return self._mask.shape[1] if self._mask is not None else 0
+
+    def padded_sum_context(self) -> int:
+        return self.num_requests * (self.padded_length + 1)  # the token being decoded included
+
+    def sum_context(self) -> int:
+        return sum(self.lengths) + self.num_requests
+
+    def join(self, request_ids, context_lengths, prompts=None) -> None:
+        """Add requests holding ``context_lengths`` tokens of KV: random values, or (tests)
+        the prefill of ``prompts`` (lists of token ids)."""
+        torch, F = self._torch, self._torch.nn.functional
+        new_length = max(self.padded_length, *context_lengths)
+        rows, first_ids = [], []
+        with torch.inference_mode():
+            if prompts is None:
+                shape = (len(request_ids), self.kv_heads, new_length, self.head_dim)
+                rows = [(torch.randn(shape, generator=self.generator, device=self.device, dtype=self.model.dtype),
+                         torch.randn(shape, generator=self.generator, device=self.device, dtype=self.model.dtype))
+                        for _ in range(self.config.num_hidden_layers)]
+                first_ids = torch.randint(0, self.config.vocab_size, (len(request_ids), 1), generator=self.generator,
+                                          device=self.device)
+            else:
+                prefills = [self.model(input_ids=torch.tensor([p], device=self.device), use_cache=True) for p in prompts]
+                per_request = [self._layers(out.past_key_values) for out in prefills]
+                for layer in range(self.config.num_hidden_layers):
+                    rows.append(tuple(torch.cat([F.pad(kv[layer][i], (0, 0, new_length - kv[layer][i].shape[-2], 0))
+                                                 for kv in per_request]) for i in (0, 1)))
+                first_ids = torch.cat([out.logits[:, -1].argmax(-1, keepdim=True) for out in prefills])
+            mask = torch.zeros((len(request_ids), new_length), dtype=torch.long, device=self.device)
+            for row, length in enumerate(context_lengths):
+                mask[row, new_length - length:] = 1
+            if self.request_ids:
+                pad = new_length - self.padded_length
+                rows = [(torch.cat([F.pad(k, (0, 0, pad, 0)), new_k]), torch.cat([F.pad(v, (0, 0, pad, 0)), new_v]))
+                        for (k, v), (new_k, new_v) in zip(self._layers(self._cache), rows)]
+                mask = torch.cat([F.pad(self._mask, (pad, 0)), mask])
+                first_ids = torch.cat([self._next_ids, first_ids])
+            self._set(rows, mask, first_ids)
+        self.request_ids += list(request_ids)
+        self.lengths += list(context_lengths)
+
+    def leave(self, request_ids) -> None:
+        torch = self._torch
+        gone = set(request_ids)
+        keep = [i for i, rid in enumerate(self.request_ids) if rid not in gone]
+        if not keep:
+            self.request_ids, self.lengths, self._cache, self._mask, self._next_ids = [], [], None, None, None
+            return
+        lengths = [self.lengths[i] for i in keep]
+        trim = self.padded_length - max(lengths)  # columns that are padding in every kept row
+        index = torch.tensor(keep, device=self.device)
+        with torch.inference_mode():
+            rows = [(k.index_select(0, index)[:, :, trim:], v.index_select(0, index)[:, :, trim:])
+                    for k, v in self._layers(self._cache)]
+            self._set(rows, self._mask.index_select(0, index)[:, trim:], self._next_ids.index_select(0, index))
+        self.request_ids = [self.request_ids[i] for i in keep]
+        self.lengths = lengths
+
+    def step(self) -> None:
+        """One token for every request (on the caller's current stream)."""
+        torch = self._torch
+        with torch.inference_mode():
+            positions = torch.tensor(self.lengths, device=self.device).unsqueeze(1)
+            mask = torch.cat([self._mask, self._mask.new_ones((self.num_requests, 1))], dim=1)
+            out = self.model(input_ids=self._next_ids, past_key_values=self._cache, attention_mask=mask,
+                             position_ids=positions, use_cache=True, logits_to_keep=1)
+            self.last_logits = out.logits[:, -1, :]
+            self._next_ids = self.last_logits.argmax(dim=-1, keepdim=True)
+        self._cache, self._mask = out.past_key_values, mask
+        self.lengths = [length + 1 for length in self.lengths]
+
+    @staticmethod
+    def _layers(cache) -> list[tuple]:
+        return [(keys, values) for keys, values, *_ in cache]
+
+    def _set(self, rows, mask, next_ids) -> None:
+        from transformers import DynamicCache
+
+        self._cache = DynamicCache(ddp_cache_data=rows, config=self.config)
+        self._mask, self._next_ids = mask, next_ids
+
+
+def build_shared_trainer(decode_model, device, *, lora_rank=16, seq_len=512, samples_per_step=4, micro_batch=2, seed=0):
+    """harvest's LayerSplitTrainer for LoRA on ``decode_model``'s own frozen weights (no
+    copy), built without LlamaFactory; synthetic batches of ``seq_len`` random tokens."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    from harvest.train.build import TrainerSettings, assemble_trainer
+    from harvest.train.job import HarvestOptions
+    from harvest.train.weights import SharedTensorWeightSource
+
+    config, dtype = decode_model.config, decode_model.dtype
+    with torch.device("meta"):  # frozen weights come from the decode model: no second copy
+        base = type(decode_model)(config)
+    base = base.to(dtype).requires_grad_(False)
+    base.model.rotary_emb = type(decode_model.model.rotary_emb)(config=config)  # real inv_freq buffers
+    lora = LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, lora_dropout=0.0, target_modules="all-linear",
+                      task_type="CAUSAL_LM")
+    peft_model = get_peft_model(base, lora)
+    generator = torch.Generator().manual_seed(seed)
+    for module in peft_model.modules():  # LoRA weights (on meta like their base layers) made real
+        for name, param in list(module._parameters.items()):
+            if param is not None and param.requires_grad:  # fp32 as LlamaFactory keeps them; B non-zero so A learns
+                module._parameters[name] = torch.nn.Parameter(torch.randn(param.shape, generator=generator) * 0.02)
+    tokens = torch.randint(0, config.vocab_size, (16 * samples_per_step, seq_len), generator=generator)
+    dataset = [{"input_ids": row, "attention_mask": torch.ones_like(row), "labels": row} for row in tokens]
+
+    def collate(features):
+        return {key: torch.stack([f[key] for f in features]) for key in ("input_ids", "attention_mask", "labels")}
+
+    on_gpu = torch.device(device).type == "cuda"
+    settings = TrainerSettings(samples_per_step=samples_per_step, learning_rate=1e-4, seed=seed, max_steps=10**9,
+                               fused_adamw=on_gpu, autocast_dtype=dtype if dtype == torch.bfloat16 else None)
+    shared = SharedTensorWeightSource(dict(decode_model.state_dict()))
+    return assemble_trainer(peft_model, dataset, collate, settings, HarvestOptions(micro_batch_size=micro_batch),
+                            device=torch.device(device), weight_source=shared, max_sample_len=seq_len)
+
+
+# -- what each mode does around a decode step ------------------------------------------------
+class DecodeAlone:
+    def __init__(self, partitioner):
+        self.level = partitioner.select(partitioner.whole_device_index)
+
+    def before_step(self, load):
+        return self.level, False
+
+    def after_step(self, measured_s):
+        pass
+
+    def idle(self):
+        pass
+
+
+class StaticSplit(DecodeAlone):
+    def __init__(self, partitioner, host, level_index):
+        self.level = partitioner.select(level_index)
+        host.apply(True, self.level.trainer_stream)
+
+    def before_step(self, load):
+        return self.level, True
+
+
+class HarvestControl:
+    def __init__(self, control):
+        from harvest.schedule import TrainerAction
+
+        self.control, self._run = control, TrainerAction.RUN
+
+    @property
+    def level(self):
+        return self.control.level
+
+    def before_step(self, load):
+        decision = self.control.before_step(load)
+        return self.control.level, decision.trainer_action is self._run
+
+    def after_step(self, measured_s):
+        self.control.after_step(measured_s)
+
+    def idle(self):
+        self.control.on_idle()
+
+
+def static_level_index(levels) -> int:
+    """The partial level nearest STATIC_DECODE_FRACTION decode SMs (the only level when shared)."""
+    partial = [lv for lv in levels if lv.trainer_sms > 0] or list(levels)
+    return min(partial, key=lambda lv: abs(lv.decode_sms / lv.total_sms - STATIC_DECODE_FRACTION)).index
+
+
+def serve(requests, batch, policy, timer, max_batch_size) -> dict:
+    """Replay ``requests`` in wall-clock time through ``batch`` under ``policy``. Every
+    change to the batch runs on the decode stream in force and is synchronised, so the
+    next step may run on another level's stream."""
+    from harvest.colocate import StepLoad
+
+    arrivals, queue = collections.deque(requests), collections.deque()
+    left: dict[int, int] = {}
+    steps = []
+    start = time.perf_counter()
+    last_token = None  # when the batch last produced tokens (or stopped being empty)
+    while arrivals or queue or batch.num_requests:
+        now = time.perf_counter() - start
+        while arrivals and arrivals[0].arrival_s <= now:
+            queue.append(arrivals.popleft())
+        joining = [queue.popleft() for _ in range(min(len(queue), max_batch_size - batch.num_requests))]
+        if joining:
+            if not batch.num_requests:
+                last_token = now
+            stream = policy.level.decode_stream  # the level in force (a new one is chosen per step)
+            with on_stream(stream):
+                batch.join([r.request_id for r in joining], [r.context_tokens for r in joining])
+            if stream is not None:
+                stream.synchronize()
+            left.update((r.request_id, r.decode_steps) for r in joining)
+        if not batch.num_requests:
+            last_token = None
+            policy.idle()
+            time.sleep(min(0.005, max(0.0, arrivals[0].arrival_s - now)))
+            continue
+        load = StepLoad(batch.num_requests, batch.padded_sum_context(), True)
+        real_sum = batch.sum_context()
+        level, trainer_ran = policy.before_step(load)
+        step_start = time.perf_counter() - start
+        with on_stream(level.decode_stream):
+            timer.start(level.decode_stream)
+            batch.step()
+            timer.stop(level.decode_stream)
+        if level.decode_stream is not None:
+            level.decode_stream.synchronize()
+        step_end = time.perf_counter() - start
+        for measured in timer.completed():
+            policy.after_step(measured)
+            steps.append((step_start, measured, step_end - last_token, load.batch_size, real_sum, load.sum_context,
+                          level.index, trainer_ran))
+        last_token = step_end
+        done = []
+        for rid in batch.request_ids:
+            left[rid] -= 1
+            if left[rid] == 0:
+                done.append(rid)
+        if done:
+            with on_stream(level.decode_stream):
+                batch.leave(done)
+            if level.decode_stream is not None:
+                level.decode_stream.synchronize()
+    return {"wall_s": time.perf_counter() - start, "steps": steps}
+
+
+def on_stream(stream):
+    if stream is None:
+        return contextlib.nullcontext()
+    import torch
+
+    return torch.cuda.stream(stream)
+
+
+def summarize(served: dict, target_ms: float, num_requests: int) -> dict:
+    """TPOT = a decode step's latency (CUDA events on the decode stream), as Harli and the
+    scheduler measure it. ITL = the inter-token latency the batch's requests see: wall time
+    from the previous step's end (or the batch's first join) to this step's end, so it adds
+    the control decision, joins and leaves between steps."""
+    import numpy as np
+
+    steps = served["steps"]
+    tpot_ms, itl_ms = np.array([s[1] for s in steps]) * 1e3, np.array([s[2] for s in steps]) * 1e3
+    sizes = [s[3] for s in steps]
+
+    def ms(values, q):
+        return round(float(np.percentile(values, q)), 3)
+
+    return {
+        "tpot_ms_p50": ms(tpot_ms, 50), "tpot_ms_p99": ms(tpot_ms, 99), "tpot_ms_max": round(float(tpot_ms.max()), 3),
+        "violation_rate": round(float(np.mean(tpot_ms > target_ms)), 5),
+        "itl_ms_p50": ms(itl_ms, 50), "itl_ms_p99": ms(itl_ms, 99),
+        "itl_violation_rate": round(float(np.mean(itl_ms > target_ms)), 5),
+        "steps": len(steps), "requests": num_requests, "decode_tokens": sum(sizes),
+        "decode_tokens_per_s": round(sum(sizes) / served["wall_s"], 1),
+        "batch_size_mean": round(float(np.mean(sizes)), 2),
+        "padded_over_real_context": round(sum(s[5] for s in steps) / max(1, sum(s[4] for s in steps)), 3),
+        "trainer_step_fraction": round(float(np.mean([s[7] for s in steps])), 4),
+        "steps_by_level": {str(k): v for k, v in sorted(collections.Counter(s[6] for s in steps).items())},
+        "wall_s": round(served["wall_s"], 2),
+    }
+
+
+def run_mode(mode, args, ctx) -> dict:
+    import torch
+
+    from harvest.colocate import StepController, TrainerHost, make_step_timer
+    from harvest.schedule import QoSController, SchedulerConfig, TrainerState
+
+    trainer, partitioner = ctx["trainer"], ctx["partitioner"]
+    host = None
+    if mode != "decode-alone":
+        host = TrainerHost([Path(f"colocated-lora-{mode}")], build=lambda _path: trainer)
+        host.start()
+        deadline = time.monotonic() + 60
+        while host.scheduler_state() is TrainerState.ABSENT and time.monotonic() < deadline:
+            time.sleep(0.01)
+    before = trainer.stats()
+    refiner = None
+    if ctx["device_type"] == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    try:
+        if mode == "trainer-alone":
+            host.apply(True, ctx["alone_stream"])
+            started = time.perf_counter()
+            time.sleep(args.trainer_alone_s)
+            host.apply(False)
+            wall_s = time.perf_counter() - started
+            result = {"wall_s": round(wall_s, 2)}
+        else:
+            if mode == "decode-alone":
+                policy = DecodeAlone(partitioner)
+            elif mode == "static":
+                policy = StaticSplit(partitioner, host, static_level_index(partitioner.levels))
+            else:
+                from harvest.predict.online import OnlineRefiner
+
+                refiner = OnlineRefiner.from_profile(ctx["profile"])
+                qos = QoSController(SchedulerConfig(target_tpot_ms=args.target_tpot_ms), partitioner.levels)
+                control = StepController(partitioner=partitioner, qos=qos, trainer_host=host, predictor=refiner.predictor,
+                                         refiner=refiner, target_tpot_ms=args.target_tpot_ms)
+                refiner.start()
+                policy = HarvestControl(control)
+            served = serve(ctx["requests"], ctx["batch"], policy, make_step_timer(ctx["device_type"]),
+                           args.max_batch_size)
+            wall_s = served["wall_s"]
+            result = summarize(served, args.target_tpot_ms, len(ctx["requests"]))
+            ctx["step_log"][mode] = served["steps"]
+            if refiner is not None:
+                result.update(qos=qos.stats().to_dict(), prediction_error=refiner.error,
+                              control_us_per_step=round(control.control_ns / max(1, control.num_steps) / 1e3, 2))
+    finally:
+        if refiner is not None:
+            refiner.stop()
+        if host is not None:
+            host.shutdown()
+    after = trainer.stats()
+    result.update(trainer_tokens_per_s=None, trainer_steps=0)
+    if host is not None:
+        status = host.status()
+        result.update(trainer_tokens_per_s=round((after.tokens_seen - before.tokens_seen) / wall_s, 1),
+                      trainer_steps=after.global_step - before.global_step, trainer_state=status.state)
+        if status.error:
+            result["trainer_error"] = status.error
+    if ctx["device_type"] == "cuda":
+        result["max_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    return result
+
+
+def warm_up(batch, trainer, partitioner, on_cuda) -> None:
+    """First launches on each green context load kernels and create handles: keep them out
+    of the timed modes."""
+    import torch
+
+    for level in partitioner.levels:
+        with on_stream(level.decode_stream):
+            batch.join([-1, -2], [16, 32])
+            for _ in range(3):
+                batch.step()
+            batch.leave([-1, -2])
+        for _ in range(3):
+            trainer.run_one_unit(level.trainer_stream)  # None: the current stream (all SMs)
+        if on_cuda:
+            torch.cuda.synchronize()
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model-path", required=True, help="model directory (config.json; weights unless --random-weights)")
+    parser.add_argument("--random-weights", action="store_true", help="build the model from config.json with random weights")
+    parser.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu")
+    parser.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto", help="auto: bfloat16 on GPU, float32 on CPU")
+    parser.add_argument("--profile", type=Path, default=None, help="latency profile (`harvest profile`) for the harvest mode")
+    parser.add_argument("--allow-profile-mismatch", action="store_true", help="use a profile of another device/model/ladder (warns)")
+    parser.add_argument("--levels", type=int, default=5, help="SM ladder levels (must match the profile's; default 5)")
+    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, from {', '.join(MODES)}")
+    parser.add_argument("--target-tpot-ms", type=float, default=40.0)
+    parser.add_argument("--trace", type=Path, default=None, help="Azure-format trace CSV (default: the bundled sample)")
+    parser.add_argument("--trace-start-s", type=float, default=0.0)
+    parser.add_argument("--trace-seconds", type=float, default=30.0, help="length of the trace window replayed per mode")
+    parser.add_argument("--time-scale", type=float, default=1.0, help="factor on arrival times (2: half the rate)")
+    parser.add_argument("--max-context", type=int, default=1024, help="cap on a request's context tokens")
+    parser.add_argument("--max-generated", type=int, default=128, help="cap on a request's output tokens")
+    parser.add_argument("--max-batch-size", type=int, default=48)
+    parser.add_argument("--trainer-alone-s", type=float, default=30.0)
+    parser.add_argument("--lora-rank", type=int, default=16)
+    parser.add_argument("--trainer-seq-len", type=int, default=512)
+    parser.add_argument("--trainer-batch", type=int, default=4, help="samples per optimizer step")
+    parser.add_argument("--trainer-micro-batch", type=int, default=2)
+    parser.add_argument("--steps-out", type=Path, default=None, help="write every step of every mode here (JSON)")
+    parser.add_argument("--torch-threads", type=int, default=None,
+                        help="CPU intra-op threads (1 is steadier on a small shared machine)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = [m for m in modes if m not in MODES]
+    if unknown or not modes:
+        parser.error(f"--modes: {','.join(unknown) or 'empty'} (choose from {', '.join(MODES)})")
+    if "harvest" in modes and args.profile is None:
+        parser.error("--profile is required for the harvest mode (make one with `harvest profile`)")
+
+    import torch
+
+    from harvest.compute import create_partitioner
+    from harvest.predict.profiler.hf_engine import load_causal_lm
+
+    device_type = "cuda" if args.device.startswith("cuda") else "cpu"
+    if device_type == "cuda" and not torch.cuda.is_available():
+        print(f"colocate_gpu: --device {args.device}: no CUDA device here", file=sys.stderr)
+        return 2
+    device = str(torch.device(args.device, 0) if args.device == "cuda" else torch.device(args.device))
+    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device_type == "cuda" else "float32")
+    torch.manual_seed(args.seed)
+    if args.torch_threads is not None:
+        torch.set_num_threads(args.torch_threads)
+    partitioner = create_partitioner(device, levels=args.levels)
+    ctx = {"device_type": device_type, "partitioner": partitioner, "step_log": {}, "profile": None,
+           "alone_stream": torch.cuda.Stream(device) if device_type == "cuda" else None}
+    try:
+        if args.profile is not None:
+            from harvest.predict.compat import load_for
+            from harvest.predict.profiler.levels import from_partitioner
+            from harvest.predict.profiler.provenance import running_identity
+
+            identity = running_identity(device, args.model_path, dtype, from_partitioner(partitioner).ladder)
+            try:  # a bad profile fails the harvest mode only
+                ctx["profile"] = load_for(args.profile, identity, allow_mismatch=args.allow_profile_mismatch)
+            except (OSError, ValueError) as exc:
+                ctx["profile_error"] = f"profile {args.profile}: {type(exc).__name__}: {exc}"
+        ctx["requests"] = load_requests(args.trace, args.trace_start_s, args.trace_seconds, args.time_scale,
+                                        args.max_context, args.max_generated)
+        model = load_causal_lm(args.model_path, device, dtype, args.random_weights).requires_grad_(False)
+        ctx["batch"] = RaggedDecodeBatch(model, device, seed=args.seed)
+        ctx["trainer"] = build_shared_trainer(model, device, lora_rank=args.lora_rank, seq_len=args.trainer_seq_len,
+                                              samples_per_step=args.trainer_batch, micro_batch=args.trainer_micro_batch,
+                                              seed=args.seed)
+        warm_up(ctx["batch"], ctx["trainer"], partitioner, device_type == "cuda")
+        results = {}
+        for mode in modes:  # a failed mode is recorded; the others still run
+            print(f"colocate_gpu: mode {mode} ...", file=sys.stderr, flush=True)
+            try:
+                if mode == "harvest" and ctx["profile"] is None:
+                    raise RuntimeError(ctx["profile_error"])
+                results[mode] = run_mode(mode, args, ctx)
+            except Exception as exc:  # noqa: BLE001
+                traceback.print_exc()
+                results[mode] = {"error": f"{type(exc).__name__}: {exc}"}
+                ctx["batch"].leave(list(ctx["batch"].request_ids))
+            print(f"colocate_gpu: {mode}: {json.dumps(results[mode])}", file=sys.stderr, flush=True)
+    finally:
+        partitioner.close()
+    if args.steps_out is not None:
+        fields = ("start_s", "tpot_s", "itl_s", "batch_size", "sum_context", "padded_sum_context", "level", "trainer_ran")
+        args.steps_out.write_text(json.dumps({m: [dict(zip(fields, s)) for s in steps] for m, steps in ctx["step_log"].items()}))
+    summary = {
+        "device": torch.cuda.get_device_name(device) if device_type == "cuda" else "cpu",
+        "model": Path(args.model_path).name, "dtype": dtype, "engine": "transformers", "target_tpot_ms": args.target_tpot_ms,
+        "ladder": [(lv.decode_sms, lv.trainer_sms) for lv in partitioner.levels], "partitioner": partitioner.description,
+        "static_level": static_level_index(partitioner.levels), "profile": str(args.profile) if args.profile else None,
+        "trace": {"path": str(args.trace) if args.trace else "bundled sample", "start_s": args.trace_start_s,
+                  "seconds": args.trace_seconds, "time_scale": args.time_scale, "requests": len(ctx["requests"]),
+                  "max_context": args.max_context, "max_generated": args.max_generated},
+        "trainer": {"lora_rank": args.lora_rank, "seq_len": args.trainer_seq_len, "samples_per_step": args.trainer_batch,
+                    "micro_batch": ctx["trainer"].micro_batch_size, "weights": "shared with the decode model"},
+        "modes": results,
+    }
+    rate = {mode: result.get("trainer_tokens_per_s") for mode, result in results.items()}
+    for mode, baseline, name in (("harvest", "trainer-alone", "alone"), ("static", "trainer-alone", "alone"),
+                                 ("harvest", "static", "static")):
+        if rate.get(mode) is not None and rate.get(baseline):
+            summary[f"{mode}_trainer_vs_{name}"] = round(rate[mode] / rate[baseline], 4)
+    print(json.dumps(summary))
+    return 1 if any("error" in result for result in results.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
