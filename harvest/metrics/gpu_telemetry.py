@@ -32,15 +32,31 @@ class NvmlSampler:
         self._nvml.nvmlShutdown()
 
 
-def open_sampler(device_index: int = 0) -> tuple[NvmlSampler | None, str | None]:
-    """(sampler, None) on a machine with an NVIDIA driver, else (None, reason)."""
+def cuda_device_pci_bus_id(device_index: int) -> str | None:
+    """The PCI bus id NVML understands ("0000:3B:00.0") of torch's CUDA device
+    ``device_index``. NVML numbers devices physically; CUDA ordinals follow
+    CUDA_VISIBLE_DEVICES, so the index alone can name another GPU."""
+    import torch
+
+    props = torch.cuda.get_device_properties(device_index)
+    if not hasattr(props, "pci_bus_id"):
+        return None
+    return f"{props.pci_domain_id:08X}:{props.pci_bus_id:02X}:{props.pci_device_id:02X}.0"
+
+
+def open_sampler(device_index: int = 0, pci_bus_id: str | None = None) -> tuple[NvmlSampler | None, str | None]:
+    """(sampler, None) on a machine with an NVIDIA driver, else (None, reason). The device is
+    found by ``pci_bus_id`` when given (see cuda_device_pci_bus_id), else by NVML index."""
     try:
         import pynvml
     except ImportError as exc:
         return None, f"nvidia-ml-py not installed: {exc}"
     try:
         pynvml.nvmlInit()
-        handle = pynvml.nvmlDeviceGetHandleByIndex(device_index)
+        if pci_bus_id is not None:
+            handle = pynvml.nvmlDeviceGetHandleByPciBusId(pci_bus_id.encode())
+        else:
+            handle = pynvml.nvmlDeviceGetHandleByIndex(device_index)
     except pynvml.NVMLError as exc:
         return None, f"NVML unavailable: {exc}"
     return NvmlSampler(pynvml, handle), None

@@ -58,6 +58,9 @@ class HarvestRuntime:
         self.step_ns_total = 0
         self.step_cpu_ns_total = 0
         self._last_refit = 0.0
+        self._last_publish = 0.0
+        self._fault_pending = False
+        self.gpu_sampler = None
         self._refit_lock = threading.Lock()
         self._closed = False
 
@@ -142,6 +145,13 @@ class HarvestRuntime:
         runtime = cls(config=config, control=control, lending=lending, trainer_host=trainer_host,
                       timer=make_step_timer(device_type), metrics=metrics, partitioner=partitioner, refiner=refiner,
                       device_type=device_type)
+        if device_type == "cuda":
+            from harvest.metrics.gpu_telemetry import cuda_device_pci_bus_id, open_sampler
+
+            ordinal = int(device.split(":")[1]) if ":" in device else 0
+            runtime.gpu_sampler, why_not = open_sampler(ordinal, cuda_device_pci_bus_id(ordinal))
+            if runtime.gpu_sampler is None:
+                logger.warning("GPU telemetry off: %s", why_not)
         if trainer_host is not None:
             trainer_host._on_fault = runtime._on_trainer_fault
             trainer_host.on_unit = runtime._after_trainer_unit
@@ -170,6 +180,8 @@ class HarvestRuntime:
         # Overhead accounting, two clocks: thread CPU time is what harvest's control costs
         # this thread; wall time adds OS preemption and GIL waits (large on a loaded CPU).
         wall0, cpu0 = time.perf_counter_ns(), time.thread_time_ns()
+        if self._fault_pending:
+            self._handle_fault()
         for measured in self.timer.completed():
             self.control.after_step(measured)
         load = observe(batch)
@@ -192,10 +204,18 @@ class HarvestRuntime:
 
     REFIT_MIN_INTERVAL_S = 2.0
 
+    PUBLISH_INTERVAL_S = 0.5
+
     def on_idle(self) -> None:
+        if self._fault_pending:
+            self._handle_fault()
         self.control.on_idle()
         self.lending.maybe_lend()
         self._maybe_refit()
+        now = time.monotonic()
+        if now - self._last_publish >= self.PUBLISH_INTERVAL_S:  # on_idle runs in a tight loop
+            self._last_publish = now
+            self._publish()
 
     def _after_trainer_unit(self, record) -> None:
         self._maybe_refit()
@@ -233,12 +253,24 @@ class HarvestRuntime:
                                    fragmentation_bytes=self.lending.stats()["fragmentation_bytes"])
         if self.refiner is not None:
             self.metrics.set_prediction_error(self.refiner.error)
+        if self.gpu_sampler is not None:
+            sample = self.gpu_sampler.sample()
+            self.metrics.set_gpu(sm_utilization=sample.sm_utilization,
+                                 memory_bandwidth_utilization=sample.memory_bandwidth_utilization,
+                                 memory_used_bytes=sample.memory_used_bytes)
 
     # -- faults and shutdown --------------------------------------------------------------
     def _on_trainer_fault(self, exc: BaseException) -> None:
-        """Trainer thread: return every SM and all lent memory to decode."""
+        """Trainer thread: flag the fault. SGLang's free lists belong to the scheduler
+        thread, so that thread takes every lent chunk back (``_handle_fault``, at its next
+        step or idle tick); the scheduler already gives decode every SM (trainer stopped)."""
+        self._fault_pending = True
+
+    def _handle_fault(self) -> None:
+        self._fault_pending = False
         self.metrics.trainer_fault()
         self.lending.reclaim_all()
+        logger.info("trainer fault handled: %d KV chunks lent now, decode has every SM", self.lending.num_lent)
 
     def close(self) -> None:
         if self._closed:

@@ -146,3 +146,19 @@ def test_same_base_model_trains_on_the_served_weights(tiny_llama_path, tmp_path,
     assert after["trainer"]["stats"]["global_step"] >= status["trainer"]["stats"]["global_step"]
     assert after["trainer"]["error"] is None
     assert outputs == reference_outputs[0][:60]  # training never touched the served weights
+
+
+def test_metrics_also_in_sglang_multiprocess_metrics(tiny_llama_path, tmp_path):
+    # With --enable-metrics SGLang sets PROMETHEUS_MULTIPROC_DIR; harvest's values then land
+    # in that directory too, so SGLang's own /metrics (another process) serves them.
+    port = server.free_port()
+    config = colocation_config.write(tmp_path / "harvest", tiny_llama_path, metrics_port=port)
+    args = _args(tiny_llama_path, "--enable-metrics", "--enable-harvest", "--harvest-config", str(config))
+    with server.launch(args, log_path=tmp_path / "sglang.log") as srv:
+        for i in range(4):
+            srv.post("/generate", {"input_ids": [5 + i, 6, 7, 8], "sampling_params": {"max_new_tokens": 8, "temperature": 0}})
+        sglang_text = _wait_for(lambda: (t := srv.get("/metrics")[1]) and "harvest_decode_step_seconds_count" in t and t, timeout_s=30)
+        own, _ = _metrics(port)
+    assert sglang_text, "harvest_* metrics missing from SGLang's /metrics"
+    assert "harvest_qos_target_seconds" in sglang_text
+    assert own['harvest_decode_step_seconds_count{}'] >= 4
