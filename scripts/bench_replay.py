@@ -126,6 +126,10 @@ def main() -> int:
         "harvest_steps": None if harvest.refused else harvest.metrics["decode_steps"],
         "harvest_us_per_step": None if harvest.refused else 1e6 * policy_wall["harvest"] / harvest.metrics["decode_steps"],
         "finetune_per_gpu": {n: (None if r.refused else r.metrics["finetune_per_gpu"]) for n, r in result.results.items()},
+        "finetune_tokens_per_s_per_gpu": {
+            n: (None if r.refused else r.metrics["finetune_tokens_per_s_per_gpu"]) for n, r in result.results.items()
+        },
+        "trainer_rates": "measured (profile trainer section)" if profile.trainer_alone is not None else "SM-share model (no trainer section)",
         "tpot_p99_ms": {n: (None if r.refused else r.metrics["tpot_p99_ms"]) for n, r in result.results.items()},
         "repeats": max(1, args.repeats),
     }

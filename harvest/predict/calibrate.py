@@ -23,6 +23,7 @@ from harvest.predict.schema import (
     Stage1Fit,
     Stage2,
     Stage2Fit,
+    TrainerSection,
 )
 
 
@@ -48,6 +49,7 @@ def build_profile(
     buckets: BatchSizeBuckets,
     grid: Grid,
     records: Sequence[GridPointRecord],
+    trainer: TrainerSection | None = None,
 ) -> Profile:
     """Fit and assemble; raises FitError when the records cannot determine the model."""
     records = tuple(records)
@@ -73,6 +75,7 @@ def build_profile(
         samples=records,
         stage1=stage1,
         stage2=stage2,
+        trainer=trainer,
     )
 
 
@@ -92,4 +95,10 @@ def describe_fit(profile: Profile) -> str:
         lines.append(f"  stage 2, {name}: b1={fit.b1:.4f} k1={fit.k1:.4f}; {fit.quality.describe()}")
     if s2.by_phase:
         lines.append(f"  per-phase stage-2 models {'in use' if s2.use_phase_models else 'not better than combined; combined in use'}")
+    if profile.trainer is not None:
+        rates = "; ".join(
+            f"{'whole device' if r.level is None else f'level {r.level}'} {r.phase}: {r.units_per_s:.3g} units/s"
+            for r in profile.trainer.alone
+        )
+        lines.append(f"  trainer alone ({profile.trainer.tokens_per_unit:.4g} tokens/unit): {rates}")
     return "\n".join(lines)

@@ -8,6 +8,8 @@ a profile that loads is one the predictor can use; whether it matches the *runni
 GPU, model and ladder is :mod:`harvest.predict.compat`'s question.
 
 Bump SCHEMA_VERSION on any change a reader of the previous version would misread.
+Version 2 added the optional ``trainer`` section (the finetune workload's rate alone);
+version-1 files still load, with ``trainer`` None, and save back as version 1.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from harvest.predict.ladder import LadderSpec
 from harvest.predict.model import CoRunCoefficients, LatencyPredictor, ProfiledRange, SoloCoefficients
 
 SCHEMA_NAME = "harvest-latency-profile"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+READABLE_VERSIONS = (1, 2)  # version 1: no `trainer` section
 STAGES = ("solo", "corun")
 
 
@@ -120,6 +123,43 @@ class GridPointRecord:
 
 
 @dataclasses.dataclass(frozen=True)
+class TrainerAloneRecord:
+    """The co-run workload running alone, held in one phase, for ``seconds``."""
+
+    level: int | None  # ladder level whose trainer SMs it ran on; None: the whole device outside any partition
+    phase: str
+    units: int
+    seconds: float
+
+    def __post_init__(self) -> None:
+        if self.units < 0 or self.seconds <= 0 or (self.level is not None and self.level < 0):
+            raise ValueError(f"units={self.units}, seconds={self.seconds}, level={self.level}: need >= 0, > 0, >= 0")
+
+    @property
+    def units_per_s(self) -> float:
+        return self.units / self.seconds
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerSection:
+    """What the finetune workload does with no decode running: ``alone`` holds one record
+    per (trainer level, phase) plus the whole device's (``whole_device_level``: the level
+    that gives the trainer every SM, or None when it was measured outside the ladder)."""
+
+    tokens_per_unit: float  # mean training tokens per unit of the workload
+    seconds_per_phase: float  # how long each alone measurement was asked to run
+    whole_device_level: int | None
+    alone: tuple[TrainerAloneRecord, ...]
+
+    def __post_init__(self) -> None:
+        if self.tokens_per_unit <= 0 or self.seconds_per_phase <= 0:
+            raise ValueError(f"tokens_per_unit={self.tokens_per_unit}, seconds_per_phase={self.seconds_per_phase}: must be > 0")
+
+    def records(self, level: int | None) -> list[TrainerAloneRecord]:
+        return [r for r in self.alone if r.level == level]
+
+
+@dataclasses.dataclass(frozen=True)
 class Stage1Fit:
     b0: float
     c0: float
@@ -154,6 +194,7 @@ class Profile:
     samples: tuple[GridPointRecord, ...]
     stage1: tuple[Stage1Fit, ...]
     stage2: Stage2
+    trainer: TrainerSection | None = None  # schema version >= 2, when `harvest profile` measured it
 
     def __post_init__(self) -> None:
         _check_consistency(self)
@@ -179,7 +220,10 @@ class Profile:
 
     # -- I/O ----------------------------------------------------------------------------
     def to_dict(self) -> dict:
-        return {f.name: strict_json.to_jsonable(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        data = {f.name: strict_json.to_jsonable(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        if self.schema_version == 1:
+            del data["trainer"]  # version 1 has no such field: written back as read
+        return data
 
     def to_json(self) -> str:
         return strict_json.dumps(self.to_dict(), indent=1) + "\n"
@@ -205,11 +249,15 @@ class Profile:
         if data.get("schema") != SCHEMA_NAME:
             raise ProfileError(f"profile.schema={data.get('schema')!r}: not a harvest latency profile ({SCHEMA_NAME!r})")
         version = data.get("schema_version")
-        if version != SCHEMA_VERSION:
+        if isinstance(version, bool) or version not in READABLE_VERSIONS:
             raise ProfileError(
-                f"profile.schema_version={version!r}: this harvest reads version {SCHEMA_VERSION}; "
+                f"profile.schema_version={version!r}: this harvest reads versions {', '.join(map(str, READABLE_VERSIONS))}; "
                 f"re-run `harvest profile` to produce a compatible profile"
             )
+        if version == 1:
+            if "trainer" in data:
+                raise ProfileError("profile.trainer: not a field of schema version 1 (a version-2 profile with the wrong version?)")
+            data = {**data, "trainer": None}
         try:
             return strict_json.dataclass_from_dict(cls, data, "profile")
         except strict_json.StrictJsonError as exc:
@@ -237,8 +285,10 @@ class Profile:
 
 def _check_consistency(p: Profile) -> None:
     """Invariants across fields (each field's own type is checked on construction)."""
-    if p.schema != SCHEMA_NAME or p.schema_version != SCHEMA_VERSION:
-        raise ProfileError(f"profile: schema {p.schema!r} version {p.schema_version}, expected {SCHEMA_NAME!r} {SCHEMA_VERSION}")
+    if p.schema != SCHEMA_NAME or p.schema_version not in READABLE_VERSIONS:
+        raise ProfileError(f"profile: schema {p.schema!r} version {p.schema_version}, expected {SCHEMA_NAME!r} {READABLE_VERSIONS}")
+    if p.trainer is not None:
+        _check_trainer(p)
     if not isinstance(p.ladder, LadderSpec):
         raise ProfileError("profile.ladder: expected a LadderSpec")
     try:
@@ -267,6 +317,31 @@ def _check_consistency(p: Profile) -> None:
         raise ProfileError(f"profile.samples: no solo samples for level(s) {missing}")
     if not any(r.stage == "corun" for r in p.samples):
         raise ProfileError("profile.samples: no co-run samples (stage 2 cannot have been fitted)")
+
+
+def _check_trainer(p: Profile) -> None:
+    """Every level that gives the trainer SMs, and the whole device, measured in the same phases."""
+    section, levels = p.trainer, p.ladder.levels
+    if p.schema_version < 2:
+        raise ProfileError(f"profile.trainer: needs schema version 2, the file says {p.schema_version}")
+    where = section.whole_device_level
+    if where is not None and not (0 <= where < len(levels) and levels[where].trainer_sms == p.ladder.total_sms):
+        raise ProfileError(f"profile.trainer.whole_device_level={where}: not a level giving the trainer all {p.ladder.total_sms} SMs")
+    expected = {i for i, level in enumerate(levels) if level.trainer_sms > 0} | {where}
+    phases_by_level: dict = {}
+    for index, record in enumerate(section.alone):
+        if record.level not in expected:
+            raise ProfileError(f"profile.trainer.alone[{index}].level={record.level}: expected one of {sorted(expected, key=str)}")
+        phases = phases_by_level.setdefault(record.level, [])
+        if record.phase in phases:
+            raise ProfileError(f"profile.trainer.alone[{index}]: level {record.level} phase {record.phase!r} measured twice")
+        phases.append(record.phase)
+    if set(phases_by_level) != expected or len({frozenset(v) for v in phases_by_level.values()}) != 1:
+        raise ProfileError(
+            f"profile.trainer.alone: expected the same phases on every level in {sorted(expected, key=str)}, got {phases_by_level}"
+        )
+    if not any(r.units > 0 for r in section.records(where)):
+        raise ProfileError("profile.trainer.alone: no unit finished on the whole device; its rate is unknown")
 
 
 def _check_quality(quality: FitQuality, path: str) -> None:

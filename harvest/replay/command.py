@@ -59,7 +59,7 @@ def add_arguments(parser) -> None:
     d.add_argument("--max-batch-size", type=int, default=256, help="most requests in a decode batch (default 256)")
     d.add_argument("--kv-capacity-tokens", type=int, default=160_000, help="KV cache capacity in tokens (default 160000: Llama-3-8B bf16 on a 40 GB A100)")
     d.add_argument("--kv-bytes-per-token", type=int, default=None, help="KV bytes per token, for GiB figures (default 131072: Llama-3-8B)")
-    d.add_argument("--trainer-tokens-per-s", type=float, default=None, help="the finetune job's throughput alone on a whole GPU; reports tokens/s instead of GPU equivalents")
+    d.add_argument("--trainer-tokens-per-s", type=float, default=None, help="the finetune job's throughput alone on a whole GPU in tokens/s (default: the profile's measured trainer section, if it has one; else results are in whole-GPU trainer equivalents)")
     d.add_argument("--error-scale", type=float, default=1.0, help="true co-located latency = predicted x this (stage-2 error the scheduler does not know; default 1)")
     d.add_argument("--error-noise", type=float, default=0.0, help="relative std. dev. of per-step noise on every true latency (default 0)")
     o = parser.add_argument_group("output")

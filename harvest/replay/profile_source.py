@@ -18,18 +18,43 @@ from harvest.predict import strict_json
 from harvest.predict.buckets import BatchSizeBuckets
 from harvest.predict.ladder import LadderSpec
 from harvest.predict.model import CoRunCoefficients, LatencyPredictor, ProfiledRange, SoloCoefficients
-from harvest.predict.schema import SCHEMA_NAME, SCHEMA_VERSION, GridPointRecord, Profile, ProfileError, Provenance, Stage1Fit
+from harvest.predict.schema import (
+    READABLE_VERSIONS,
+    SCHEMA_NAME,
+    GridPointRecord,
+    Profile,
+    ProfileError,
+    Provenance,
+    Stage1Fit,
+    TrainerSection,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class PhaseUnits:
+    """Trainer units finished in one phase over ``seconds``."""
+
+    phase: str
+    units: int
+    seconds: float
+
+    @property
+    def units_per_s(self) -> float:
+        return self.units / self.seconds if self.seconds > 0 else 0.0
 
 
 @dataclasses.dataclass(frozen=True)
 class LevelTrainerRecord:
     """What the profile's co-run grid points at one level say about the trainer: units it
-    finished beside decode, over the summed latency of the timed decode steps."""
+    finished beside decode, over the summed latency of the timed decode steps (the steps
+    run back to back, so that sum is the window the units were counted in); ``phases``
+    splits them by the phase the trainer was held in."""
 
     level: int
     num_points: int
     trainer_units: int
     decode_seconds: float
+    phases: tuple[PhaseUnits, ...] = ()
 
     @property
     def units_per_s(self) -> float:
@@ -53,6 +78,7 @@ class ReplayProfile:
     stage2_missing: str | None
     finetune_description: str
     trainer_records: tuple[LevelTrainerRecord, ...]
+    trainer_alone: TrainerSection | None = None  # the profile's trainer section (schema 2), if measured
 
     @property
     def has_stage2(self) -> bool:
@@ -81,6 +107,7 @@ def from_profile(profile: Profile, label: str) -> ReplayProfile:
         stage2_missing=None,
         finetune_description=prov.finetune.description,
         trainer_records=_trainer_records(profile.samples),
+        trainer_alone=profile.trainer,
     )
 
 
@@ -116,7 +143,7 @@ def load(path: str | Path) -> ReplayProfile:
 
 def _lacks_stage2(data) -> bool:
     """A harvest profile of this schema version whose only defect may be missing stage 2."""
-    if not isinstance(data, dict) or data.get("schema") != SCHEMA_NAME or data.get("schema_version") != SCHEMA_VERSION:
+    if not isinstance(data, dict) or data.get("schema") != SCHEMA_NAME or data.get("schema_version") not in READABLE_VERSIONS:
         return False
     samples = data.get("samples")
     no_corun = isinstance(samples, list) and not any(isinstance(s, dict) and s.get("stage") == "corun" for s in samples)
@@ -178,8 +205,19 @@ def _trainer_records(samples: tuple[GridPointRecord, ...]) -> tuple[LevelTrainer
             len(records),
             sum(r.trainer_units for r in records),
             sum(sum(r.step_latencies_s) for r in records),
+            _phase_units(records),
         )
         for level, records in sorted(by_level.items())
+    )
+
+
+def _phase_units(records: list[GridPointRecord]) -> tuple[PhaseUnits, ...]:
+    by_phase: dict[str, list[GridPointRecord]] = {}
+    for record in records:
+        by_phase.setdefault(record.phase, []).append(record)
+    return tuple(
+        PhaseUnits(phase, sum(r.trainer_units for r in rs), sum(sum(r.step_latencies_s) for r in rs))
+        for phase, rs in sorted(by_phase.items())
     )
 
 

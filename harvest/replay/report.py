@@ -9,7 +9,7 @@ from typing import Any, Sequence
 from harvest.replay.comparison import Comparison, ReplaySettings
 from harvest.replay.profile_source import ReplayProfile
 from harvest.replay.results import BASELINES, jsonable
-from harvest.replay.trainer_model import SM_SHARE_MODEL, TrainerModel
+from harvest.replay.trainer_model import TrainerModel
 from harvest.replay.workload import TraceWindow
 
 NORMALISATION = (
@@ -61,7 +61,7 @@ def text(
             if profile.ladder.num_levels == 1
             else []
         ),
-        f"trainer throughput: {SM_SHARE_MODEL}",
+        f"trainer throughput: {trainer.model}",
         f"  solo rate: {trainer.rate_source}",
         f"  profile: {trainer.profile_note}",
         f"predictor error injected: co-located steps x{settings.error_scale:g}, noise {100 * settings.error_noise:g} % per step",

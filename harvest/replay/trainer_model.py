@@ -2,14 +2,23 @@
 
 Unit: *whole-GPU trainer equivalents* — 1.0 is the finetune job running alone on a
 whole GPU (SeparateMode's training GPU). Finetune throughput in tokens/s is that times
-the job's solo rate, when one is known (``--trainer-tokens-per-s``); every gain the
+the job's rate alone on a whole GPU in tokens/s, when one is known; every gain the
 replay reports is a ratio of two throughputs and does not depend on it.
 
-Why a model and not the profile's numbers: a profile's co-run grid points count the
-trainer units finished beside decode (``GridPointRecord.trainer_units``), but the
-profile records neither the trainer's rate alone (on the whole GPU or on a level's
-trainer SMs) nor the tokens in a unit, so those counts cannot be turned into a
-fraction of the solo rate. Until it does, the share is the SM share:
+Measured (a profile with a ``trainer`` section, schema version 2): ``harvest profile``
+ran the co-run workload alone on every level's trainer SMs and on the whole device, in
+each phase. A rate in units/s over phases is that of a trainer alternating them (one
+unit of each phase per micro-batch): ``n / Σ_phase 1/rate(phase)``. Then, for level ``i``:
+
+- decode co-running: the co-run grid points' rate (``trainer_units`` over the summed
+  latency of their timed steps, which ran back to back) / the whole-device alone rate;
+- no decode step running: the level's alone rate / the whole-device alone rate;
+- tokens/s on a whole GPU: the whole-device alone rate × the workload's tokens per unit
+  (``--trainer-tokens-per-s`` overrides it, e.g. for a job other than the profiled one).
+
+Fallback, the SM-share model (version-1 profiles, which record neither the trainer's
+rate alone nor the tokens in a unit, so their co-run units cannot be turned into a
+fraction of the solo rate):
 
 - a level whose decode and trainer SMs are disjoint (green-context split): the trainer
   runs at ``trainer_sms / total_sms`` of its solo rate. An upper bound: memory-bandwidth
@@ -28,6 +37,10 @@ import math
 
 from harvest.replay.profile_source import ReplayProfile
 
+MEASURED_MODEL = (
+    "measured (the profile's trainer section): trainer rate while decode co-runs = the co-run points' units/s, "
+    "idle = the level's alone units/s, each over the whole-device alone units/s"
+)
 SM_SHARE_MODEL = (
     "SM-share model: trainer rate = solo rate × trainer SM share (disjoint SMs) or × (1 − 1/F) of shared SMs "
     "(F: the profile's stage-2 slowdown); trainer interference from decode not modelled (an upper bound)"
@@ -45,6 +58,7 @@ class TrainerModel:
     tokens_per_gpu_s: float | None  # the job's solo rate on a whole GPU, if known
     rate_source: str  # where tokens_per_gpu_s came from (or why there is none)
     profile_note: str  # what the profile itself records about trainer throughput
+    model: str = SM_SHARE_MODEL  # MEASURED_MODEL or SM_SHARE_MODEL
 
     @property
     def unit(self) -> str:
@@ -55,7 +69,7 @@ class TrainerModel:
 
     def to_dict(self) -> dict:
         return {
-            "model": SM_SHARE_MODEL,
+            "model": self.model,
             "colo_share": [None if math.isnan(s) else s for s in self.colo_share],
             "idle_share": list(self.idle_share),
             "tokens_per_gpu_s": self.tokens_per_gpu_s,
@@ -69,6 +83,8 @@ def build(profile: ReplayProfile, tokens_per_gpu_s: float | None = None) -> Trai
     rate on a whole GPU (from the command line), None if unknown."""
     if tokens_per_gpu_s is not None and not (math.isfinite(tokens_per_gpu_s) and tokens_per_gpu_s > 0):
         raise ValueError(f"--trainer-tokens-per-s={tokens_per_gpu_s!r}: must be a finite number > 0")
+    if profile.trainer_alone is not None:
+        return _measured(profile, tokens_per_gpu_s)
     ladder = profile.ladder
     total = ladder.total_sms
     colo, idle = [], []
@@ -89,6 +105,44 @@ def build(profile: ReplayProfile, tokens_per_gpu_s: float | None = None) -> Trai
     else:
         source = f"--trainer-tokens-per-s {tokens_per_gpu_s:g} (the job alone on a whole GPU, from the command line)"
     return TrainerModel(tuple(colo), tuple(idle), tokens_per_gpu_s, source, _profile_note(profile))
+
+
+def alternating_rate(rates: list[float]) -> float:
+    """Units/s of a trainer running one unit of each phase in turn, from per-phase rates."""
+    if not rates or any(r <= 0 for r in rates):
+        return 0.0
+    return len(rates) / sum(1.0 / r for r in rates)
+
+
+def _measured(profile: ReplayProfile, tokens_override: float | None) -> TrainerModel:
+    section, levels = profile.trainer_alone, profile.ladder.levels
+    whole = alternating_rate([r.units_per_s for r in section.records(section.whole_device_level)])
+    corun = {r.level: alternating_rate([p.units_per_s for p in r.phases]) for r in profile.trainer_records}
+    colo, idle = [], []
+    for index, level in enumerate(levels):
+        if level.trainer_sms == 0:
+            colo.append(0.0)
+            idle.append(0.0)
+            continue
+        colo.append(corun[index] / whole if index in corun else math.nan)
+        idle.append(alternating_rate([r.units_per_s for r in section.records(index)]) / whole)
+    measured_tokens = whole * section.tokens_per_unit
+    where = "the whole device" if section.whole_device_level is None else f"level {section.whole_device_level} (every SM)"
+    if tokens_override is None:
+        tokens, source = measured_tokens, (
+            f"measured: {whole:.4g} units/s alone on {where} x {section.tokens_per_unit:.4g} tokens/unit "
+            f"= {measured_tokens:.4g} tokens/s (the profile's trainer section)"
+        )
+    else:
+        tokens, source = tokens_override, (
+            f"--trainer-tokens-per-s {tokens_override:g} (from the command line; the profile measured "
+            f"{measured_tokens:.4g} tokens/s for its own workload)"
+        )
+    note = "the profile's trainer section: " + "; ".join(
+        f"level {r.level}: {corun.get(r.level, 0.0):.4g} units/s beside decode over {r.num_points} points"
+        for r in profile.trainer_records
+    ) + f"; alone on {where}: {whole:.4g} units/s"
+    return TrainerModel(tuple(colo), tuple(idle), tokens, source, note, MEASURED_MODEL)
 
 
 def _profile_note(profile: ReplayProfile) -> str:

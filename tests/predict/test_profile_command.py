@@ -16,7 +16,7 @@ from harvest.predict.profiler.partial import partial_path
 from harvest.predict.schema import Profile
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-SMALL_GRID = ["--batch-sizes", "1,2,4", "--context-lengths", "16,64", "--warmup", "1", "--torch-threads", "1"]
+SMALL_GRID = ["--batch-sizes", "1,2,4", "--context-lengths", "16,64", "--warmup", "1", "--torch-threads", "1", "--trainer-alone-s", "0.3"]
 
 
 def _profile_cmd(out, *extra) -> list[str]:
@@ -34,6 +34,11 @@ def _check_profile(out, engine: str) -> Profile:
     assert len(profile.samples) == 18
     assert all(r.trainer_units is not None for r in profile.samples if r.stage == "corun")
     assert sum(r.trainer_units for r in profile.samples if r.stage == "corun") > 0  # the trainer really ran beside decode
+    trainer = profile.trainer  # the trainer alone on the one shared level, i.e. the whole device, per phase
+    assert trainer is not None and trainer.whole_device_level == 0 and trainer.seconds_per_phase == 0.3
+    assert [(r.level, r.phase) for r in trainer.alone] == [(0, "forward"), (0, "backward")]
+    assert all(r.units > 0 and r.seconds >= 0.3 for r in trainer.alone)
+    assert trainer.tokens_per_unit == 2 * 128 / 2  # default micro-batch 2 x 128 tokens over a forward + a backward unit
     assert profile.profiled_range.min_batch_size == 1 and profile.profiled_range.max_batch_size == 4
     report = out.with_suffix(".png")
     assert report.read_bytes()[:8] == PNG_MAGIC and report.stat().st_size > 10_000
@@ -99,6 +104,8 @@ def test_partial_run_with_other_settings_is_refused_before_loading_models(tmp_pa
         (["--trim", "0.6"], "--trim=0.6: must be in [0, 0.5)"),
         (["--repeats", "0"], "--repeats=0: must be >= 1"),
         (["--torch-threads", "0"], "--torch-threads=0: must be > 0"),
+        (["--trainer-alone-s", "0"], "--trainer-alone-s=0.0: must be a finite number of seconds > 0"),
+        (["--trainer-alone-s", "nan"], "--trainer-alone-s=nan: must be"),
         (["--model-path", "/nonexistent/model"], "no config.json there"),
         (["--batch-sizes", "16"], "at least 2 --batch-sizes and 2 --context-lengths"),
     ],
@@ -147,3 +154,6 @@ def test_co_run_with_harvest_layer_split_trainer(tmp_path, tiny_llama_path):
     assert {r.phase for r in corun} == {"mixed"} and sum(r.trainer_units for r in corun) > 0
     assert profile.stage2.by_phase == {} and not profile.stage2.use_phase_models
     assert not (tmp_path / "job-out").exists()  # profiling ran the job in a scratch directory
+    assert [r.phase for r in profile.trainer.alone] == ["mixed"] and profile.trainer.alone[0].units > 0
+    # Units are stages of a micro-batch (forward and backward) and optimizer updates: far fewer tokens than a micro-batch each.
+    assert 0 < profile.trainer.tokens_per_unit < 2 * 64

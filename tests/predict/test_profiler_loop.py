@@ -18,6 +18,7 @@ from harvest.predict.profiler.levels import ProfilingLevel
 from harvest.predict.profiler.measure import MeasureConfig, MeasurementError, kept_indices, trimmed_mean
 from harvest.predict.profiler.partial import PartialRun, PartialRunError, partial_path
 from harvest.predict.profiler.runner import plan_points, run_grid
+from harvest.predict.profiler.trainer_alone import measure_section
 from harvest.predict.schema import Grid
 from tests.predict.synthetic import provenance
 
@@ -98,6 +99,10 @@ class ScriptedWorkload(UnitLoopWorkload):
         self.running_phase = None
         super().stop()
 
+    @property
+    def tokens_per_unit(self) -> float:
+        return 96.0
+
     def run_unit(self, phase):
         if self.fail_after is not None and self.units_done >= self.fail_after:
             raise RuntimeError("trainer exploded")
@@ -153,6 +158,36 @@ def test_grid_is_measured_trimmed_and_fits():
             assert record.trainer_units is not None and record.trainer_units >= 1  # ran concurrently
     profile = build_profile(provenance(LADDER), LADDER, BatchSizeBuckets(), GRID, result)
     assert profile.stage1[1].quality.mape < 0.05
+
+
+@pytest.mark.timeout(60)
+def test_trainer_alone_stage_measures_each_trainer_level_and_the_whole_device_in_each_phase():
+    workload = ScriptedWorkload()
+    seen = []
+    section = measure_section(workload, LADDER, LEVELS, 0.05, seen.append)
+    # Level 1 gives the trainer no SMs; no level gives it all 100, so the whole device is measured apart.
+    assert [(r.level, r.phase) for r in section.alone] == [(0, "forward"), (0, "backward"), (None, "forward"), (None, "backward")]
+    assert list(section.alone) == seen and workload.started == ["forward", "backward"] * 2
+    assert section.whole_device_level is None and section.tokens_per_unit == 96.0 and section.seconds_per_phase == 0.05
+    for record in section.alone:
+        assert record.seconds >= 0.05 and record.units >= 1
+        assert record.units_per_s < 1 / 0.001 + 1  # each unit sleeps 1 ms: the count is of units in the window
+    profile = build_profile(provenance(LADDER), LADDER, BatchSizeBuckets(), GRID, _grid(), section)
+    assert profile.trainer == section
+
+
+def test_trainer_alone_stage_uses_the_level_that_gives_the_trainer_every_sm():
+    shared = LadderSpec(1, (LevelSpec(1, 1),), "whole-device")
+    section = measure_section(ScriptedWorkload(), shared, [ProfilingLevel(0, shared.levels[0])], 0.02)
+    assert section.whole_device_level == 0 and [r.level for r in section.alone] == [0, 0]
+    with pytest.raises(ValueError, match="--trainer-alone-s=0"):
+        measure_section(ScriptedWorkload(), shared, [ProfilingLevel(0, shared.levels[0])], 0)
+
+
+def _grid():
+    workload = ScriptedWorkload()
+    engine = ScriptedEngine(workload)
+    return _run(engine, workload, ScriptedTimer(engine))[0]
 
 
 @pytest.mark.timeout(60)

@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import warnings
 
 import pytest
 
-from harvest.predict import compat
+from harvest.predict import compat, strict_json
 from harvest.predict.calibrate import build_profile, describe_fit
 from harvest.predict.compat import ProfileMismatchError, RuntimeIdentity, check_compatible, load_for, model_config_hash
 from harvest.predict.fit import FitError
 from harvest.predict.ladder import LadderSpec, LevelSpec
-from harvest.predict.schema import SCHEMA_VERSION, Grid, Profile, ProfileError
+from harvest.predict.schema import SCHEMA_VERSION, Grid, Profile, ProfileError, TrainerAloneRecord, TrainerSection
 from tests.predict.synthetic import BUCKETS, H100_LADDER, provenance, records
 
 
@@ -57,6 +58,64 @@ def _data(profile: Profile) -> dict:
     return json.loads(profile.to_json())
 
 
+def _section(**changes) -> TrainerSection:
+    """Alone rates for H100_LADDER: levels 0-5 give the trainer SMs, level 6 none, and
+    none gives it all 132, so the whole device is measured outside the ladder."""
+    alone = tuple(
+        TrainerAloneRecord(level, phase, 10 + (level or 0), 1.0) for level in (0, 1, 2, 3, 4, 5, None) for phase in ("forward", "backward")
+    )
+    return TrainerSection(**{**dict(tokens_per_unit=64.0, seconds_per_phase=1.0, whole_device_level=None, alone=alone), **changes})
+
+
+def test_version_2_round_trips_its_trainer_section(profile, tmp_path):
+    with_trainer = dataclasses.replace(profile, trainer=_section())
+    path = tmp_path / "p2.json"
+    with_trainer.save(path)
+    loaded = Profile.load(path)
+    assert loaded == with_trainer and loaded.schema_version == SCHEMA_VERSION == 2
+    assert loaded.trainer.records(None)[1].units_per_s == 10.0 and loaded.trainer.tokens_per_unit == 64.0
+    assert json.loads(path.read_text())["trainer"]["alone"][0] == {"level": 0, "phase": "forward", "units": 10, "seconds": 1.0}
+    assert "trainer alone (64 tokens/unit)" in describe_fit(loaded)
+
+
+def test_version_1_loads_without_a_trainer_section_and_saves_back_as_version_1(profile, tmp_path):
+    data = copy.deepcopy(_data(profile))
+    del data["trainer"]
+    data["schema_version"] = 1
+    loaded = _load_dict(data)
+    assert loaded.schema_version == 1 and loaded.trainer is None
+    assert loaded.to_dict() == data  # no `trainer` key written into a version-1 file
+    assert loaded.predictor().predict_colo(1, 16, 4000.0) == profile.predictor().predict_colo(1, 16, 4000.0)
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (dict(whole_device_level=2), r"whole_device_level=2: not a level giving the trainer all 132 SMs"),
+        (dict(alone=_section().alone[2:]), r"trainer.alone: expected the same phases on every level"),
+        (dict(alone=_section().alone[:-1]), r"trainer.alone: expected the same phases on every level"),
+        (dict(alone=_section().alone + (TrainerAloneRecord(6, "forward", 1, 1.0),)), r"alone\[14\].level=6: expected one of"),
+        (dict(alone=_section().alone + (TrainerAloneRecord(0, "forward", 1, 1.0),)), r"level 0 phase 'forward' measured twice"),
+    ],
+)
+def test_inconsistent_trainer_sections_are_refused(profile, changes, message):
+    data = copy.deepcopy(_data(profile))
+    data["trainer"] = strict_json.to_jsonable(_section(**changes))
+    with pytest.raises(ProfileError, match=message):
+        _load_dict(data)
+
+
+def test_trainer_section_values_are_checked(profile):
+    data = copy.deepcopy(_data(profile))
+    data["trainer"] = strict_json.to_jsonable(_section())
+    data["trainer"]["alone"][0]["seconds"] = 0
+    with pytest.raises(ProfileError, match=r"profile.trainer.alone\[0\]: units=10, seconds=0.0"):
+        _load_dict(data)
+    data["trainer"] = dict(strict_json.to_jsonable(_section()), tokens_per_unit=-1)
+    with pytest.raises(ProfileError, match=r"profile.trainer: tokens_per_unit=-1.0"):
+        _load_dict(data)
+
+
 def _load_dict(data) -> Profile:
     return Profile.from_json(json.dumps(data))
 
@@ -64,7 +123,10 @@ def _load_dict(data) -> Profile:
 @pytest.mark.parametrize(
     "mutate, message",
     [
-        (lambda d: d.update(schema_version=SCHEMA_VERSION + 1), r"schema_version=2: this harvest reads version 1; re-run `harvest profile`"),
+        (lambda d: d.update(schema_version=SCHEMA_VERSION + 1), r"schema_version=3: this harvest reads versions 1, 2; re-run `harvest profile`"),
+        (lambda d: d.update(schema_version=True), r"schema_version=True: this harvest reads versions"),
+        (lambda d: d.update(schema_version=1), r"profile.trainer: not a field of schema version 1"),
+        (lambda d: d.pop("trainer"), r"profile: missing field\(s\) trainer"),
         (lambda d: d.update(schema="something-else"), "not a harvest latency profile"),
         (lambda d: d["provenance"].pop("device_name"), r"profile.provenance: missing field\(s\) device_name"),
         (lambda d: d["provenance"].update(colour="red"), r"profile.provenance: unknown field\(s\) colour"),
@@ -170,3 +232,5 @@ def test_committed_cpu_profile_is_valid_and_matches_the_tiny_model(tiny_llama_pa
         "--out profiles/cpu-tiny-llama-sglang.json`"
     )
     assert profile.stage1[0].quality.mape < 0.10  # a sane fit, not a broken measurement
+    assert profile.trainer is not None and profile.trainer.whole_device_level == 0  # schema 2: measured alone too
+    assert all(r.units > 0 for r in profile.trainer.alone)

@@ -8,6 +8,7 @@ fit quality. Interrupted runs resume from ``<out>.partial.jsonl``.
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
@@ -45,6 +46,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--lora-rank", type=int, default=8, help="PEFT co-run workload: LoRA rank (default 8)")
     parser.add_argument("--trainer-micro-batch", type=int, default=2, help="PEFT co-run workload: sequences per unit (default 2)")
     parser.add_argument("--trainer-seq-len", type=int, default=128, help="PEFT co-run workload: tokens per sequence (default 128)")
+    parser.add_argument("--trainer-alone-s", type=float, default=3.0, help="seconds the finetune workload runs alone per trainer level and phase, after the grid (default 3; re-measured on resume)")
     parser.add_argument("--switch-interval-ms", type=float, default=None, help="Python GIL switch interval during the run (default: unchanged)")
     parser.add_argument("--torch-threads", type=int, default=None, help="torch intra-op threads (default: torch's, one per core)")
     parser.add_argument("--seed", type=int, default=0)
@@ -69,6 +71,8 @@ def run(args) -> int:
         return _fail("stage 1 has three coefficients per level: give at least 2 --batch-sizes and 2 --context-lengths")
     if args.switch_interval_ms is not None and args.switch_interval_ms <= 0:
         return _fail(f"--switch-interval-ms={args.switch_interval_ms}: must be > 0")
+    if not (math.isfinite(args.trainer_alone_s) and args.trainer_alone_s > 0):
+        return _fail(f"--trainer-alone-s={args.trainer_alone_s}: must be a finite number of seconds > 0")
     if args.torch_threads is not None and args.torch_threads <= 0:
         return _fail(f"--torch-threads={args.torch_threads}: must be > 0")
     model_path = _resolve_model(args.model_path)

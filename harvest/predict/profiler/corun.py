@@ -33,6 +33,8 @@ class BaseCoRunWorkload(abc.ABC):
       is warm and really running) and keeps running units back to back in a background
       thread, on ``stream`` (None: the thread's current stream).
     - ``units_done`` counts finished units since construction (read from any thread).
+    - ``tokens_per_unit``: mean training tokens per unit (a micro-batch's tokens over the
+      units that train on it), to turn a unit rate into tokens/s.
     - ``stop()`` returns after the unit in flight ends; it re-raises the background
       thread's failure as CoRunError. ``close()`` frees the model.
     """
@@ -45,6 +47,10 @@ class BaseCoRunWorkload(abc.ABC):
     @property
     @abc.abstractmethod
     def units_done(self) -> int: ...
+
+    @property
+    @abc.abstractmethod
+    def tokens_per_unit(self) -> float: ...
 
     @abc.abstractmethod
     def start(self, phase: str, stream: Any = None) -> None: ...

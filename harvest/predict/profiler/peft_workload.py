@@ -59,6 +59,12 @@ class PeftLoraWorkload(UnitLoopWorkload):
         )
         self._retained_loss = None
         self._torch = torch
+        self._micro_batch_tokens = micro_batch_size * sequence_length
+
+    @property
+    def tokens_per_unit(self) -> float:
+        # A training step on one micro-batch is one forward and one backward unit.
+        return self._micro_batch_tokens / len(self.phases)
 
     def _forward(self):
         with self._torch.enable_grad():

@@ -22,6 +22,7 @@ from harvest.predict.profiler.measure import MeasureConfig, MeasurementError, ti
 from harvest.predict.profiler.partial import PartialRun, PartialRunError, grid_key, partial_path
 from harvest.predict.profiler.report import write_report
 from harvest.predict.profiler.runner import plan_points, run_grid
+from harvest.predict.profiler.trainer_alone import measure_section
 from harvest.predict.schema import FinetuneIdentity, Grid, MeasurementSettings
 
 logger = get_logger(__name__)
@@ -102,7 +103,7 @@ def profile(args, model_path: str, measure: MeasureConfig) -> int:
             raise ProfilingFailed(str(exc)) from exc
         print(f"harvest profile: {model.name} ({dtype}) on {device_id.name}, {engine_name} engine; {ladder_info.description}")
         try:
-            records, buckets, finetune = _measure(args, engine_name, model_path, device, dtype, measure, grid, ladder_info, finetune_model, done, partial, tqdm)
+            records, buckets, finetune, trainer = _measure(args, engine_name, model_path, device, dtype, measure, grid, ladder_info, finetune_model, done, partial, tqdm)
         except KeyboardInterrupt:
             partial.close()
             print(f"\ninterrupted: measured grid points are kept in {partial.path}; run the same command again to resume", file=sys.stderr)
@@ -117,7 +118,7 @@ def profile(args, model_path: str, measure: MeasureConfig) -> int:
     )
     prov = provenance.collect(device_id, ladder_info.ladder, engine_name, model, finetune, measurement, command_line(args))
     try:
-        result = build_profile(prov, ladder_info.ladder, buckets, grid, records)
+        result = build_profile(prov, ladder_info.ladder, buckets, grid, records, trainer)
     except FitError as exc:
         raise ProfilingFailed(f"cannot fit the measured grid points: {exc}") from exc
     result.save(out)
@@ -147,7 +148,8 @@ def timer_for_name(device: str) -> str:
 
 
 def _measure(args, engine_name, model_path, device, dtype, measure, grid, ladder_info, finetune_model, done, partial, tqdm):
-    """Measure what ``done`` lacks; returns (records, buckets, finetune identity)."""
+    """Measure what ``done`` lacks, then the trainer alone; returns (records, buckets,
+    finetune identity, trainer section)."""
     engine = workload = None
     try:
         max_context = max(grid.context_lengths) + measure.warmup_steps + measure.timed_steps + 1
@@ -160,13 +162,15 @@ def _measure(args, engine_name, model_path, device, dtype, measure, grid, ladder
             print(f"resuming: {len(done)} grid points already measured in {partial.path}, {len(todo)} to go")
         with tqdm(total=len(todo), unit="point", dynamic_ncols=True, mininterval=1.0) as progress:
             records = run_grid(engine, workload, ladder_info.levels, grid, measure, timer_for(device.split(":")[0]), done, partial.append, progress)
+        print(f"trainer alone: {args.trainer_alone_s:g} s per trainer level and phase")
+        trainer = measure_section(workload, ladder_info.ladder, ladder_info.levels, args.trainer_alone_s, _print_alone)
         finetune = FinetuneIdentity(
             workload=workload.name,
             base_model=workload.base_model,
             description=workload.description,
             config_hash=_config_hash_or_none(workload.base_model),
         )
-        return records, BatchSizeBuckets(engine.batch_size_buckets), finetune
+        return records, BatchSizeBuckets(engine.batch_size_buckets), finetune, trainer
     except (EngineError, CoRunError, MeasurementError) as exc:
         raise ProfilingFailed(str(exc)) from exc
     finally:
@@ -174,6 +178,11 @@ def _measure(args, engine_name, model_path, device, dtype, measure, grid, ladder
             workload.close()
         if engine is not None:
             engine.close()
+
+
+def _print_alone(record) -> None:
+    where = "whole device" if record.level is None else f"level {record.level}"
+    print(f"  {where} {record.phase}: {record.units} units in {record.seconds:.2f} s ({record.units_per_s:.3g} units/s)")
 
 
 def _config_hash_or_none(model_path: str) -> str | None:

@@ -54,6 +54,14 @@ class HarvestTrainerWorkload(UnitLoopWorkload):
             f"micro-batch (forward or backward) or the optimizer update, in training order"
         )
         self._stream = None
+        self._micro_batch_tokens = 0  # tokens of the micro-batches whose first stage ran forward
+
+    @property
+    def tokens_per_unit(self) -> float:
+        """Measured: micro-batches started over units run (forward, backward and optimizer)."""
+        if self.units_done == 0:
+            raise CoRunError("tokens_per_unit: no unit has run yet")
+        return self._micro_batch_tokens / self.units_done
 
     def start(self, phase: str, stream=None) -> None:
         self._stream = stream
@@ -63,6 +71,8 @@ class HarvestTrainerWorkload(UnitLoopWorkload):
         record = self.trainer.run_one_unit(self._stream)
         if record is None:
             raise CoRunError("the finetune job finished during profiling")
+        if record.kind.value == "forward" and record.stage == 0:
+            self._micro_batch_tokens += record.num_tokens
         if self.trainer.device.type == "cuda":
             import torch
 

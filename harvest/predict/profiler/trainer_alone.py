@@ -1,0 +1,55 @@
+"""The trainer-alone stage: the co-run workload's rate with no decode running.
+
+Replay (``harvest.replay.trainer_model``) turns the co-run points' trainer units into a
+fraction of the finetune job's rate on a whole device, which needs that rate and each
+level's alone rate as a reference. For each level whose trainer has SMs, and for the
+whole device (the level giving the trainer every SM if there is one, else the device
+outside the ladder), the workload runs held in each of its phases on that trainer
+stream for ``seconds_per_phase``. The window runs from the end of the first unit
+(``start`` returns then) to the end of the unit in flight when time is up (``stop``
+waits for it), so it holds whole units only. Not resumable: a resumed run measures this
+stage again (seconds per level and phase).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+from harvest.predict.ladder import LadderSpec
+from harvest.predict.profiler.levels import ProfilingLevel
+from harvest.predict.schema import TrainerAloneRecord, TrainerSection
+
+
+def measure_alone(workload, level: int | None, stream, phase: str, seconds: float) -> TrainerAloneRecord:
+    workload.start(phase, stream)
+    try:
+        units_before, start = workload.units_done, time.perf_counter()
+        time.sleep(seconds)
+    finally:
+        workload.stop()
+    elapsed = time.perf_counter() - start
+    return TrainerAloneRecord(level=level, phase=phase, units=workload.units_done - units_before, seconds=elapsed)
+
+
+def measure_section(workload, ladder: LadderSpec, levels: Sequence[ProfilingLevel], seconds_per_phase: float, on_record=None) -> TrainerSection:
+    """Measure every trainer level and the whole device; ``on_record`` sees each record."""
+    if not seconds_per_phase > 0:
+        raise ValueError(f"--trainer-alone-s={seconds_per_phase!r}: must be > 0")
+    whole = next((lv.index for lv in levels if lv.spec.trainer_sms == ladder.total_sms), None)
+    targets = [(lv.index, lv.trainer_stream) for lv in levels if lv.trainer_runs]
+    if whole is None:
+        targets.append((None, None))  # the current stream, outside any partition: the whole device
+    records = []
+    for level, stream in targets:
+        for phase in workload.phases:
+            record = measure_alone(workload, level, stream, phase, seconds_per_phase)
+            records.append(record)
+            if on_record is not None:
+                on_record(record)
+    return TrainerSection(
+        tokens_per_unit=float(workload.tokens_per_unit),
+        seconds_per_phase=float(seconds_per_phase),
+        whole_device_level=whole,
+        alone=tuple(records),
+    )

@@ -1,0 +1,103 @@
+"""The replay's trainer model from a profile's measured trainer section (schema 2), by
+hand, and the SM-share fallback for profiles without one."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from harvest.predict.schema import TrainerAloneRecord, TrainerSection
+from harvest.replay import comparison, profile_source, trainer_model
+from harvest.replay.profile_source import LevelTrainerRecord, PhaseUnits
+from tests.replay.helpers import make_profile, settings
+from tests.replay.test_policies import STEADY
+
+# Alone (units/s): whole device forward 100, backward 50 -> alternating 2 / (1/100 + 1/50) = 66.67;
+# level 0 (40/60 SMs): 60, 30 -> 40 (0.6 of whole); level 1 (60/40): 40, 20 -> 26.67 (0.4).
+ALONE = TrainerSection(
+    tokens_per_unit=128.0,
+    seconds_per_phase=2.0,
+    whole_device_level=None,
+    alone=(
+        TrainerAloneRecord(0, "forward", 120, 2.0),
+        TrainerAloneRecord(0, "backward", 60, 2.0),
+        TrainerAloneRecord(1, "forward", 80, 2.0),
+        TrainerAloneRecord(1, "backward", 40, 2.0),
+        TrainerAloneRecord(None, "forward", 200, 2.0),
+        TrainerAloneRecord(None, "backward", 100, 2.0),
+    ),
+)
+# Beside decode: level 0 30 and 15 units/s -> 20 (0.3 of whole); level 1 20 and 10 -> 13.33 (0.2).
+CORUN = (
+    LevelTrainerRecord(0, 4, 45, 2.0, (PhaseUnits("backward", 15, 1.0), PhaseUnits("forward", 30, 1.0))),
+    LevelTrainerRecord(1, 4, 30, 2.0, (PhaseUnits("backward", 10, 1.0), PhaseUnits("forward", 20, 1.0))),
+)
+WHOLE_UNITS_PER_S = 2 / (1 / 100 + 1 / 50)
+
+
+def measured_profile():
+    return dataclasses.replace(make_profile(), trainer_alone=ALONE, trainer_records=CORUN)
+
+
+def test_measured_shares_and_tokens_by_hand():
+    model = trainer_model.build(measured_profile())
+    assert model.model == trainer_model.MEASURED_MODEL
+    assert model.colo_share == pytest.approx((0.3, 0.2, 0.0))
+    assert model.idle_share == pytest.approx((0.6, 0.4, 0.0))
+    assert model.tokens_per_gpu_s == pytest.approx(WHOLE_UNITS_PER_S * 128)
+    assert model.rate_source.startswith("measured: 66.67 units/s alone on the whole device x 128 tokens/unit")
+    assert model.to_dict()["model"] == trainer_model.MEASURED_MODEL
+    override = trainer_model.build(measured_profile(), 1000.0)
+    assert override.tokens_per_gpu_s == 1000.0 and "--trainer-tokens-per-s 1000" in override.rate_source
+    assert override.colo_share == model.colo_share  # the override changes the unit, not the shares
+
+
+def test_replay_uses_the_measured_rates():
+    result = comparison.run(STEADY, measured_profile(), trainer_model.build(measured_profile()), settings(), 0)
+    static, separate = result.results["static"], result.results["separate"]
+    busy = static.metrics["busy_fraction"]
+    assert 0.0 < busy < 1.0
+    # Static runs on level 1 (60 % decode): 0.2 of a whole GPU while decode steps, 0.4 in the gaps.
+    expected = 0.2 * busy + 0.4 * (1.0 - busy)
+    assert static.metrics["finetune_per_gpu"] == pytest.approx(expected, rel=1e-6)
+    assert static.metrics["finetune_tokens_per_s_per_gpu"] == pytest.approx(expected * WHOLE_UNITS_PER_S * 128, rel=1e-6)
+    # Separate: a whole GPU trains alone at the measured whole-device rate, over two GPUs.
+    assert separate.metrics["finetune_tokens_per_s_per_gpu"] == pytest.approx(WHOLE_UNITS_PER_S * 128 / 2)
+
+
+def test_profiles_without_a_trainer_section_fall_back_to_the_sm_share_model():
+    model = trainer_model.build(make_profile())
+    assert model.model == trainer_model.SM_SHARE_MODEL and model.tokens_per_gpu_s is None
+    assert model.colo_share == pytest.approx((0.6, 0.4, 0.0))
+
+
+def test_committed_cpu_profile_carries_a_measured_trainer_section():
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "profiles" / "cpu-tiny-llama-sglang.json"
+    loaded = profile_source.load(path)
+    assert loaded.trainer_alone is not None and loaded.trainer_alone.whole_device_level == 0
+    model = trainer_model.build(loaded)
+    assert model.model == trainer_model.MEASURED_MODEL
+    assert model.idle_share == (1.0,)  # the one shared level is the whole device
+    assert 0.0 < model.colo_share[0] < 1.0  # decode takes part of the only core's time
+    assert model.tokens_per_gpu_s > 0
+
+
+def test_version_1_profile_loads_for_replay_with_the_fallback(tmp_path):
+    data = make_profile_dict()
+    data["schema_version"] = 1
+    del data["trainer"]
+    path = tmp_path / "v1.json"
+    path.write_text(json.dumps(data))
+    loaded = profile_source.load(path)
+    assert loaded.trainer_alone is None
+    assert trainer_model.build(loaded).model == trainer_model.SM_SHARE_MODEL
+
+
+def make_profile_dict() -> dict:
+    from harvest.replay import synthetic
+
+    return synthetic.harli_a100_llama3_8b().to_dict()
