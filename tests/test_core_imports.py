@@ -7,11 +7,11 @@ so an accidental top-level import anywhere in the module's import graph fails he
 from __future__ import annotations
 
 import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
+
+from tests.blocked_imports import run_with_blocked
 
 HARVEST_DIR = Path(__file__).resolve().parent.parent / "harvest"
 OPTIONAL = ["sglang", "llamafactory", "prometheus_client", "peft", "transformers", "pynvml", "cuda"]
@@ -20,20 +20,7 @@ POLICY_SUBPACKAGES = ["predict", "schedule"]
 
 
 def _import_with_blocked(modules: list[str], blocked: list[str]) -> subprocess.CompletedProcess:
-    code = textwrap.dedent(
-        f"""
-        import importlib, importlib.abc, sys
-        BLOCKED = {blocked!r}
-        class Refuse(importlib.abc.MetaPathFinder):
-            def find_spec(self, name, path=None, target=None):
-                if name.split(".")[0] in BLOCKED:
-                    raise ImportError(f"{{name}} is blocked for this test")
-        sys.meta_path.insert(0, Refuse())
-        for module in {modules!r}:
-            importlib.import_module(module)
-        """
-    )
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    return run_with_blocked(blocked, f"for module in {modules!r}:\n    importlib.import_module(module)\n")
 
 
 def _existing(subpackages: list[str]) -> list[str]:

@@ -185,6 +185,15 @@ int drain(const DriverApi* cu, const gc::Stream& stream, const char* what, int l
 
 }  // namespace
 
+// The driver, green-context support, the device and its whole SM resource: what every
+// entry point below needs before it can plan or split.
+static int open_device_sms(int device_ordinal, const DriverApi** cu, CUdevice* device, CUdevResource* whole) {
+  if (int s = gc::require_driver(cu); s != HGC_OK) return s;
+  if (int s = gc::require_green_contexts(*cu); s != HGC_OK) return s;
+  if (int s = gc::get_device(*cu, device_ordinal, device); s != HGC_OK) return s;
+  return whole_device_sms(*cu, *device, whole);
+}
+
 extern "C" {
 
 int hgc_split_preview(int device_ordinal, int decode_sms, int* realised_decode_sms,
@@ -199,12 +208,9 @@ int hgc_split_preview(int device_ordinal, int decode_sms, int* realised_decode_s
     return HGC_ERR_INVALID;
   }
   const DriverApi* cu = nullptr;
-  if (int s = gc::require_driver(&cu); s != HGC_OK) return s;
-  if (int s = gc::require_green_contexts(cu); s != HGC_OK) return s;
   CUdevice device;
-  if (int s = gc::get_device(cu, device_ordinal, &device); s != HGC_OK) return s;
   CUdevResource whole;
-  if (int s = whole_device_sms(cu, device, &whole); s != HGC_OK) return s;
+  if (int s = open_device_sms(device_ordinal, &cu, &device, &whole); s != HGC_OK) return s;
   const int total = static_cast<int>(whole.sm.smCount);
   if (int s = check_decode_request(decode_sms, total); s != HGC_OK) return s;
   if (decode_sms == total) {
@@ -223,12 +229,9 @@ int hgc_ladder_create(int device_ordinal, const int* decode_sms, int num_levels,
                       hgc_ladder_t** out) {
   if (int s = check_ladder_request(decode_sms, num_levels, out); s != HGC_OK) return s;
   const DriverApi* cu = nullptr;
-  if (int s = gc::require_driver(&cu); s != HGC_OK) return s;
-  if (int s = gc::require_green_contexts(cu); s != HGC_OK) return s;
   CUdevice device;
-  if (int s = gc::get_device(cu, device_ordinal, &device); s != HGC_OK) return s;
   CUdevResource whole;
-  if (int s = whole_device_sms(cu, device, &whole); s != HGC_OK) return s;
+  if (int s = open_device_sms(device_ordinal, &cu, &device, &whole); s != HGC_OK) return s;
 
   auto ladder = std::make_unique<hgc_ladder>();
   ladder->device_ordinal = device_ordinal;

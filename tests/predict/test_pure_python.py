@@ -3,12 +3,9 @@ all unimportable (fitting alone may load scikit-learn, lazily)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import textwrap
-
 from harvest.predict.calibrate import build_profile
 from harvest.predict.schema import Grid
+from tests.blocked_imports import run_with_blocked
 from tests.predict.synthetic import BUCKETS, H100_LADDER, provenance, records
 
 BLOCKED = ["torch", "numpy", "sklearn", "scipy", "sglang", "transformers", "peft"]
@@ -17,15 +14,8 @@ BLOCKED = ["torch", "numpy", "sklearn", "scipy", "sglang", "transformers", "peft
 def test_load_predict_and_observe_without_torch_numpy_or_sklearn(tmp_path):
     path = tmp_path / "profile.json"
     build_profile(provenance(), H100_LADDER, BUCKETS, Grid((4, 16, 64), (64, 128, 256, 512)), records()).save(path)
-    code = textwrap.dedent(
+    code = (
         f"""
-        import importlib.abc, sys
-        BLOCKED = {BLOCKED!r}
-        class Refuse(importlib.abc.MetaPathFinder):
-            def find_spec(self, name, path=None, target=None):
-                if name.split(".")[0] in BLOCKED:
-                    raise ImportError(name + " is blocked for this test")
-        sys.meta_path.insert(0, Refuse())
         import harvest.predict as hp
         from harvest.predict import calibrate, compat, online, schema, strict_json
         profile = hp.Profile.load({str(path)!r})
@@ -45,6 +35,6 @@ def test_load_predict_and_observe_without_torch_numpy_or_sklearn(tmp_path):
         print("ok")
         """
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    out = run_with_blocked(BLOCKED, code, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "ok" in out.stdout and "numpy is blocked" in out.stdout

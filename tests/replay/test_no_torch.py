@@ -5,12 +5,11 @@ its only third-party needs)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
+
+from tests.blocked_imports import run_with_blocked
 
 REPLAY_DIR = Path(__file__).resolve().parents[2] / "harvest" / "replay"
 BLOCKED = ["torch", "sklearn", "scipy", "sglang", "llamafactory", "transformers", "peft", "prometheus_client"]
@@ -20,15 +19,8 @@ BLOCKED = ["torch", "sklearn", "scipy", "sglang", "llamafactory", "transformers"
 def test_replay_runs_without_torch_or_sklearn(tmp_path):
     modules = ["harvest.replay"] + [f"harvest.replay.{p.stem}" for p in sorted(REPLAY_DIR.glob("*.py")) if p.stem != "__init__"]
     assert len(modules) >= 10, modules
-    code = textwrap.dedent(
+    code = (
         f"""
-        import importlib, importlib.abc, sys
-        BLOCKED = {BLOCKED!r}
-        class Refuse(importlib.abc.MetaPathFinder):
-            def find_spec(self, name, path=None, target=None):
-                if name.split(".")[0] in BLOCKED:
-                    raise ImportError(f"{{name}} is blocked for this test")
-        sys.meta_path.insert(0, Refuse())
         for module in {modules!r}:
             importlib.import_module(module)
         import argparse
@@ -43,7 +35,7 @@ def test_replay_runs_without_torch_or_sklearn(tmp_path):
         print("ok")
         """
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=110)
+    out = run_with_blocked(BLOCKED, code, timeout=110)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().endswith("ok")
     assert (tmp_path / "sm_split.png").is_file()

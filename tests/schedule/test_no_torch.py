@@ -3,12 +3,11 @@ interpreter where torch, numpy, scikit-learn, scipy and the serving stack are un
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
+
+from tests.blocked_imports import run_with_blocked
 
 SCHEDULE_DIR = Path(__file__).resolve().parents[2] / "harvest" / "schedule"
 BLOCKED = ["torch", "numpy", "sklearn", "scipy", "sglang", "llamafactory", "transformers", "peft", "prometheus_client"]
@@ -19,15 +18,8 @@ def test_schedule_imports_and_decides_without_torch_numpy_sklearn():
     stems = [path.stem for path in sorted(SCHEDULE_DIR.glob("*.py")) if path.stem != "__init__"]
     modules = ["harvest.schedule"] + [f"harvest.schedule.{stem}" for stem in stems]
     assert len(modules) >= 5, modules
-    code = textwrap.dedent(
+    code = (
         f"""
-        import importlib, importlib.abc, sys
-        BLOCKED = {BLOCKED!r}
-        class Refuse(importlib.abc.MetaPathFinder):
-            def find_spec(self, name, path=None, target=None):
-                if name.split(".")[0] in BLOCKED:
-                    raise ImportError(f"{{name}} is blocked for this test")
-        sys.meta_path.insert(0, Refuse())
         for module in {modules!r}:
             importlib.import_module(module)
         from harvest.schedule import QoSController, SchedulerConfig, SchedulerInput, TrainerState
@@ -41,6 +33,6 @@ def test_schedule_imports_and_decides_without_torch_numpy_sklearn():
         print("ok", d.reason.value)
         """
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=110)
+    out = run_with_blocked(BLOCKED, code, timeout=110)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok no_trainer"
