@@ -68,9 +68,13 @@ class StepController:
         self._solo = [math.nan] * num_levels
         self._colo = [math.nan] * num_levels
         self._no_prediction = (math.nan,) * num_levels
-        self._phase_index = {}
-        if predictor is not None:
-            self._phase_index = {name: predictor.phase_index(name) for name in ("forward", "backward", None)}
+        # Stage-2 models to take the worst of: the per-phase ones when the profile has them
+        # (trainer units are often shorter than a decode step, so both phases can run
+        # during one step; QoS first), else the combined one.
+        self._phase_models = (0,)
+        self._colo_phase = [math.nan] * num_levels
+        if predictor is not None and len(predictor.phase_names) > 1:
+            self._phase_models = tuple(range(1, len(predictor.phase_names)))
         self._pending: collections.deque[_Pending] = collections.deque()
         self.recent_steps: collections.deque[StepRecord] = collections.deque(maxlen=8192)
         self.level = self.levels[self.whole_index]
@@ -92,8 +96,13 @@ class StepController:
         whole_ms = math.nan
         if load.is_decode and self.predictor is not None and trainer_state is TrainerState.RUNNING:
             phase = self.trainer.next_phase()
-            self.predictor.predict_levels(load.batch_size, load.sum_context, self._solo, self._colo,
-                                          self._phase_index.get(phase, 0))
+            first, *others = self._phase_models
+            self.predictor.predict_levels(load.batch_size, load.sum_context, self._solo, self._colo, first)
+            for model in others:
+                self.predictor.predict_levels(load.batch_size, load.sum_context, self._solo, self._colo_phase, model)
+                for level, value in enumerate(self._colo_phase):
+                    if value > self._colo[level]:
+                        self._colo[level] = value
             colo_ms = tuple(c * 1e3 for c in self._colo)
             whole_ms = self._solo[self.whole_index] * 1e3
         decision = self.qos.decide(SchedulerInput(colo_ms, trainer_state, whole_ms))
