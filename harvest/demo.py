@@ -71,10 +71,11 @@ def run(args) -> int:
         print(f"      trainer running: {first['kv']['chunks_lent']} KV chunks lent, step {first['trainer']['stats']['global_step']}")
         print(f"[4/4] replaying {len(trace)} requests from {trace_path.name} (time x{args.time_scale})")
         timeline: list = []
+        replay_start = time.time()
         results = _replay(srv, trace, args, port, timeline)
         time.sleep(1.0)
         final = _get(port, "/harvest/status")
-        steps = _get(port, "/harvest/steps")["steps"]
+        steps = [s for s in _get(port, "/harvest/steps")["steps"] if s[0] >= replay_start]
     args.out_dir.mkdir(parents=True, exist_ok=True)
     png = _plot(steps, timeline, args.target_tpot_ms, args.out_dir / "timeline.png")
     report = _report(results, first, final, steps, args.target_tpot_ms)
@@ -149,7 +150,7 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 def _report(results, first, final, steps, target_ms) -> dict:
-    decode_ms = [s[2] for s in steps if s[0] >= 0]
+    decode_ms = [s[2] for s in steps]
     trainer_first, trainer_final = first["trainer"]["stats"], final["trainer"]["stats"] or {}
     return {
         "requests": len(results),

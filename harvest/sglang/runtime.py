@@ -29,6 +29,7 @@ import threading
 import time
 
 from harvest import config_env
+from harvest.colocate import StepLoad
 from harvest.logs import get_logger
 
 logger = get_logger(__name__)
@@ -36,8 +37,6 @@ logger = get_logger(__name__)
 
 def observe(batch):
     """The StepLoad of an SGLang ScheduleBatch."""
-    from harvest.colocate import StepLoad
-
     mode = batch.forward_mode
     return StepLoad(batch.batch_size(), int(batch.seq_lens_sum or 0), bool(mode.is_decode()))
 
