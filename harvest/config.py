@@ -14,6 +14,8 @@ Example::
     jobs: [jobs/alpaca-lora.yaml]           # LlamaFactory-style job files, run in order
     share_served_weights: true  # a job whose base is the served checkpoint uses its weights in place
     ladder: auto                # or a list of decode SM counts, e.g. [132, 96, 64, 32]
+    trainer:
+      cpu_threads: 1            # torch CPU threads of the trainer's thread (decode keeps its own)
     memory:
       reserve_tokens: auto      # free KV slots kept mapped; auto = Harli's formula
       hysteresis_chunks: 1      # lend only this many chunks above the reserve
@@ -41,6 +43,11 @@ class QosConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class TrainerConfig:
+    cpu_threads: int = 1  # harvest.train.cpu_threads.DEFAULT_TRAINER_CPU_THREADS
+
+
+@dataclasses.dataclass(frozen=True)
 class MemoryConfig:
     reserve_tokens: int | None = None  # None: Harli's reserve formula (harvest.memory)
     hysteresis_chunks: int = 1
@@ -60,6 +67,7 @@ class HarvestConfig:
     jobs: tuple[Path, ...] = ()
     share_served_weights: bool = True
     ladder: tuple[int, ...] | None = None  # None: planned from the device ("auto")
+    trainer: TrainerConfig = TrainerConfig()
     memory: MemoryConfig = MemoryConfig()
     metrics: MetricsConfig = MetricsConfig()
     source: Path | None = None  # the file it was loaded from
@@ -154,6 +162,10 @@ def parse(raw: Any, *, base_dir: Path, source: Path | None = None) -> HarvestCon
     else:
         raise _fail("ladder", ladder_raw, "'auto' or a non-empty list of positive decode SM counts")
 
+    trainer_raw = _section(raw, "trainer")
+    trainer = TrainerConfig(cpu_threads=_number(trainer_raw, "cpu_threads", "trainer", 1, low=1, high=1024, integer=True))
+    _no_leftovers(trainer_raw, "trainer", ("cpu_threads",))
+
     memory_raw = _section(raw, "memory")
     reserve_raw = memory_raw.pop("reserve_tokens", "auto")
     if reserve_raw == "auto":
@@ -172,8 +184,10 @@ def parse(raw: Any, *, base_dir: Path, source: Path | None = None) -> HarvestCon
     metrics = MetricsConfig(port=_number(metrics_raw, "port", "metrics", 9400, low=0, high=65535, integer=True))
     _no_leftovers(metrics_raw, "metrics", ("port",))
 
-    _no_leftovers(raw, "", ("qos", "profile", "allow_profile_mismatch", "jobs", "share_served_weights", "ladder", "memory", "metrics"))
-    return HarvestConfig(qos=qos, profile=profile, allow_profile_mismatch=allow_mismatch, jobs=jobs, share_served_weights=share, ladder=ladder, memory=memory, metrics=metrics, source=source)
+    _no_leftovers(raw, "", ("qos", "profile", "allow_profile_mismatch", "jobs", "share_served_weights", "ladder", "trainer",
+                            "memory", "metrics"))
+    return HarvestConfig(qos=qos, profile=profile, allow_profile_mismatch=allow_mismatch, jobs=jobs, share_served_weights=share,
+                         ladder=ladder, trainer=trainer, memory=memory, metrics=metrics, source=source)
 
 
 def load(path: str | Path) -> HarvestConfig:

@@ -2,13 +2,18 @@
 """Co-location benchmark on a real SGLang server (CPU by default), in one run:
 
 1. harvest off: the trace slice's greedy outputs (the reference).
-2. harvest on, no job: decode alone; its p95 step time at the batch cap sets the QoS
+2. harvest on, no job: decode alone; its p95 decode step at the batch cap sets the QoS
    target (``--target-factor`` x, 1.5 by default, since a CPU's absolute step times mean
    nothing for a GPU target) and gives the hook's overhead without a trainer. Every
    server runs with the decode batch capped (``--max-batch``), as a decode instance is.
 3. harvest on with the LoRA job: outputs compared with (1); TPOT p99, violations,
    trainer tokens/s, KV chunks lent and reclaimed, failed requests, hook overhead.
-4. the same trainer alone (no serving) for ``--solo-seconds``: its tokens/s.
+4. the same trainer alone (no serving, its thread on the same CPU threads as in the
+   server) for ``--solo-seconds``: its tokens/s.
+
+TPOT figures count decode steps only: this is a normal server, so the trace's prefills
+run as steps of their own too (the trainer is paused for them; their time is TTFT, not
+TPOT) and are reported apart (``prefill_steps``, ``prefill_p50_ms``).
 
 The last stdout line is one JSON object. Targets: outputs_identical, failed_requests 0,
 qos_violation_rate <= 0.01, hook_overhead_fraction <= 0.005.
@@ -61,10 +66,12 @@ def _steps(port):
     return _get(port, "/harvest/steps")["steps"]
 
 
-def _trainer_alone(job_path: Path, seconds: float) -> float:
+def _trainer_alone(job_path: Path, seconds: float, cpu_threads: int) -> float:
     from harvest.train.build import build_trainer
+    from harvest.train.cpu_threads import limit_trainer_thread
     from harvest.train.job import load_job
 
+    limit_trainer_thread(cpu_threads)  # as the trainer thread has them in the server
     trainer = build_trainer(load_job(job_path))
     for _ in range(8):  # warm up
         trainer.run_one_unit()
@@ -117,7 +124,7 @@ def main() -> int:
         solo_outputs = _replay(srv, trace, args)
         solo_steps = _steps(port)
         solo_status = _get(port, "/harvest/status")
-    solo_measured = [s[2] for s in solo_steps]
+    solo_measured = [s[2] for s in solo_steps if s[6]]
     solo_ms = statistics.median(solo_measured)
     solo_p99_ms = _p99(solo_measured)
     solo_p95_ms = sorted(solo_measured)[round(0.95 * (len(solo_measured) - 1))]
@@ -135,12 +142,14 @@ def main() -> int:
         outputs = _replay(srv, trace, args)
         replay_s = time.monotonic() - started
         after = _get(port, "/harvest/status")
-        steps = [s for s in _steps(port) if s[0] >= time.time() - replay_s - 1]
+        all_steps = [s for s in _steps(port) if s[0] >= time.time() - replay_s - 1]
+        cpu_threads = after["trainer_cpu_threads"]
 
     log(f"[4/4] the same trainer alone for {args.solo_seconds:.0f}s")
-    solo_tokens_per_s = _trainer_alone(work / "colocate" / "job.yaml", args.solo_seconds)
+    solo_tokens_per_s = _trainer_alone(work / "colocate" / "job.yaml", args.solo_seconds, cpu_threads)
 
-    measured = [s[2] for s in steps]
+    measured = [s[2] for s in all_steps if s[6]]
+    prefill = [s[2] for s in all_steps if not s[6]]
     tokens = after["trainer"]["stats"]["tokens_seen"] - before["trainer"]["stats"]["tokens_seen"]
     result = {
         "requests": len(trace),
@@ -148,7 +157,7 @@ def main() -> int:
         "outputs_identical_no_job": [o for o, _ in solo_outputs] == [o for o, _ in reference],
         "failed_requests": sum(e is not None for _, e in outputs),
         "qos_target_ms": round(target_ms, 3),
-        "qos_target_rule": f"{args.target_factor} x decode-alone p95 step ({solo_p95_ms:.3f} ms) on this CPU, batch cap {args.max_batch}",
+        "qos_target_rule": f"{args.target_factor} x decode-alone p95 decode step ({solo_p95_ms:.3f} ms) on this CPU, batch cap {args.max_batch}",
         "tpot_p50_ms": statistics.median(measured),
         "tpot_p99_ms": _p99(measured),
         "qos_violation_rate": sum(m > target_ms for m in measured) / len(measured),
@@ -156,15 +165,23 @@ def main() -> int:
         "decode_alone_tpot_p99_ms": solo_p99_ms,
         "decode_alone_violation_rate": sum(m > target_ms for m in solo_measured) / len(solo_measured),
         "decode_steps": len(measured),
+        "decode_steps_with_trainer": sum(s[5] for s in all_steps if s[6]),
+        "prefill_steps": len(prefill),
+        "prefill_p50_ms": statistics.median(prefill) if prefill else None,
         "trainer_tokens_per_s": tokens / replay_s,
         "trainer_solo_tokens_per_s": solo_tokens_per_s,
-        # harvest's per-step control time (thread CPU time of the hook, engine call excluded)
-        # over the decode step; the wall-clock version adds OS preemption and GIL waits.
-        "hook_overhead_fraction": after["hook_cpu_us_per_step"] / 1e3 / statistics.median(measured),
-        "hook_overhead_fraction_wall": after["hook_overhead_us_per_step"] / 1e3 / statistics.median(measured),
-        "hook_overhead_fraction_no_trainer": solo_status["hook_cpu_us_per_step"] / 1e3 / solo_ms,
-        "hook_cpu_us_per_step": after["hook_cpu_us_per_step"],
-        "hook_wall_us_per_step": after["hook_overhead_us_per_step"],
+        "trainer_cpu_threads": cpu_threads,
+        # harvest's per-step control time on the scheduler thread (thread CPU time of the
+        # hook, engine call excluded; median over steps, as the step time it is divided by)
+        # over the median decode step. The means add the rare steps that reclaim KV chunks
+        # or lose the CPU mid-hook; the wall-clock figures add OS preemption and GIL waits.
+        "hook_overhead_fraction": after["hook_cpu_us_median"] / 1e3 / statistics.median(measured),
+        "hook_overhead_fraction_mean": after["hook_cpu_us_per_step"] / 1e3 / statistics.median(measured),
+        "hook_overhead_fraction_wall": after["hook_wall_us_median"] / 1e3 / statistics.median(measured),
+        "hook_overhead_fraction_no_trainer": solo_status["hook_cpu_us_median"] / 1e3 / solo_ms,
+        "hook_cpu_us_median": after["hook_cpu_us_median"],
+        "hook_cpu_us_mean": after["hook_cpu_us_per_step"],
+        "hook_wall_us_median": after["hook_wall_us_median"],
         "chunks_lent": after["kv"]["lends_total"],
         "chunks_reclaimed": after["kv"]["reclaims_total"],
         "decisions_by_reason": {k: v for k, v in after["qos"]["decisions_by_reason"].items() if v},

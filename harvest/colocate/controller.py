@@ -7,8 +7,9 @@
 Prediction: the latency predictor fills one preallocated list per stage for every ladder
 level (plain arithmetic); the QoS controller picks the level and whether the trainer runs.
 Applying is an O(1) partition selection plus the trainer gate. Measurements feed the
-QoS controller's feedback margin, the online predictor's rolling windows (refit runs on
-its own thread, off the decode path) and the metrics.
+QoS controller's feedback margin at once; the online predictor's rolling windows, the step
+records and the metrics every ``RECORD_EVERY`` steps, when idle, or when read (batched,
+the bookkeeping runs with warm caches instead of after every forward pass).
 
 Steps the profile does not cover (prefill or mixed batches on a non-disaggregated server)
 are predicted as NaN: the scheduler never co-locates them, the trainer pauses.
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import math
+import threading
 import time
 from typing import NamedTuple
 
@@ -50,6 +52,7 @@ class StepRecord(NamedTuple):
     predicted_ms: float  # NaN when nothing was predicted
     level: int
     trainer_ran: bool
+    is_decode: bool  # False: a prefill or mixed batch (not a TPOT step)
 
 
 class StepController:
@@ -76,12 +79,13 @@ class StepController:
         if predictor is not None and len(predictor.phase_names) > 1:
             self._phase_models = tuple(range(1, len(predictor.phase_names)))
         self._pending: collections.deque[_Pending] = collections.deque()
-        self.recent_steps: collections.deque[StepRecord] = collections.deque(maxlen=8192)
+        self._unrecorded: collections.deque = collections.deque()  # (end time, _Pending, measured_s)
+        self._record_lock = threading.Lock()
+        self._recent_steps: collections.deque[StepRecord] = collections.deque(maxlen=8192)
         self.level = self.levels[self.whole_index]
         self.num_steps = 0
         self._last_decision_step = -1
         self.control_ns = 0  # time spent in before_step + after_step (hook overhead)
-        self.last_step_end = time.monotonic()
 
     @property
     def decode_stream(self):
@@ -124,33 +128,62 @@ class StepController:
 
     # -- after the step (measurements may arrive one step late, in order) -----------------
     def after_step(self, measured_s: float) -> None:
+        """The measured step: feedback to the QoS scheduler now (the next decision needs
+        it); the rest of the bookkeeping (step record, predictor window, metrics) is queued
+        and done for ``RECORD_EVERY`` steps at once, off most steps' path."""
         started = time.perf_counter_ns()
         pending = self._pending.popleft()
         self.num_steps += 1
-        self.last_step_end = time.monotonic()
-        if not measured_s > 0:
-            return
-        self.recent_steps.append(StepRecord(time.time(), pending.load.batch_size, measured_s * 1e3,
-                                            pending.predicted_s * 1e3, pending.level, pending.trainer_ran))
-        # The scheduler takes a measurement only for its latest decision; a late one (CUDA
-        # events under overlap scheduling) still feeds the predictor and the metrics.
-        if pending.step == self._last_decision_step:
-            self.qos.observe_measurement(measured_s * 1e3)
-        if self.refiner is not None and pending.load.is_decode:
-            self.refiner.observe(pending.level, pending.load.batch_size, pending.load.sum_context, measured_s,
-                                 phase=pending.phase, predicted_s=None if math.isnan(pending.predicted_s) else pending.predicted_s)
-        if self.metrics is not None:
-            level = self.levels[pending.level]
-            self.metrics.observe_step(
-                measured_s=measured_s, predicted_s=None if math.isnan(pending.predicted_s) else pending.predicted_s,
-                target_s=self.target_s, level_index=pending.level, decode_sms=level.decode_sms,
-                trainer_sms=level.trainer_sms if pending.trainer_ran else 0,
-            )
+        if measured_s > 0:
+            # The scheduler takes a measurement only for its latest decision; a late one
+            # (CUDA events under overlap scheduling) still feeds the predictor and metrics.
+            if pending.step == self._last_decision_step:
+                self.qos.observe_measurement(measured_s * 1e3)
+            self._unrecorded.append((time.time(), pending, measured_s))
+            if len(self._unrecorded) >= self.RECORD_EVERY:
+                self.record_steps(blocking=False)
         self.control_ns += time.perf_counter_ns() - started
+
+    RECORD_EVERY = 32
+
+    def record_steps(self, blocking: bool = True) -> None:
+        """Do the queued steps' bookkeeping: ``recent_steps``, the online predictor's
+        windows, the metrics. Any thread; the decode thread does not wait for another
+        thread doing it (``blocking=False``)."""
+        if not self._unrecorded or not self._record_lock.acquire(blocking):
+            return
+        try:
+            queue, refiner, metrics, levels = self._unrecorded, self.refiner, self.metrics, self.levels
+            while queue:
+                end_time, pending, measured_s = queue.popleft()
+                predicted_s = None if math.isnan(pending.predicted_s) else pending.predicted_s
+                load = pending.load
+                self._recent_steps.append(StepRecord(end_time, load.batch_size, measured_s * 1e3, pending.predicted_s * 1e3,
+                                                     pending.level, pending.trainer_ran, load.is_decode))
+                if refiner is not None and load.is_decode:
+                    refiner.observe(pending.level, load.batch_size, load.sum_context, measured_s, phase=pending.phase,
+                                    predicted_s=predicted_s)
+                if metrics is not None:
+                    level = levels[pending.level]
+                    metrics.observe_step(
+                        measured_s=measured_s, predicted_s=predicted_s, target_s=self.target_s, level_index=pending.level,
+                        decode_sms=level.decode_sms, trainer_sms=level.trainer_sms if pending.trainer_ran else 0,
+                    )
+        finally:
+            self._record_lock.release()
+
+    @property
+    def recent_steps(self) -> collections.deque:
+        """The last steps' records, oldest first (queued bookkeeping done first)."""
+        self.record_steps()
+        return self._recent_steps
 
     # -- idle ---------------------------------------------------------------------------
     def on_idle(self) -> None:
-        """No decode step is running: give the trainer the level with the most trainer SMs."""
+        """No decode step is running: do the queued bookkeeping; give the trainer the level
+        with the most trainer SMs."""
+        if self._unrecorded:
+            self.record_steps(blocking=False)
         if self.trainer is None or self._pending:
             return
         if self.trainer.scheduler_state() not in (TrainerState.RUNNING, TrainerState.STARVED):

@@ -23,10 +23,10 @@ class CpuStepTimer:
     def stop(self, stream=None) -> None:
         self._pending = (time.perf_counter_ns() - self._start) / 1e9
 
-    def completed(self) -> list[float]:
+    def completed(self) -> tuple[float, ...]:
         """Latencies (s) of the steps finished since the last call, oldest first."""
         pending, self._pending = self._pending, None
-        return [] if pending is None else [pending]
+        return () if pending is None else (pending,)
 
 
 class CudaStepTimer:

@@ -152,8 +152,11 @@ def fit_solo(
     buckets: BatchSizeBuckets,
     weights: Sequence[float] | None = None,
     what: str = "stage 1",
+    cross_validate: bool = True,
 ) -> tuple[SoloCoefficients, FitQuality]:
-    """Fit ``L_solo = b0·bs + c0 + k0·Σctx`` to one level's solo samples."""
+    """Fit ``L_solo = b0·bs + c0 + k0·Σctx`` to one level's solo samples. Without
+    ``cross_validate`` the quality's cross-validated error is None (an online refit skips
+    it: it is three quarters of the fit's time, spent holding the GIL beside decode)."""
     import numpy as np
 
     _check_samples(what, samples, MIN_SOLO_SAMPLES)
@@ -170,7 +173,8 @@ def fit_solo(
     w = _weights(samples, weights)
     model = solo_regressor().fit(X, y, sample_weight=w)
     coefficients = SoloCoefficients(b0=float(model.coef_[0]), c0=float(model.intercept_), k0=float(model.coef_[1]))
-    return coefficients, _quality(model.predict(X), y, _cross_validated(solo_regressor(), X, y, w))
+    cv = _cross_validated(solo_regressor(), X, y, w) if cross_validate else None
+    return coefficients, _quality(model.predict(X), y, cv)
 
 
 def corun_features(samples, ladder: LadderSpec, buckets: BatchSizeBuckets, solo: Sequence[SoloCoefficients]):
@@ -193,8 +197,10 @@ def fit_corun(
     solo: Sequence[SoloCoefficients],
     weights: Sequence[float] | None = None,
     what: str = "stage 2",
+    cross_validate: bool = True,
 ) -> CoRunFit:
-    """Fit ``L_colo = (SM_infer·b1 + SM_ft·k1)·L_solo`` to co-run samples."""
+    """Fit ``L_colo = (SM_infer·b1 + SM_ft·k1)·L_solo`` to co-run samples (``cross_validate``
+    as in :func:`fit_solo`)."""
     import numpy as np
 
     _check_samples(what, samples, MIN_CORUN_SAMPLES)
@@ -205,7 +211,8 @@ def fit_corun(
     w = _weights(samples, weights)
     model = corun_regressor().fit(X, y, sample_weight=w)
     coefficients = CoRunCoefficients(b1=float(model.coef_[0]), k1=float(model.coef_[1]))
-    quality = _quality(model.predict(X), y, _cross_validated(corun_regressor(), X, y, w))
+    cv = _cross_validated(corun_regressor(), X, y, w) if cross_validate else None
+    quality = _quality(model.predict(X), y, cv)
     return CoRunFit(coefficients, quality, identifiable=bool(np.linalg.matrix_rank(X) == 2))
 
 

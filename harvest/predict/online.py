@@ -161,7 +161,8 @@ class OnlineRefiner:
                 continue
             anchor = self._rescaled_anchor([s for s in self._solo_anchor if s.level == level], window, None)
             try:
-                solo[level] = fit_solo(anchor + window, predictor.buckets, self._blend(len(anchor), len(window)))[0]
+                solo[level] = fit_solo(anchor + window, predictor.buckets, self._blend(len(anchor), len(window)),
+                                       cross_validate=False)[0]
                 refitted_levels.append(level)
             except FitError as exc:
                 skipped.append(f"stage 1 level {level}: {exc}")
@@ -175,7 +176,8 @@ class OnlineRefiner:
             anchor = [s for s in self._corun_anchor if index == 0 or s.phase == name]
             anchor = self._rescaled_anchor(anchor, window, index)
             try:
-                fitted = fit_corun(anchor + window, predictor.ladder, predictor.buckets, solo, self._blend(len(anchor), len(window)))
+                fitted = fit_corun(anchor + window, predictor.ladder, predictor.buckets, solo, self._blend(len(anchor), len(window)),
+                                   cross_validate=False)
                 corun[index] = fitted.coefficients
                 refitted_corun.append(name)
             except FitError as exc:

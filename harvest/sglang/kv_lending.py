@@ -12,8 +12,10 @@ and sorted on demand, so allocation takes the lowest free slots and high chunks 
   trainer's window may grow into them.
 - Reclaim: chunks whose arena pages the trainer no longer uses go back (fences waited
   on); if too few are free, the trainer's window shrinks first, at its next unit
-  boundary; the slots rejoin the free list. Decode never fails for lack of lent memory:
-  an allocation that would fail reclaims synchronously first (hook on ``alloc``).
+  boundary (the reserve covers decode meanwhile; the scheduler thread does not wait),
+  and a later step takes the chunks; the slots rejoin the free list. Decode never fails
+  for lack of lent memory: an allocation that would fail reclaims synchronously first
+  (hook on ``alloc``), waiting for the trainer's running unit if it must.
 
 Called on the scheduler thread: the urgent check (``available_size`` against the reserve,
 no device sync) after every step; lending (one ``bincount`` over the free list) only when
@@ -46,6 +48,7 @@ class KvLendingController:
         self.tokens_per_chunk = g.tokens_per_chunk
         self.chunk_bytes = g.chunk_bytes
         self.lent = [False] * policy.num_chunks
+        self._num_lent = 0  # sum(self.lent), kept: read after every decode step
         self.enabled = True  # False after a trainer fault: everything comes back, nothing is lent
         self.num_lent_total = 0
         self.num_reclaimed_total = 0
@@ -65,16 +68,16 @@ class KvLendingController:
 
     @property
     def num_lent(self) -> int:
-        return sum(self.lent)
+        return self._num_lent
 
     # -- per step / idle ------------------------------------------------------------------
     def after_step(self) -> None:
         """Urgent path: free mapped slots under the reserve -> reclaim now."""
-        if not self.num_lent:
+        if not self._num_lent:
             return
-        count = reclaim_count(self.policy, self.tokens.available_size(), self.num_lent)
+        count = reclaim_count(self.policy, self.tokens.available_size(), self._num_lent)
         if count:
-            self.reclaim(count)
+            self.reclaim(count, wait=False)
 
     def maybe_lend(self, force: bool = False) -> None:
         now = time.monotonic()
@@ -83,14 +86,16 @@ class KvLendingController:
         self._last_lend = now
         decision = plan(self.policy, self.free_per_chunk(), self.lent)
         if decision.reclaim_count:
-            self.reclaim(decision.reclaim_count)
+            self.reclaim(decision.reclaim_count, wait=False)
         elif decision.lend:
             self.lend(decision.lend)
 
     def ensure_available(self, need_tokens: int) -> None:
         """Before an allocation of ``need_tokens``: reclaim synchronously if it would fail."""
+        if not self._num_lent:
+            return
         short = need_tokens - self.tokens.available_size()
-        if short > 0 and self.num_lent:
+        if short > 0:
             self.reclaim(min(self.num_lent, math.ceil(short / self.tokens_per_chunk)))
 
     # -- mechanism ------------------------------------------------------------------------
@@ -112,27 +117,37 @@ class KvLendingController:
             raise
         for c in chunks:
             self.lent[c] = True
+        self._num_lent += len(chunks)
         self.num_lent_total += len(chunks)
         if self.metrics is not None:
             self.metrics.lent(len(chunks))
         self._resize_window()
 
-    def reclaim(self, count: int) -> list[int]:
-        """Take ``count`` lent chunks back (fewer only if fewer are lent)."""
+    def reclaim(self, count: int, wait: bool = True) -> list[int]:
+        """Take ``count`` lent chunks back (fewer only if fewer are lent, or not yet free).
+
+        Chunks the trainer's window still uses need it to shrink first. ``wait=True`` (an
+        allocation would fail otherwise) waits for the trainer's running unit to end;
+        ``wait=False`` (after a step or when idle: the reserve still covers decode) never
+        waits: the window shrinks now if no unit is running, else at the unit's end, and
+        a later step takes the chunks."""
         started = time.perf_counter()
-        count = min(count, self.num_lent)
+        count = min(count, self._num_lent)
         chosen = self._reclaimable()[:count]
-        if len(chosen) < count and self.trainer_host is not None:
+        trainer = self.trainer_host.trainer if self.trainer_host is not None else None
+        if len(chosen) < count and trainer is not None:
             # The trainer holds the pages: shrink its window to what will remain lent.
-            trainer = self.trainer_host.trainer
-            if trainer is not None:
-                remaining_bytes = (self.num_lent - count) * self.chunk_bytes
-                stages = trainer.window.capacity_for_bytes(remaining_bytes)
+            stages = trainer.window.capacity_for_bytes((self._num_lent - count) * self.chunk_bytes)
+            if wait:
                 if stages >= 1:
                     trainer.set_window_stages(stages)
-                chosen = self._reclaimable()[:count]
+                    chosen = self._reclaimable()[:count]
                 if len(chosen) < count:
                     trainer.release_window()
+                    chosen = self._reclaimable()[:count]
+            elif trainer.request_window_stages(max(stages, 0)):
+                chosen = self._reclaimable()[:count]
+                if len(chosen) < count and stages >= 1 and trainer.request_window_stages(0):
                     chosen = self._reclaimable()[:count]
         if not chosen:
             return []
@@ -142,6 +157,7 @@ class KvLendingController:
         self.tokens.release_pages = torch.cat((self.tokens.release_pages, slots))
         for c in chosen:
             self.lent[c] = False
+        self._num_lent -= len(chosen)
         elapsed = time.perf_counter() - started
         self.num_reclaimed_total += len(chosen)
         self.reclaim_s_total += elapsed
@@ -167,9 +183,9 @@ class KvLendingController:
         trainer = self.trainer_host.trainer if self.trainer_host is not None else None
         if trainer is None:
             return
-        stages = trainer.window.capacity_for_bytes(self.num_lent * self.chunk_bytes)
+        stages = trainer.window.capacity_for_bytes(self._num_lent * self.chunk_bytes)
         if stages >= 1 and stages != trainer.window.capacity:
-            trainer.set_window_stages(stages)
+            trainer.request_window_stages(stages)  # never waits for a running unit
 
     def stats(self) -> dict:
         alloc = self.allocator.stats()

@@ -22,9 +22,10 @@ only stops the trainer: it gets no SMs and all lent memory comes back.
 from __future__ import annotations
 
 import atexit
-import contextlib
+import collections
 import dataclasses
 import math
+import statistics
 import threading
 import time
 
@@ -56,12 +57,18 @@ class HarvestRuntime:
         self.num_steps = 0
         self.step_ns_total = 0
         self.step_cpu_ns_total = 0
+        self.recent_hook_ns: collections.deque = collections.deque(maxlen=8192)  # (thread CPU, wall) per step
         self._last_refit = 0.0
         self._last_publish = 0.0
         self._fault_pending = False
+        self._attention = False  # a trainer fault or a stop signal to handle on the scheduler thread
+        self.shutdown_signals = None
         self.gpu_sampler = None
         self._refit_lock = threading.Lock()
         self._closed = False
+        import torch
+
+        self._torch = torch
 
     # -- start-up ---------------------------------------------------------------------
     @classmethod
@@ -119,7 +126,8 @@ class HarvestRuntime:
             served = None
             if config.share_served_weights:
                 served = (server_args.model_path, scheduler.tp_worker.model_runner.model, scheduler.model_config.hf_config)
-            trainer_host = TrainerHost(list(config.jobs), build=_job_builder(allocator, device, served))
+            trainer_host = TrainerHost(list(config.jobs), build=_job_builder(allocator, device, served),
+                                       cpu_threads=config.trainer.cpu_threads)
 
         g = allocator.geometry
         num_chunks = min(g.num_chunks, math.ceil((token_allocator.size + 1) / g.tokens_per_chunk))
@@ -162,7 +170,11 @@ class HarvestRuntime:
             runtime.control_server = ControlServer(runtime, port=config.metrics.port, api_key=server_args.api_key,
                                                    admin_api_key=getattr(server_args, "admin_api_key", None)).start()
         if trainer_host is not None:
+            from harvest.sglang.shutdown import SignalCheckpoint
+
             trainer_host.start()
+            runtime.shutdown_signals = SignalCheckpoint(trainer_host, runtime._needs_attention)
+            runtime.shutdown_signals.install()
         atexit.register(runtime.close)
         logger.info(
             "harvest co-location on %s: %s; KV %d chunks x %d tokens, reserve %d tokens; target TPOT %.1f ms; jobs: %s",
@@ -179,8 +191,8 @@ class HarvestRuntime:
         # Overhead accounting, two clocks: thread CPU time is what harvest's control costs
         # this thread; wall time adds OS preemption and GIL waits (large on a loaded CPU).
         wall0, cpu0 = time.perf_counter_ns(), time.thread_time_ns()
-        if self._fault_pending:
-            self._handle_fault()
+        if self._attention:
+            self._attend()
         for measured in self.timer.completed():
             self.control.after_step(measured)
         load = observe(batch)
@@ -188,17 +200,25 @@ class HarvestRuntime:
         self.control.before_step(load)
         stream = self.control.decode_stream
         wall1, cpu1 = time.perf_counter_ns(), time.thread_time_ns()
-        with _on_stream(stream):
-            self.timer.start(stream)
+        if stream is None:  # CPU, or the whole-device level: the thread's current stream
+            self.timer.start(None)
             result = original(scheduler, batch, *args, **kwargs)
-            self.timer.stop(stream)
+            self.timer.stop(None)
+        else:
+            with self._torch.cuda.stream(stream):
+                self.timer.start(stream)
+                result = original(scheduler, batch, *args, **kwargs)
+                self.timer.stop(stream)
         wall2, cpu2 = time.perf_counter_ns(), time.thread_time_ns()
         for measured in self.timer.completed():
             self.control.after_step(measured)
         self.lending.after_step()
         self.num_steps += 1
-        self.step_ns_total += (wall1 - wall0) + time.perf_counter_ns() - wall2
-        self.step_cpu_ns_total += (cpu1 - cpu0) + time.thread_time_ns() - cpu2
+        wall_ns = (wall1 - wall0) + time.perf_counter_ns() - wall2
+        cpu_ns = (cpu1 - cpu0) + time.thread_time_ns() - cpu2
+        self.step_ns_total += wall_ns
+        self.step_cpu_ns_total += cpu_ns
+        self.recent_hook_ns.append((cpu_ns, wall_ns))
         return result
 
     REFIT_MIN_INTERVAL_S = 2.0
@@ -206,8 +226,8 @@ class HarvestRuntime:
     PUBLISH_INTERVAL_S = 0.5
 
     def on_idle(self) -> None:
-        if self._fault_pending:
-            self._handle_fault()
+        if self._attention:
+            self._attend()
         self.control.on_idle()
         self.lending.maybe_lend()
         self._maybe_refit()
@@ -264,6 +284,19 @@ class HarvestRuntime:
         thread, so that thread takes every lent chunk back (``_handle_fault``, at its next
         step or idle tick); the scheduler already gives decode every SM (trainer stopped)."""
         self._fault_pending = True
+        self._attention = True
+
+    def _needs_attention(self) -> None:
+        self._attention = True
+
+    def _attend(self) -> None:
+        """Scheduler thread: a trainer fault to clean up after, or a stop signal."""
+        signals = self.shutdown_signals
+        self._attention = signals is not None and signals.pending  # keep polling until it is passed on
+        if self._fault_pending:
+            self._handle_fault()
+        if signals is not None and signals.pending:
+            signals.poll()
 
     def _handle_fault(self) -> None:
         self._fault_pending = False
@@ -276,12 +309,15 @@ class HarvestRuntime:
             return
         self._closed = True
         if self.trainer_host is not None:
-            self.trainer_host.shutdown()  # checkpoints first
+            # Checkpoints first; within SGLang's 15 s between ShutdownReq and SIGKILL.
+            self.trainer_host.shutdown(timeout_s=10.0)
         if self.control_server is not None:
             self.control_server.close()
 
     # -- control endpoint (harvest.sglang.control.Controllable) --------------------------
     def status(self) -> dict:
+        self.control.record_steps()
+        hook = list(self.recent_hook_ns)
         self._publish()
         trainer = dataclasses.asdict(self.trainer_host.status()) if self.trainer_host is not None else None
         return {
@@ -293,7 +329,12 @@ class HarvestRuntime:
             "steps": self.num_steps,
             "hook_overhead_us_per_step": (self.step_ns_total / self.num_steps / 1e3) if self.num_steps else 0.0,
             "hook_cpu_us_per_step": (self.step_cpu_ns_total / self.num_steps / 1e3) if self.num_steps else 0.0,
+            # Medians over the last steps: the typical step's cost, not the rare one that
+            # reclaims KV chunks or is preempted mid-hook (those are in the means above).
+            "hook_cpu_us_median": _median_us(hook, 0),
+            "hook_wall_us_median": _median_us(hook, 1),
             "prediction_error": self.refiner.error if self.refiner is not None else None,
+            "trainer_cpu_threads": self.config.trainer.cpu_threads,
         }
 
     def pause_trainer(self) -> dict:
@@ -318,8 +359,13 @@ class HarvestRuntime:
         return [list(record) for record in list(self.control.recent_steps)]
 
     def metrics_exposition(self) -> bytes:
+        self.control.record_steps()
         self._publish()
         return self.metrics.exposition()
+
+
+def _median_us(samples: list, index: int) -> float:
+    return statistics.median(s[index] for s in samples) / 1e3 if samples else 0.0
 
 
 def _job_builder(allocator, device: str, served=None):
@@ -351,13 +397,3 @@ def _job_builder(allocator, device: str, served=None):
 
     return build
 
-
-@contextlib.contextmanager
-def _on_stream(stream):
-    if stream is None:
-        yield
-        return
-    import torch
-
-    with torch.cuda.stream(stream):
-        yield

@@ -77,6 +77,7 @@ class LayerSplitTrainer:
         self._last_stream = None  # the CUDA stream the previous unit ran on
         self._pass_stages = split.pass_stages()
         self._unit_lock = threading.Lock()  # held while a unit runs; window changes take it too
+        self._window_request: int | None = None  # request_window_stages, applied at the next unit boundary
         self._stats_lock = threading.Lock()
         self._state = "idle"
         self._counters = dict(samples_seen=0, tokens_seen=0, units_run=0, pauses=0, paused_s=0.0,
@@ -131,7 +132,10 @@ class LayerSplitTrainer:
         if self.finished:
             return None
         with self._unit_lock:
-            return self._run_unit_locked(stream)
+            self._apply_window_request()
+            record = self._run_unit_locked(stream)
+            self._apply_window_request()
+            return record
 
     def run(self, gate: BaseGate, on_unit: Callable[[UnitRecord], None] | None = None) -> str:
         """Run units until finished ("finished") or the gate says stop ("stopped",
@@ -178,6 +182,32 @@ class LayerSplitTrainer:
         with self._unit_lock:
             self.window.set_capacity(num_stages)
             return self.window.held_bytes
+
+    def request_window_stages(self, num_stages: int) -> bool:
+        """`set_window_stages` (0: `release_window`) without waiting for a unit, for the
+        decode thread: applied now when no unit runs (True), else by the trainer thread as
+        soon as the running unit ends (False; the memory is free after that)."""
+        if num_stages != 0:
+            self.window._check_capacity(num_stages)  # a bad value fails here, on the caller's thread
+        if not self._unit_lock.acquire(blocking=False):
+            self._window_request = num_stages
+            return False
+        try:
+            self._window_request = num_stages
+            self._apply_window_request()
+            return True
+        finally:
+            self._unit_lock.release()
+
+    def _apply_window_request(self) -> None:
+        """Under the unit lock: the latest `request_window_stages`, if any."""
+        request, self._window_request = self._window_request, None
+        if request is None:
+            return
+        if request == 0:
+            self.window.evict_all()
+        else:
+            self.window.set_capacity(request)
 
     def release_window(self) -> int:
         """Free all of the window's memory between units (a unit that needs a stage loads it

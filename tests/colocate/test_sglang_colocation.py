@@ -5,7 +5,9 @@
 - a burst that needs the lent memory gets it back (reclaim) with no failed request;
 - the trainer makes progress between bursts;
 - /metrics on harvest's port exports the harvest_* metrics and they move;
-- a trainer that raises mid-step leaves the server serving, with everything reclaimed.
+- a trainer that raises mid-step leaves the server serving, with everything reclaimed;
+- stopping the server (SIGTERM to its process group, or to its main process only)
+  checkpoints the trainer first.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
+import signal
 import time
 import urllib.request
 
@@ -162,3 +165,27 @@ def test_metrics_also_in_sglang_multiprocess_metrics(tiny_llama_path, tmp_path):
     assert sglang_text, "harvest_* metrics missing from SGLang's /metrics"
     assert "harvest_qos_target_seconds" in sglang_text
     assert own['harvest_decode_step_seconds_count{}'] >= 4
+
+
+@pytest.mark.parametrize("signal_to", ["process group", "main process"])
+def test_server_shutdown_checkpoints_the_trainer(tiny_llama_path, tmp_path, signal_to):
+    # save_steps far away: any checkpoint on disk was written because the server stopped.
+    port = server.free_port()
+    config = colocation_config.write(tmp_path / "harvest", tiny_llama_path, metrics_port=port, save_steps=100_000)
+    srv = server.launch(_args(tiny_llama_path, "--enable-harvest", "--harvest-config", str(config)), log_path=tmp_path / "sglang.log")
+    try:
+        status = _wait_for(lambda: ((s := _status(port))["trainer"]["stats"] or {}).get("global_step", 0) >= 2 and s, timeout_s=120)
+        assert status, _status(port)
+        if signal_to == "process group":  # Ctrl-C, systemd: the scheduler gets the signal itself
+            os.killpg(srv.process.pid, signal.SIGTERM)
+        else:  # kill <pid>, Kubernetes: SGLang's graceful path (drain, ShutdownReq)
+            os.kill(srv.process.pid, signal.SIGTERM)
+        srv.process.wait(timeout=90)
+    finally:
+        srv.stop()
+    log = srv.log_path.read_text(errors="replace")
+    steps = [int(p.name.split("-")[1]) for p in (tmp_path / "harvest" / "adapter").glob("checkpoint-*")]
+    assert steps and max(steps) >= status["trainer"]["stats"]["global_step"], log[-3000:]
+    assert (tmp_path / "harvest" / "adapter" / f"checkpoint-{max(steps)}" / "harvest_state.json").is_file()
+    if signal_to == "process group":
+        assert "SIGTERM: the trainer checkpointed and stopped; passing the signal on" in log

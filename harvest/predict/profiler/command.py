@@ -48,7 +48,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--trainer-seq-len", type=int, default=128, help="PEFT co-run workload: tokens per sequence (default 128)")
     parser.add_argument("--trainer-alone-s", type=float, default=3.0, help="seconds the finetune workload runs alone per trainer level and phase, after the grid (default 3; re-measured on resume)")
     parser.add_argument("--switch-interval-ms", type=float, default=None, help="Python GIL switch interval during the run (default: unchanged)")
-    parser.add_argument("--torch-threads", type=int, default=None, help="torch intra-op threads (default: torch's, one per core)")
+    parser.add_argument("--torch-threads", type=int, default=None, help="decode's torch intra-op threads (default: torch's, one per core)")
+    parser.add_argument("--trainer-cpu-threads", type=int, default=1,
+                        help="torch CPU threads of the co-run workload's thread; match harvest.yaml trainer.cpu_threads (default 1)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None, help="profile JSON (default profiles/<device>-<model>-<engine>.json)")
     parser.add_argument("--report", type=Path, default=None, help="PNG report (default: the profile path with .png)")
@@ -75,6 +77,8 @@ def run(args) -> int:
         return _fail(f"--trainer-alone-s={args.trainer_alone_s}: must be a finite number of seconds > 0")
     if args.torch_threads is not None and args.torch_threads <= 0:
         return _fail(f"--torch-threads={args.torch_threads}: must be > 0")
+    if args.trainer_cpu_threads <= 0:
+        return _fail(f"--trainer-cpu-threads={args.trainer_cpu_threads}: must be > 0")
     model_path = _resolve_model(args.model_path)
     if not (Path(model_path) / "config.json").is_file():
         return _fail(f"--model-path {args.model_path}: no config.json there")

@@ -46,9 +46,10 @@ def _device(requested: str) -> str:
 
 def _workload_identity(args, finetune_model: str) -> dict:
     if args.finetune_job:
-        return {"workload": "harvest-trainer", "job": str(Path(args.finetune_job).resolve())}
+        return {"workload": "harvest-trainer", "job": str(Path(args.finetune_job).resolve()), "cpu_threads": args.trainer_cpu_threads}
     return {
         "workload": "peft-lora",
+        "cpu_threads": args.trainer_cpu_threads,
         "base_model": finetune_model,
         "lora_rank": args.lora_rank,
         "micro_batch": args.trainer_micro_batch,
@@ -156,6 +157,7 @@ def _measure(args, engine_name, model_path, device, dtype, measure, grid, ladder
         config = EngineConfig(model_path, device, dtype, args.random_weights, max(grid.batch_sizes), max_context, args.seed)
         engine = make_engine(engine_name, config)
         workload = _make_workload(args, finetune_model, device, dtype)
+        workload.cpu_threads = args.trainer_cpu_threads
         done_keys = {grid_key(r) for r in done}
         todo = [p for p in plan_points(ladder_info.levels, grid, workload.phases) if grid_key(p) not in done_keys]
         if done:
@@ -167,7 +169,7 @@ def _measure(args, engine_name, model_path, device, dtype, measure, grid, ladder
         finetune = FinetuneIdentity(
             workload=workload.name,
             base_model=workload.base_model,
-            description=workload.description,
+            description=f"{workload.description}; its thread on {args.trainer_cpu_threads} torch CPU thread(s)",
             config_hash=_config_hash_or_none(workload.base_model),
         )
         return records, BatchSizeBuckets(engine.batch_size_buckets), finetune, trainer
