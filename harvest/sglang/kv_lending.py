@@ -145,10 +145,14 @@ class KvLendingController:
                 if len(chosen) < count:
                     trainer.release_window()
                     chosen = self._reclaimable()[:count]
-            elif trainer.request_window_stages(max(stages, 0)):
-                chosen = self._reclaimable()[:count]
-                if len(chosen) < count and stages >= 1 and trainer.request_window_stages(0):
+            else:
+                # Shrink to ``stages``; once W is that small and the chunks are still held
+                # (the window's buffers straddle them), empty the window instead.
+                request = stages if stages >= 1 and trainer.window.capacity > stages else 0
+                if trainer.request_window_stages(request):
                     chosen = self._reclaimable()[:count]
+                    if len(chosen) < count and request and trainer.request_window_stages(0):
+                        chosen = self._reclaimable()[:count]
         if not chosen:
             return []
         self.allocator.reclaim(chosen)
