@@ -16,6 +16,7 @@ Example::
     ladder: auto                # or a list of decode SM counts, e.g. [132, 96, 64, 32]
     trainer:
       cpu_threads: 1            # torch CPU threads of the trainer's thread (decode keeps its own)
+      nice: 2                   # the trainer thread's nice increment: decode wins a contended core
     memory:
       reserve_tokens: auto      # free KV slots kept mapped; auto = Harli's formula
       hysteresis_chunks: 1      # lend only this many chunks above the reserve
@@ -44,7 +45,8 @@ class QosConfig:
 
 @dataclasses.dataclass(frozen=True)
 class TrainerConfig:
-    cpu_threads: int = 1  # harvest.train.cpu_threads.DEFAULT_TRAINER_CPU_THREADS
+    cpu_threads: int = 1  # harvest.train.trainer_cpu.DEFAULT_TRAINER_CPU_THREADS
+    nice: int = 2  # harvest.train.trainer_cpu.DEFAULT_TRAINER_NICE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,8 +165,9 @@ def parse(raw: Any, *, base_dir: Path, source: Path | None = None) -> HarvestCon
         raise _fail("ladder", ladder_raw, "'auto' or a non-empty list of positive decode SM counts")
 
     trainer_raw = _section(raw, "trainer")
-    trainer = TrainerConfig(cpu_threads=_number(trainer_raw, "cpu_threads", "trainer", 1, low=1, high=1024, integer=True))
-    _no_leftovers(trainer_raw, "trainer", ("cpu_threads",))
+    trainer = TrainerConfig(cpu_threads=_number(trainer_raw, "cpu_threads", "trainer", 1, low=1, high=1024, integer=True),
+                            nice=_number(trainer_raw, "nice", "trainer", 2, low=0, high=19, integer=True))
+    _no_leftovers(trainer_raw, "trainer", ("cpu_threads", "nice"))
 
     memory_raw = _section(raw, "memory")
     reserve_raw = memory_raw.pop("reserve_tokens", "auto")

@@ -11,7 +11,7 @@ def test_empty_document_gives_defaults(tmp_path):
     config = parse(None, base_dir=tmp_path)
     assert config == HarvestConfig()
     assert config.qos.target_tpot_ms == 40.0 and config.ladder is None and config.memory.reserve_tokens is None
-    assert config.trainer.cpu_threads == 1
+    assert config.trainer.cpu_threads == 1 and config.trainer.nice == 2
 
 
 def test_full_document_and_relative_paths(tmp_path):
@@ -20,7 +20,7 @@ def test_full_document_and_relative_paths(tmp_path):
     (tmp_path / "p.json").write_text("{}")
     (tmp_path / "harvest.yaml").write_text(
         "qos: {target_tpot_ms: 25, margin: 0.1}\nprofile: p.json\nallow_profile_mismatch: true\njobs: [jobs/a.yaml]\n"
-        "ladder: [64, 132, 96]\ntrainer: {cpu_threads: 3}\nmemory: {reserve_tokens: 2048, hysteresis_chunks: 2, max_lend_fraction: 0.5}\n"
+        "ladder: [64, 132, 96]\ntrainer: {cpu_threads: 3, nice: 0}\nmemory: {reserve_tokens: 2048, hysteresis_chunks: 2, max_lend_fraction: 0.5}\n"
         "metrics: {port: 0}\n"
     )
     config = load(tmp_path / "harvest.yaml")
@@ -28,7 +28,7 @@ def test_full_document_and_relative_paths(tmp_path):
     assert config.profile == tmp_path / "p.json" and config.allow_profile_mismatch
     assert config.jobs == (tmp_path / "jobs" / "a.yaml",)
     assert config.ladder == (132, 96, 64)
-    assert config.trainer.cpu_threads == 3
+    assert config.trainer.cpu_threads == 3 and config.trainer.nice == 0
     assert config.memory.reserve_tokens == 2048 and config.memory.max_lend_fraction == 0.5
     assert config.metrics.port == 0
     assert config.source == tmp_path / "harvest.yaml"
@@ -57,7 +57,9 @@ def test_full_document_and_relative_paths(tmp_path):
         ({"trainers": {}}, r"unknown key\(s\) trainers \(known: qos, profile"),
         ({"trainer": {"cpu_threads": 0}}, r"trainer.cpu_threads=0: expected an integer >= 1"),
         ({"trainer": {"cpu_threads": 1.5}}, r"trainer.cpu_threads=1.5: expected an integer"),
-        ({"trainer": {"threads": 2}}, r"unknown key\(s\) trainer.threads \(known: cpu_threads\)"),
+        ({"trainer": {"threads": 2}}, r"unknown key\(s\) trainer.threads \(known: cpu_threads, nice\)"),
+        ({"trainer": {"nice": -1}}, r"trainer.nice=-1: expected an integer >= 0"),
+        ({"trainer": {"nice": 20}}, r"trainer.nice=20: expected an integer <= 19"),
         ({"allow_profile_mismatch": "yes"}, r"allow_profile_mismatch='yes': expected true or false"),
         ({"share_served_weights": 1}, r"share_served_weights=1: expected true or false"),
         ([1, 2], r"the document must be a mapping, got list"),

@@ -14,8 +14,8 @@ The host owns the trainer thread and everything the decode side needs from it:
 Two threads share the GIL. While the trainer runs, the interpreter's switch interval is
 lowered (DESIGN.md "Process model": the default 5 ms would let a busy trainer hold off a
 decode step for an eighth of a 40 ms TPOT) and restored when it ends. The trainer's torch
-CPU operations run on ``cpu_threads`` intra-op threads, set on its own thread only
-(:mod:`harvest.train.cpu_threads` says why a second OpenMP team slows decode down).
+CPU operations run on ``cpu_threads`` intra-op threads and its thread's priority is lowered
+by ``nice``, both on its own thread only (:mod:`harvest.train.trainer_cpu` says why).
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from typing import Callable
 from harvest import config_env
 from harvest.logs import get_logger
 from harvest.schedule import TrainerState
-from harvest.train import cpu_threads as thread_limits
-from harvest.train.cpu_threads import DEFAULT_TRAINER_CPU_THREADS
+from harvest.train import trainer_cpu
+from harvest.train.trainer_cpu import DEFAULT_TRAINER_CPU_THREADS, DEFAULT_TRAINER_NICE
 
 logger = get_logger(__name__)
 
@@ -74,7 +74,7 @@ class _FaultInjectingGate:
 class TrainerHost:
     def __init__(self, job_paths: list[Path], *, build: Callable, on_fault: Callable[[BaseException], None] | None = None,
                  on_unit: Callable[[object], None] | None = None, switch_interval_s: float = CO_LOCATED_SWITCH_INTERVAL_S,
-                 cpu_threads: int = DEFAULT_TRAINER_CPU_THREADS):
+                 cpu_threads: int = DEFAULT_TRAINER_CPU_THREADS, nice: int = DEFAULT_TRAINER_NICE):
         """``build(job_path) -> LayerSplitTrainer`` runs on the trainer thread (loading a
         model and dataset takes seconds; start-up of the server does not wait for it).
         ``on_unit(record)`` runs on the trainer thread after every unit: background work
@@ -87,6 +87,7 @@ class TrainerHost:
         self.on_unit = on_unit
         self._switch_interval_s = switch_interval_s
         self.cpu_threads = cpu_threads
+        self.nice = nice
         self._threads_limited = threading.Event()
         self.gate = Gate()
         self.gate.pause()  # the scheduler opens it with its first decision
@@ -110,14 +111,14 @@ class TrainerHost:
             return
         self._saved_switch_interval = sys.getswitchinterval()
         sys.setswitchinterval(self._switch_interval_s)
-        serving_threads = thread_limits.process_default()
+        serving_threads = trainer_cpu.process_default()
         self._thread = threading.Thread(target=self._main, name="harvest-trainer", daemon=True)
         self._thread.start()
         # The trainer thread limits its own CPU threads first thing (microseconds); then
         # the process default goes back to what the serving threads use.
         if not self._threads_limited.wait(30.0):
             logger.warning("trainer thread did not start within 30 s")
-        thread_limits.restore_process_default(serving_threads)
+        trainer_cpu.restore_process_default(serving_threads)
 
     def shutdown(self, timeout_s: float = 60.0) -> None:
         """Stop the trainer (it checkpoints first) and wait for the thread."""
@@ -137,7 +138,8 @@ class TrainerHost:
     def _main(self) -> None:
         try:
             try:
-                thread_limits.limit_trainer_thread(self.cpu_threads)
+                trainer_cpu.limit_trainer_thread(self.cpu_threads)
+                trainer_cpu.lower_this_thread_priority(self.nice)
             finally:
                 self._threads_limited.set()
             for path in self.job_paths:

@@ -36,7 +36,7 @@ logger = get_logger(__name__)
 @dataclasses.dataclass(frozen=True)
 class OnlineSettings:
     window: int = 512  # observations kept per level and stage
-    refit_every: int = 128  # new observations between refits
+    refit_every: int = 128  # new observations between refits (the first: min_observations)
     min_observations: int = 32  # before the error is trusted for the drift flag
     drift_threshold: float = 0.10  # windowed mean relative error that raises the flag
     online_share: float = 0.5  # weight of the window vs the profile's samples in a refit
@@ -144,7 +144,12 @@ class OnlineRefiner:
         )
 
     def refit_due(self) -> bool:
-        return self._since_refit >= self.settings.refit_every
+        """``refit_every`` new observations since the last refit; the first refit comes
+        after ``min_observations``: a profile never matches the serving engine exactly
+        (its steps carry the server's own per-step work), and until the first refit every
+        co-location decision uses the profile's numbers."""
+        needed = self.settings.min_observations if self.num_refits == 0 else self.settings.refit_every
+        return self._since_refit >= needed
 
     # -- off the decode path --------------------------------------------------------------
     def refit(self) -> RefitReport:

@@ -18,8 +18,9 @@ and sorted on demand, so allocation takes the lowest free slots and high chunks 
   (hook on ``alloc``), waiting for the trainer's running unit if it must.
 
 Called on the scheduler thread: the urgent check (``available_size`` against the reserve,
-no device sync) after every step; lending (one ``bincount`` over the free list) only when
-idle or every ``lend_interval_s``, off the per-step path.
+no device sync) after every step; the lending plan (one ``bincount`` over the free list)
+at most every ``lend_interval_s``, after a step or when idle, so that a server that is
+never idle still lends the chunks its batches leave free.
 """
 
 from __future__ import annotations

@@ -127,7 +127,7 @@ class HarvestRuntime:
             if config.share_served_weights:
                 served = (server_args.model_path, scheduler.tp_worker.model_runner.model, scheduler.model_config.hf_config)
             trainer_host = TrainerHost(list(config.jobs), build=_job_builder(allocator, device, served),
-                                       cpu_threads=config.trainer.cpu_threads)
+                                       cpu_threads=config.trainer.cpu_threads, nice=config.trainer.nice)
 
         g = allocator.geometry
         num_chunks = min(g.num_chunks, math.ceil((token_allocator.size + 1) / g.tokens_per_chunk))
@@ -213,6 +213,7 @@ class HarvestRuntime:
         for measured in self.timer.completed():
             self.control.after_step(measured)
         self.lending.after_step()
+        self.lending.maybe_lend()  # at most every lend_interval_s: a busy server lends too, not only an idle one
         self.num_steps += 1
         wall_ns = (wall1 - wall0) + time.perf_counter_ns() - wall2
         cpu_ns = (cpu1 - cpu0) + time.thread_time_ns() - cpu2
@@ -335,6 +336,7 @@ class HarvestRuntime:
             "hook_wall_us_median": _median_us(hook, 1),
             "prediction_error": self.refiner.error if self.refiner is not None else None,
             "trainer_cpu_threads": self.config.trainer.cpu_threads,
+            "trainer_nice": self.config.trainer.nice,
         }
 
     def pause_trainer(self) -> dict:

@@ -187,5 +187,6 @@ def test_server_shutdown_checkpoints_the_trainer(tiny_llama_path, tmp_path, sign
     steps = [int(p.name.split("-")[1]) for p in (tmp_path / "harvest" / "adapter").glob("checkpoint-*")]
     assert steps and max(steps) >= status["trainer"]["stats"]["global_step"], log[-3000:]
     assert (tmp_path / "harvest" / "adapter" / f"checkpoint-{max(steps)}" / "harvest_state.json").is_file()
-    if signal_to == "process group":
-        assert "SIGTERM: the trainer checkpointed and stopped; passing the signal on" in log
+    # Group signal: the scheduler's handler stops the trainer; the scheduler then passes the
+    # signal on, unless SGLang's ShutdownReq ends its loop first (both race; either is fine).
+    assert "did not stop within" not in log and "trainer fault" not in log

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 
 import pytest
@@ -12,7 +14,7 @@ from harvest.schedule import TrainerState
 
 
 class FakeTrainer:
-    """Runs units through the gate until stopped; records the thread's torch threads."""
+    """Runs units through the gate until stopped; records the thread's torch threads and nice."""
 
     total_steps = 10
 
@@ -20,6 +22,7 @@ class FakeTrainer:
         self.global_step = 0
         self.units = 0
         self.threads_seen = []
+        self.nice_seen = []
         self.checkpointed = False
 
     def stats(self):
@@ -44,6 +47,7 @@ class FakeTrainer:
                 return "stopped"
             torch.randn(256, 256).mul(2).add(1).sum()  # a parallel op: the thread's count is settled
             self.threads_seen.append(torch.get_num_threads())
+            self.nice_seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
             self.units += 1
             if on_unit is not None:
                 on_unit(None)
@@ -68,10 +72,14 @@ def _started_host(trainer, **kwargs):
 
 def test_trainer_thread_runs_on_its_cpu_threads_and_serving_threads_keep_theirs(serving_threads):
     trainer = FakeTrainer()
-    host = _started_host(trainer, cpu_threads=1)
+    serving_nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    host = _started_host(trainer, cpu_threads=1, nice=3)
     try:
         assert set(trainer.threads_seen) == {1}
         assert torch.get_num_threads() == serving_threads  # the scheduler thread
+        assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == serving_nice
+        if sys.platform.startswith("linux"):  # threads have their own nice value there only
+            assert set(trainer.nice_seen) == {min(19, serving_nice + 3)}
         seen = []
         later = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
         later.start()

@@ -44,7 +44,7 @@ def test_accurate_model_reports_small_error_and_no_drift(profile):
 def test_drift_is_flagged_and_a_refit_corrects_the_level(profile):
     refiner = OnlineRefiner.from_profile(profile, SETTINGS)
     _feed(refiner, 1.3, 20)  # the GPU got 30% slower at level 2
-    assert not refiner.drift  # too few observations to trust the error yet
+    assert not refiner.drift and not refiner.refit_due()  # too few observations to trust the error yet
     _feed(refiner, 1.3, 120, seed=1)
     assert refiner.stage1_error == pytest.approx(0.3 / 1.3, abs=0.03)
     assert refiner.drift and refiner.refit_due()
@@ -58,6 +58,18 @@ def test_drift_is_flagged_and_a_refit_corrects_the_level(profile):
     # Levels without observations keep the profile's coefficients.
     assert refiner.predictor.solo_coefficients[0] == profile.predictor().solo_coefficients[0]
     assert not refiner.refit_due()
+    _feed(refiner, 1.3, SETTINGS.min_observations, seed=2)
+    assert not refiner.refit_due()  # after the first refit: every refit_every observations
+    _feed(refiner, 1.3, SETTINGS.refit_every - SETTINGS.min_observations, seed=3)
+    assert refiner.refit_due()
+
+
+def test_the_first_refit_is_due_after_min_observations(profile):
+    refiner = OnlineRefiner.from_profile(profile, SETTINGS)
+    _feed(refiner, 1.3, SETTINGS.min_observations - 1)
+    assert not refiner.refit_due()
+    _feed(refiner, 1.3, 1, seed=1)
+    assert refiner.refit_due()
 
 
 def test_refit_of_stage2_follows_a_changed_slowdown(profile):

@@ -15,8 +15,8 @@ import threading
 from typing import Any
 
 from harvest.logs import get_logger
-from harvest.train import cpu_threads as thread_limits
-from harvest.train.cpu_threads import DEFAULT_TRAINER_CPU_THREADS
+from harvest.train import trainer_cpu
+from harvest.train.trainer_cpu import DEFAULT_TRAINER_CPU_THREADS, DEFAULT_TRAINER_NICE
 
 logger = get_logger(__name__)
 
@@ -39,11 +39,13 @@ class BaseCoRunWorkload(abc.ABC):
       units that train on it), to turn a unit rate into tokens/s.
     - ``stop()`` returns after the unit in flight ends; it re-raises the background
       thread's failure as CoRunError. ``close()`` frees the model.
-    - ``cpu_threads``: torch CPU threads of the workload's thread, as harvest's trainer
-      thread has them (``trainer.cpu_threads``); decode's threads are left as they are.
+    - ``cpu_threads`` and ``nice``: torch CPU threads and nice increment of the workload's
+      thread, as harvest's trainer thread has them (``trainer.cpu_threads``,
+      ``trainer.nice``); decode's threads are left as they are.
     """
 
     cpu_threads: int = DEFAULT_TRAINER_CPU_THREADS
+    nice: int = DEFAULT_TRAINER_NICE
 
     name: str
     description: str
@@ -96,11 +98,11 @@ class UnitLoopWorkload(BaseCoRunWorkload):
         self._stop_event.clear()
         self._first_unit.clear()
         self._error = None
-        serving_threads = thread_limits.process_default()
+        serving_threads = trainer_cpu.process_default()
         self._thread = threading.Thread(target=self._loop, args=(phase, stream), name=f"harvest-corun-{self.name}", daemon=True)
         self._thread.start()
         started = self._first_unit.wait(self.START_TIMEOUT_S)
-        thread_limits.restore_process_default(serving_threads)  # the loop limited its own thread first
+        trainer_cpu.restore_process_default(serving_threads)  # the loop limited its own thread first
         if not started:
             self.stop()
             raise CoRunError(f"{self.name}: no unit finished within {self.START_TIMEOUT_S:.0f} s")
@@ -114,7 +116,8 @@ class UnitLoopWorkload(BaseCoRunWorkload):
 
         context = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
         try:
-            thread_limits.limit_trainer_thread(self.cpu_threads)
+            trainer_cpu.limit_trainer_thread(self.cpu_threads)
+            trainer_cpu.lower_this_thread_priority(self.nice)
             with context:
                 while not self._stop_event.is_set():
                     self.run_unit(phase)

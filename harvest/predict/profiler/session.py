@@ -46,10 +46,12 @@ def _device(requested: str) -> str:
 
 def _workload_identity(args, finetune_model: str) -> dict:
     if args.finetune_job:
-        return {"workload": "harvest-trainer", "job": str(Path(args.finetune_job).resolve()), "cpu_threads": args.trainer_cpu_threads}
+        return {"workload": "harvest-trainer", "job": str(Path(args.finetune_job).resolve()), "cpu_threads": args.trainer_cpu_threads,
+                "nice": args.trainer_nice}
     return {
         "workload": "peft-lora",
         "cpu_threads": args.trainer_cpu_threads,
+        "nice": args.trainer_nice,
         "base_model": finetune_model,
         "lora_rank": args.lora_rank,
         "micro_batch": args.trainer_micro_batch,
@@ -158,6 +160,7 @@ def _measure(args, engine_name, model_path, device, dtype, measure, grid, ladder
         engine = make_engine(engine_name, config)
         workload = _make_workload(args, finetune_model, device, dtype)
         workload.cpu_threads = args.trainer_cpu_threads
+        workload.nice = args.trainer_nice
         done_keys = {grid_key(r) for r in done}
         todo = [p for p in plan_points(ladder_info.levels, grid, workload.phases) if grid_key(p) not in done_keys]
         if done:
@@ -169,7 +172,7 @@ def _measure(args, engine_name, model_path, device, dtype, measure, grid, ladder
         finetune = FinetuneIdentity(
             workload=workload.name,
             base_model=workload.base_model,
-            description=f"{workload.description}; its thread on {args.trainer_cpu_threads} torch CPU thread(s)",
+            description=f"{workload.description}; its thread on {args.trainer_cpu_threads} torch CPU thread(s), nice +{args.trainer_nice}",
             config_hash=_config_hash_or_none(workload.base_model),
         )
         return records, BatchSizeBuckets(engine.batch_size_buckets), finetune, trainer
