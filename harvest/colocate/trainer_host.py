@@ -138,8 +138,7 @@ class TrainerHost:
     def _main(self) -> None:
         try:
             try:
-                trainer_cpu.limit_trainer_thread(self.cpu_threads)
-                trainer_cpu.lower_this_thread_priority(self.nice)
+                trainer_cpu.claim_trainer_thread(self.cpu_threads, self.nice)
             finally:
                 self._threads_limited.set()
             for path in self.job_paths:

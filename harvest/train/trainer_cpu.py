@@ -48,6 +48,13 @@ def limit_trainer_thread(num_threads: int) -> None:
     torch.set_num_threads(num_threads)
 
 
+def claim_trainer_thread(num_threads: int, nice_increment: int) -> None:
+    """On the trainer's (or the profiler's co-run) thread, first thing: its CPU threads
+    and its priority, as harvest.yaml's ``trainer`` section sets them."""
+    limit_trainer_thread(num_threads)
+    lower_this_thread_priority(nice_increment)
+
+
 def process_default() -> int:
     """The calling (serving) thread's intra-op thread count, to restore later."""
     import torch

@@ -116,8 +116,7 @@ class UnitLoopWorkload(BaseCoRunWorkload):
 
         context = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
         try:
-            trainer_cpu.limit_trainer_thread(self.cpu_threads)
-            trainer_cpu.lower_this_thread_priority(self.nice)
+            trainer_cpu.claim_trainer_thread(self.cpu_threads, self.nice)
             with context:
                 while not self._stop_event.is_set():
                     self.run_unit(phase)
