@@ -43,6 +43,7 @@ class _Pending(NamedTuple):
     phase: str | None  # trainer phase co-running; None: decode alone
     predicted_s: float
     trainer_ran: bool
+    reason: object  # the QoS decision's DecisionReason
 
 
 class StepRecord(NamedTuple):
@@ -53,6 +54,7 @@ class StepRecord(NamedTuple):
     level: int
     trainer_ran: bool
     is_decode: bool  # False: a prefill or mixed batch (not a TPOT step)
+    reason: str  # why the QoS scheduler decided so (DecisionReason value: fits, none_fits, floor, ...)
 
 
 class StepController:
@@ -68,16 +70,13 @@ class StepController:
         self.levels = partitioner.levels
         self.whole_index = partitioner.whole_device_index
         num_levels = len(self.levels)
-        self._solo = [math.nan] * num_levels
-        self._colo = [math.nan] * num_levels
+        self._solo_ms = [math.nan] * num_levels
+        self._colo_ms = [math.nan] * num_levels
         self._no_prediction = (math.nan,) * num_levels
-        # Stage-2 models to take the worst of: the per-phase ones when the profile has them
+        # The stage-2 model: the worst of the per-phase ones when the profile has them
         # (trainer units are often shorter than a decode step, so both phases can run
         # during one step; QoS first), else the combined one.
-        self._phase_models = (0,)
-        self._colo_phase = [math.nan] * num_levels
-        if predictor is not None and len(predictor.phase_names) > 1:
-            self._phase_models = tuple(range(1, len(predictor.phase_names)))
+        self._colo_model = predictor.worst_phase if predictor is not None else 0
         self._pending: collections.deque[_Pending] = collections.deque()
         self._unrecorded: collections.deque = collections.deque()  # (end time, _Pending, measured_s)
         self._record_lock = threading.Lock()
@@ -100,15 +99,10 @@ class StepController:
         whole_ms = math.nan
         if load.is_decode and self.predictor is not None and trainer_state is TrainerState.RUNNING:
             phase = self.trainer.next_phase()
-            first, *others = self._phase_models
-            self.predictor.predict_levels(load.batch_size, load.sum_context, self._solo, self._colo, first)
-            for model in others:
-                self.predictor.predict_levels(load.batch_size, load.sum_context, self._solo, self._colo_phase, model)
-                for level, value in enumerate(self._colo_phase):
-                    if value > self._colo[level]:
-                        self._colo[level] = value
-            colo_ms = tuple(c * 1e3 for c in self._colo)
-            whole_ms = self._solo[self.whole_index] * 1e3
+            self.predictor.predict_levels(load.batch_size, load.sum_context, self._solo_ms, self._colo_ms,
+                                          self._colo_model, 1e3)
+            colo_ms = tuple(self._colo_ms)
+            whole_ms = self._solo_ms[self.whole_index]
         decision = self.qos.decide(SchedulerInput(colo_ms, trainer_state, whole_ms))
         index = self.whole_index if decision.level_index == WHOLE_GPU else decision.level_index
         run = decision.trainer_action is TrainerAction.RUN
@@ -116,13 +110,14 @@ class StepController:
         if self.trainer is not None:
             self.trainer.apply(run, self.level.trainer_stream)
         if run:
-            predicted_s = self._colo[index]
+            predicted_s = self._colo_ms[index] / 1e3
         elif load.is_decode and self.predictor is not None:
             predicted_s = self.predictor.predict_solo(index, load.batch_size, load.sum_context)
         else:
             predicted_s = math.nan
         self._last_decision_step = decision.step
-        self._pending.append(_Pending(decision.step, load, index, phase if run else None, predicted_s, run))
+        self._pending.append(_Pending(decision.step, load, index, phase if run else None, predicted_s, run,
+                                      decision.reason))
         self.control_ns += time.perf_counter_ns() - started
         return decision
 
@@ -159,7 +154,8 @@ class StepController:
                 predicted_s = None if math.isnan(pending.predicted_s) else pending.predicted_s
                 load = pending.load
                 self._recent_steps.append(StepRecord(end_time, load.batch_size, measured_s * 1e3, pending.predicted_s * 1e3,
-                                                     pending.level, pending.trainer_ran, load.is_decode))
+                                                     pending.level, pending.trainer_ran, load.is_decode,
+                                                     pending.reason.value))
                 if refiner is not None and load.is_decode:
                     refiner.observe(pending.level, load.batch_size, load.sum_context, measured_s, phase=pending.phase,
                                     predicted_s=predicted_s)

@@ -126,11 +126,15 @@ class LatencyPredictor:
         self._min_ctx, self._max_ctx = r.min_sum_context, r.max_sum_context
         self._fractions = tuple((ladder.decode_fraction(i), ladder.trainer_fraction(i)) for i in range(ladder.num_levels))
         self.phase_names: tuple[str, ...] = (COMBINED_PHASE,) + tuple(sorted(corun_by_phase or ()))
+        # The phase index that predicts with the worst per-phase stage-2 model (the combined
+        # one when the profile has none): for a step during which any phase may run.
+        self.worst_phase = len(self.phase_names) if len(self.phase_names) > 1 else 0
         self.num_queries = 0
         self.num_extrapolated = 0
         self._solo: tuple[SoloCoefficients, ...] = ()
         self._corun: tuple[CoRunCoefficients, ...] = ()
-        # _rows[phase][level] = (b0, c0, k0, stage-2 factor): all a prediction reads.
+        # _rows[phase][level] = (b0, c0, k0, stage-2 factor): all a prediction reads (one
+        # row per phase, then the worst-phase row when there are per-phase models).
         self._rows: tuple[tuple[tuple[float, float, float, float], ...], ...] = ()
         self.update(solo=solo, corun=[corun] + [corun_by_phase[name] for name in self.phase_names[1:]])
 
@@ -161,6 +165,14 @@ class LatencyPredictor:
             tuple((s.b0, s.c0, s.k0, c.factor(fi, ff)) for s, (fi, ff) in zip(new_solo, self._fractions))
             for c in new_corun
         )
+        if len(rows) > 1:
+            # The worst of the per-phase stage-2 models, as one more row (``worst_phase``):
+            # the phases share stage 1, so the worst is the largest factor (for predictions
+            # > 0; a prediction <= 0 never fits either way).
+            rows += (tuple(
+                (b0, c0, k0, max(phase_rows[level][3] for phase_rows in rows[1:]))
+                for level, (b0, c0, k0, _) in enumerate(rows[0])
+            ),)
         self._solo, self._corun = new_solo, new_corun
         self._rows = rows
 
@@ -190,16 +202,18 @@ class LatencyPredictor:
         b0, c0, k0, factor = self._rows[phase][level]
         return factor * (b0 * bs + c0 + k0 * sum_context)
 
-    def predict_levels(self, batch_size: int, sum_context: float, solo_out: list, colo_out: list, phase: int = 0) -> None:
+    def predict_levels(self, batch_size: int, sum_context: float, solo_out: list, colo_out: list, phase: int = 0,
+                       scale: float = 1.0) -> None:
         """Both stages for every level into the caller's lists (``len >= num_levels``):
-        the scheduler's whole per-step query, one call."""
+        the scheduler's whole per-step query, one call. ``phase`` may be ``worst_phase``;
+        ``scale`` multiplies what is written (1e3: milliseconds)."""
         self.num_queries += 1
         if not (self._min_bs <= batch_size <= self._max_bs and self._min_ctx <= sum_context <= self._max_ctx):
             self.num_extrapolated += 1
         bs = self._pad_table[batch_size] if batch_size < self._pad_limit else batch_size
         level = 0
         for b0, c0, k0, factor in self._rows[phase]:
-            solo = b0 * bs + c0 + k0 * sum_context
+            solo = (b0 * bs + c0 + k0 * sum_context) * scale
             solo_out[level] = solo
             colo_out[level] = factor * solo
             level += 1

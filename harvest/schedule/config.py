@@ -37,7 +37,8 @@ class SchedulerConfig:
       of the budget); ``None``: never skip the wait.
     - ``floor_after_paused_steps``: after this many consecutive steps in which the
       trainer had work but was paused, run it for one step on the safest level that
-      predicts under ``target × (1 − floor_margin)``, ignoring the feedback margin (a
+      predicts under ``target × (1 − floor_margin − (margin − initial_margin))``: without
+      the initial headroom, but with what the feedback margin learned from violations (a
       minimum-progress floor of one step in ``K + 1`` while predicted slack exists);
       ``None`` disables the floor.
     - ``floor_margin``: the margin the floor keeps (≤ ``initial_margin``; 0 = the raw

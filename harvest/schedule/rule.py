@@ -18,7 +18,8 @@ to the trainer (§5.2.3). harvest adds (DESIGN.md, "Beyond Harli"):
   between neighbouring levels buys nothing and costs a stream switch per step;
 - a minimum-progress floor: after ``floor_after_paused_steps`` steps of a runnable but
   paused trainer, one step on the safest level that predicts under the floor's relaxed
-  target — never one predicted over it.
+  target (without the default headroom, with what the feedback margin learned) — never
+  one predicted over it.
 
 Cost: one pass over the levels plus one Decision per step (a second pass only when the
 floor fires).
@@ -79,6 +80,16 @@ def safest_under(ladder: SchedulerLadder, colo_ms: tuple[float, ...], budget_ms:
         if 0.0 < ms <= budget_ms and (ms < best_ms or (ms == best_ms and trainer_sms[level] > best_sms)):
             best, best_ms, best_sms = level, ms, trainer_sms[level]
     return best
+
+
+def floor_budget_ms(config: SchedulerConfig, margin: float) -> float:
+    """The floor's relaxed target: ``target × (1 − floor_margin)``, less what the feedback
+    margin has learned above its initial value. The floor drops the headroom kept by
+    default, not the measured under-prediction: co-located steps that ran over the target
+    tighten the floor as they tighten the rule (else, with a predictor biased low, the
+    floor's steps are the ones that violate)."""
+    learned = margin - config.initial_margin
+    return config.target_tpot_ms * (1.0 - config.floor_margin - learned)
 
 
 def choose(
@@ -149,7 +160,7 @@ def _floor_or_pause(
     the floor and some level predicts under the floor's relaxed target."""
     after = config.floor_after_paused_steps
     if after is not None and state.paused_steps >= after:
-        floor_budget = config.target_tpot_ms * (1.0 - config.floor_margin)
+        floor_budget = floor_budget_ms(config, state.margin)
         level = safest_under(ladder, snapshot.predicted_colo_ms, floor_budget)
         if level != WHOLE_GPU:
             return Decision(

@@ -5,7 +5,8 @@ where the trainer and the metrics live; SGLang's HTTP server runs in another pro
 
     GET  /metrics          Prometheus text format (open, as SGLang's own /metrics)
     GET  /harvest/status   JSON: trainer, SM level, memory, QoS counters
-    GET  /harvest/steps    JSON: the last decode steps (time, batch, latency, level, trainer on)
+    GET  /harvest/steps    JSON: the last steps, rows of StepRecord (time, batch size, ms,
+                           predicted ms, level, trainer ran, decode?, decision reason)
     POST /harvest/pause    trainer pauses at its next unit boundary
     POST /harvest/resume
     POST /harvest/stop     trainer checkpoints and stops

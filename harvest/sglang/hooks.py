@@ -23,6 +23,7 @@ TARGETS = [
     f"{SCHEDULER}.on_idle",
     KV_POOL_CREATE,
     f"{TOKEN_ALLOCATOR}.alloc",
+    f"{TOKEN_ALLOCATOR}.check_decode_capacity",
     POOL_INVARIANT,
 ]
 
@@ -64,6 +65,19 @@ def _token_alloc(original, allocator, need_size, *args, **kwargs):
     return original(allocator, need_size, *args, **kwargs)
 
 
+def _check_decode_capacity(original, allocator, *args, **kwargs):
+    # SGLang asks this before every decode step (after evicting what its cache can); False
+    # retracts requests. Lent chunks come back first: decode never retracts a request
+    # because the trainer holds memory. (The cheap call first: it is True nearly always.)
+    if original(allocator, *args, **kwargs):
+        return True
+    lending = _lending_by_allocator.get(id(allocator))
+    if lending is None or not lending.num_lent:
+        return False
+    lending.ensure_available(kwargs["num_tokens"])
+    return original(allocator, *args, **kwargs)
+
+
 def register_lending(token_allocator, lending) -> None:
     _lending_by_allocator[id(token_allocator)] = lending
 
@@ -84,4 +98,5 @@ def register(registry, hook_type) -> None:
     registry.register(f"{SCHEDULER}.on_idle", _on_idle, hook_type.AFTER)
     registry.register(KV_POOL_CREATE, kv_backing._create_buffers_normal, hook_type.AROUND)
     registry.register(f"{TOKEN_ALLOCATOR}.alloc", _token_alloc, hook_type.AROUND)
+    registry.register(f"{TOKEN_ALLOCATOR}.check_decode_capacity", _check_decode_capacity, hook_type.AROUND)
     registry.register(POOL_INVARIANT, _pool_invariant, hook_type.AROUND)

@@ -64,6 +64,23 @@ def test_predict_levels_matches_single_predictions_and_fills_in_place():
     assert solo_out[7] == 0.0  # the ladder has 7 levels: the spare slot is untouched
 
 
+def test_worst_phase_predicts_the_larger_of_the_per_phase_models_and_follows_updates():
+    predictor = make_predictor()
+    assert predictor.worst_phase == len(predictor.phase_names) and make_predictor(by_phase=False).worst_phase == 0
+    solo_out, colo_out = [0.0] * 7, [0.0] * 7
+    for bs, ctx in [(1, 0.0), (20, 5000.0), (64, 33000.0)]:
+        predictor.predict_levels(bs, ctx, solo_out, colo_out, predictor.worst_phase, 1e3)
+        for level in range(H100_LADDER.num_levels):
+            phases = [predictor.predict_colo(level, bs, ctx, predictor.phase_index(p)) for p in ("forward", "backward")]
+            assert colo_out[level] == pytest.approx(max(phases) * 1e3, rel=1e-12)  # scale: milliseconds
+            assert solo_out[level] == pytest.approx(predictor.predict_solo(level, bs, ctx) * 1e3, rel=1e-12)
+    # The worst row is rebuilt with the coefficients (online refits).
+    heavier = CoRunCoefficients(TRUE_CORUN["backward"].b1 * 3, TRUE_CORUN["backward"].k1 * 3)
+    predictor.update(corun=[TRUE_CORUN["forward"], heavier, TRUE_CORUN["forward"]])
+    predictor.predict_levels(20, 5000.0, solo_out, colo_out, predictor.worst_phase)
+    assert colo_out[0] == predictor.predict_colo(0, 20, 5000.0, predictor.phase_index("backward"))
+
+
 def test_phase_names_and_unknown_phase_use_the_combined_model():
     predictor = make_predictor()
     assert predictor.phase_names == ("combined", "backward", "forward")

@@ -41,6 +41,27 @@ def test_floor_margin_tightens_the_floor_target():
     assert [d.reason for d in got] == [NONE_FITS, FLOOR] and got[1].budget_ms == pytest.approx(39.2)
 
 
+def test_violations_tighten_the_floor_as_they_tighten_the_rule():
+    # Margin growth 0.05 per co-located violation: after one, the floor keeps 5% of the
+    # 40 ms target (38 ms): level 1's 38.5 ms no longer fits; 37.5 ms does.
+    ctl = controller(floor_after_paused_steps=1)
+    got = [ctl.decide(SLACK) for _ in range(2)]
+    assert [d.reason for d in got] == [NONE_FITS, FLOOR]
+    assert ctl.observe_measurement(41.0)  # the floor step ran over the target
+    assert ctl.margin == pytest.approx(0.10)
+    got = [ctl.decide(SLACK) for _ in range(6)]
+    assert all(d.reason is NONE_FITS for d in got)
+    floor = ctl.decide(snap(39.5, 37.5, 41.0, 45.0))
+    assert floor.reason is FLOOR and floor.budget_ms == pytest.approx(38.0) and floor.predicted_ms == 37.5
+    # On-target co-located steps decay the margin back, and the floor target with it.
+    for _ in range(2000):
+        ctl.decide(snap(37.0, 30.0, 41.0, 45.0))
+        ctl.observe_measurement(30.0)
+    assert ctl.margin == pytest.approx(0.05)
+    got = [ctl.decide(SLACK) for _ in range(2)]
+    assert FLOOR in [d.reason for d in got] and [d for d in got if d.reason is FLOOR][0].budget_ms == pytest.approx(40.0)
+
+
 def test_floor_disabled():
     ctl = controller(floor_after_paused_steps=None)
     assert all(ctl.decide(SLACK).reason is NONE_FITS for _ in range(100))

@@ -85,7 +85,8 @@ def random_input(rng: random.Random, ladder: SchedulerLadder, cfg: SchedulerConf
 def check_step(ctl: QoSController, before, inp: SchedulerInput, d) -> None:
     cfg, ladder, colo = ctl.config, ctl.ladder, inp.predicted_colo_ms
     budget = cfg.target_tpot_ms * (1.0 - before.margin)
-    floor_budget = cfg.target_tpot_ms * (1.0 - cfg.floor_margin)
+    # The floor's target: without the initial headroom, with what the margin learned.
+    floor_budget = cfg.target_tpot_ms * (1.0 - cfg.floor_margin - (before.margin - cfg.initial_margin))
     best = brute_closest(ladder, colo, budget)
     after = ctl.state
 
