@@ -15,6 +15,10 @@
 4. the same trainer alone (no serving, its thread on the same CPU threads as in the
    server) for ``--solo-seconds``: its tokens/s.
 
+``decode_steps_and_violations_by_reason`` splits the measured pass's decode steps and
+violations by the QoS decision's reason: a violation under ``none_fits`` had the trainer
+paused (compare ``decode_alone_violation_rate``, the same target met by decode alone).
+
 TPOT figures count decode steps only: this is a normal server, so the trace's prefills
 run as steps of their own too (the trainer is paused for them; their time is TTFT, not
 TPOT) and are reported apart (``prefill_steps``, ``prefill_p50_ms``).
@@ -68,6 +72,16 @@ def _p99(values):
 
 def _steps(port):
     return _get(port, "/harvest/steps")["steps"]
+
+
+def _by_reason(steps, target_ms) -> dict:
+    counts: dict = {}
+    for step in steps:
+        if step[6]:
+            entry = counts.setdefault(step[7], [0, 0])
+            entry[0] += 1
+            entry[1] += step[2] > target_ms
+    return counts
 
 
 def _trainer_alone(job_path: Path, seconds: float, cpu_threads: int) -> float:
@@ -207,6 +221,9 @@ def main() -> int:
         "chunks_lent": after["kv"]["lends_total"],
         "chunks_reclaimed": after["kv"]["reclaims_total"],
         "decisions_by_reason": {k: v for k, v in after["qos"]["decisions_by_reason"].items() if v},
+        # Measured pass, decode steps: [steps, violations] by the QoS decision's reason
+        # (none_fits / no decision to run the trainer: violations decode had alone too).
+        "decode_steps_and_violations_by_reason": _by_reason(all_steps, target_ms),
         "device": "cpu",
     }
     print(json.dumps(result))
