@@ -32,6 +32,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from harvest.train.trainer_cpu import DEFAULT_TRAINER_CPU_THREADS, DEFAULT_TRAINER_NICE, MAX_NICE
+
 
 class ConfigError(ValueError):
     """A bad harvest.yaml; the message names the field."""
@@ -45,8 +47,8 @@ class QosConfig:
 
 @dataclasses.dataclass(frozen=True)
 class TrainerConfig:
-    cpu_threads: int = 1  # harvest.train.trainer_cpu.DEFAULT_TRAINER_CPU_THREADS
-    nice: int = 2  # harvest.train.trainer_cpu.DEFAULT_TRAINER_NICE
+    cpu_threads: int = DEFAULT_TRAINER_CPU_THREADS
+    nice: int = DEFAULT_TRAINER_NICE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,8 +167,10 @@ def parse(raw: Any, *, base_dir: Path, source: Path | None = None) -> HarvestCon
         raise _fail("ladder", ladder_raw, "'auto' or a non-empty list of positive decode SM counts")
 
     trainer_raw = _section(raw, "trainer")
-    trainer = TrainerConfig(cpu_threads=_number(trainer_raw, "cpu_threads", "trainer", 1, low=1, high=1024, integer=True),
-                            nice=_number(trainer_raw, "nice", "trainer", 2, low=0, high=19, integer=True))
+    trainer = TrainerConfig(
+        cpu_threads=_number(trainer_raw, "cpu_threads", "trainer", DEFAULT_TRAINER_CPU_THREADS, low=1, high=1024, integer=True),
+        nice=_number(trainer_raw, "nice", "trainer", DEFAULT_TRAINER_NICE, low=0, high=MAX_NICE, integer=True),
+    )
     _no_leftovers(trainer_raw, "trainer", ("cpu_threads", "nice"))
 
     memory_raw = _section(raw, "memory")

@@ -13,6 +13,8 @@ import time
 
 
 class CpuStepTimer:
+    measures_late = False  # a step's latency is known when the engine returns
+
     def __init__(self):
         self._start = 0
         self._pending: float | None = None
@@ -30,6 +32,8 @@ class CpuStepTimer:
 
 
 class CudaStepTimer:
+    measures_late = True  # a step's latency arrives at a later step boundary
+
     def __init__(self, max_pending: int = 64):
         import torch
 

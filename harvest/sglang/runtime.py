@@ -59,7 +59,6 @@ class HarvestRuntime:
         self.device_type = device_type
         self.control_server = None
         self.num_steps = 0
-        self._late_timer = device_type == "cuda"  # measurements arrive a step late (CudaStepTimer)
         self.accounted_steps = 0  # steps whose hook cost was measured (every ACCOUNT_EVERY-th)
         self.step_ns_total = 0
         self.step_cpu_ns_total = 0
@@ -209,7 +208,7 @@ class HarvestRuntime:
             wall0, cpu0 = time.perf_counter_ns(), time.thread_time_ns()
         if self._attention:
             self._attend()
-        if self._late_timer:  # CUDA events of earlier steps: feedback before this decision
+        if self.timer.measures_late:  # CUDA events of earlier steps: feedback before this decision
             for measured in self.timer.completed():
                 self.control.after_step(measured)
         # No KV check here: this step's tokens were allocated when SGLang prepared the batch
