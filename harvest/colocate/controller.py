@@ -94,11 +94,10 @@ class StepController:
     def before_step(self, load: StepLoad):
         started = time.perf_counter_ns()
         trainer_state = self.trainer.scheduler_state() if self.trainer is not None else TrainerState.ABSENT
-        phase = None
         colo_ms = self._no_prediction
         whole_ms = math.nan
-        if load.is_decode and self.predictor is not None and trainer_state is TrainerState.RUNNING:
-            phase = self.trainer.next_phase()
+        predicted_all = load.is_decode and self.predictor is not None and trainer_state is TrainerState.RUNNING
+        if predicted_all:
             self.predictor.predict_levels(load.batch_size, load.sum_context, self._solo_ms, self._colo_ms,
                                           self._colo_model, 1e3)
             colo_ms = tuple(self._colo_ms)
@@ -106,18 +105,21 @@ class StepController:
         decision = self.qos.decide(SchedulerInput(colo_ms, trainer_state, whole_ms))
         index = self.whole_index if decision.level_index == WHOLE_GPU else decision.level_index
         run = decision.trainer_action is TrainerAction.RUN
-        self.level = self.partitioner.select(index)
-        if self.trainer is not None:
-            self.trainer.apply(run, self.level.trainer_stream)
+        phase = None
         if run:
             predicted_s = self._colo_ms[index] / 1e3
+            phase = self.trainer.next_phase()  # the unit the trainer runs next: before it is let go
+        elif predicted_all:
+            predicted_s = self._solo_ms[index] / 1e3
         elif load.is_decode and self.predictor is not None:
             predicted_s = self.predictor.predict_solo(index, load.batch_size, load.sum_context)
         else:
             predicted_s = math.nan
+        self.level = self.partitioner.select(index)
+        if self.trainer is not None:
+            self.trainer.apply(run, self.level.trainer_stream)
         self._last_decision_step = decision.step
-        self._pending.append(_Pending(decision.step, load, index, phase if run else None, predicted_s, run,
-                                      decision.reason))
+        self._pending.append(_Pending(decision.step, load, index, phase, predicted_s, run, decision.reason))
         self.control_ns += time.perf_counter_ns() - started
         return decision
 

@@ -59,9 +59,16 @@ _lending_by_allocator: dict[int, object] = {}
 
 
 def _token_alloc(original, allocator, need_size, *args, **kwargs):
+    # SGLang's alloc returns None, having changed nothing but the free list's order, when
+    # the free slots are too few: only then are lent chunks taken back, and it runs again
+    # (the common call costs harvest one comparison, not an extra size query).
+    result = original(allocator, need_size, *args, **kwargs)
+    if result is not None:
+        return result
     lending = _lending_by_allocator.get(id(allocator))
-    if lending is not None and need_size > allocator.available_size():
-        lending.ensure_available(need_size)  # take lent chunks back rather than fail
+    if lending is None or not lending.num_lent:
+        return result
+    lending.ensure_available(need_size)  # take lent chunks back rather than fail
     return original(allocator, need_size, *args, **kwargs)
 
 

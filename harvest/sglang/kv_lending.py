@@ -14,8 +14,8 @@ and sorted on demand, so allocation takes the lowest free slots and high chunks 
   on); if too few are free, the trainer's window shrinks first, at its next unit
   boundary (the reserve covers decode meanwhile; the scheduler thread does not wait),
   and a later step takes the chunks; the slots rejoin the free list. Decode never fails
-  for lack of lent memory: an allocation that would fail reclaims synchronously first
-  (hook on ``alloc``), waiting for the trainer's running unit if it must.
+  for lack of lent memory: an allocation that fails reclaims synchronously and runs
+  again (hook on ``alloc``), waiting for the trainer's running unit if it must.
 
 Called on the scheduler thread: the urgent check (``available_size`` against the reserve,
 no device sync) after every step; the lending plan (one ``bincount`` over the free list)
@@ -76,7 +76,10 @@ class KvLendingController:
         """Urgent path: free mapped slots under the reserve -> reclaim now."""
         if not self._num_lent:
             return
-        count = reclaim_count(self.policy, self.tokens.available_size(), self._num_lent)
+        free_mapped = self.tokens.available_size()
+        if free_mapped >= self.policy.reserve_tokens:  # reclaim_count's common answer, 0, without the call
+            return
+        count = reclaim_count(self.policy, free_mapped, self._num_lent)
         if count:
             self.reclaim(count, wait=False)
 

@@ -121,3 +121,28 @@ def test_nan_free_predictions_and_record_fields():
     record = control.recent_steps[-1]
     assert record.batch_size == 10 and record.measured_ms == pytest.approx(3.1)
     assert not math.isnan(record.predicted_ms)
+
+
+class RecordingRefiner:
+    def __init__(self):
+        self.seen = []
+
+    def observe(self, level, batch_size, sum_context, latency_s, phase=None, predicted_s=None):
+        self.seen.append((phase, predicted_s))
+
+
+def test_the_online_predictor_gets_the_phase_only_when_the_trainer_ran_and_the_prediction_in_force():
+    # Target 4 ms: nothing fits, the trainer pauses: a solo step, predicted 2 ms (bs 10).
+    control = controller(4.0, ScriptedHost(phase="forward"))
+    control.refiner = refiner = RecordingRefiner()
+    run_steps(control, 2)
+    control.record_steps()
+    assert refiner.seen == [(None, pytest.approx(0.002))] * 2
+    # Target 5 ms: the trainer runs (hysteresis 1), beside the unit it runs next; the step
+    # is predicted with the worst phase's model (4 ms).
+    control = controller(5.0, ScriptedHost(phase="forward"))
+    control.refiner = refiner = RecordingRefiner()
+    decisions = run_steps(control, 3)
+    control.record_steps()
+    assert all(d.trainer_action is TrainerAction.RUN for d in decisions)
+    assert refiner.seen == [("forward", pytest.approx(0.004))] * 3

@@ -76,9 +76,14 @@ def test_decode_capacity_check_takes_lent_chunks_back_instead_of_retracting(kv):
 def test_an_allocation_that_would_fail_reclaims_first(kv):
     tokens, lending = kv
     lending.maybe_lend(force=True)
+    lent = lending.num_lent
+    fits = hooks._token_alloc(TokenToKVPoolAllocator.alloc, tokens, 3)
+    assert fits is not None and len(fits) == 3 and lending.num_lent == lent  # it fits: nothing comes back
+    tokens.free(fits)
     need = tokens.available_size() + 1
+    assert TokenToKVPoolAllocator.alloc(tokens, need) is None  # SGLang alone would fail
     out = hooks._token_alloc(TokenToKVPoolAllocator.alloc, tokens, need)
-    assert out is not None and len(out) == need and lending.num_lent < NUM_CHUNKS
+    assert out is not None and len(out) == need and lending.num_lent < lent
 
 
 def test_without_lending_registered_the_hooks_call_through(kv):
@@ -87,3 +92,15 @@ def test_without_lending_registered_the_hooks_call_through(kv):
     lending.maybe_lend(force=True)
     assert _check(tokens, tokens.available_size() + 1) is False
     hooks.register_lending(tokens, lending)
+
+
+def test_after_a_step_free_slots_under_the_reserve_bring_lent_chunks_back(kv):
+    tokens, lending = kv
+    lending.maybe_lend(force=True)
+    lent = lending.num_lent
+    lending.after_step()  # free slots at or above the reserve: nothing to do
+    assert lending.num_lent == lent
+    held = tokens.alloc(tokens.available_size() - TOKENS_PER_CHUNK // 2)  # decode grew into the reserve
+    lending.after_step()
+    assert lending.num_lent == lent - 1 and tokens.available_size() >= TOKENS_PER_CHUNK
+    tokens.free(held)
