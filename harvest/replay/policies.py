@@ -144,7 +144,11 @@ class StaticPolicy(BasePolicy):
 
 class HarvestPolicy(BasePolicy):
     """Harli's rule through harvest's real scheduler and predictor. Idle trainer: on the
-    level with the most trainer SMs (the runtime keeps the ladder's partitions)."""
+    level with the most trainer SMs (the runtime keeps the ladder's partitions).
+
+    It decides as the runtime does, with the worst per-phase stage-2 model when the
+    profile has them (any trainer phase may run during a step); a co-located step then
+    takes the combined model's latency, the profile's expectation over phases."""
 
     name = HARVEST
 
@@ -164,10 +168,11 @@ class HarvestPolicy(BasePolicy):
         self._solo = [0.0] * self._num_levels
         self._colo = [0.0] * self._num_levels
         self._shares = trainer.colo_share
+        self._decision_model = self.predictor.worst_phase
 
     def step(self, batch_size: int, sum_context: int) -> tuple[float, int, float]:
         solo, colo, errors = self._solo, self._colo, self.errors
-        self.predictor.predict_levels(batch_size, sum_context, solo, colo)
+        self.predictor.predict_levels(batch_size, sum_context, solo, colo, self._decision_model)
         whole_s = solo[self.whole_level]
         decision = self.controller.decide(
             SchedulerInput(tuple([c * 1e3 for c in colo]), TrainerState.RUNNING, whole_s * 1e3)
@@ -176,7 +181,8 @@ class HarvestPolicy(BasePolicy):
         if level == WHOLE_GPU:
             latency, share = whole_s * errors.noise_factor(), 0.0
         else:
-            latency, share = colo[level] * errors.scale * errors.noise_factor(), self._shares[level]
+            expected = self.predictor.predict_colo(level, batch_size, sum_context)  # combined model
+            latency, share = expected * errors.scale * errors.noise_factor(), self._shares[level]
         self.controller.observe_measurement(latency * 1e3)
         return latency, level, share
 

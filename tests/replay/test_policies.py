@@ -155,3 +155,29 @@ def test_a_trace_without_decode_steps_still_reports():
         m = result.results[name].metrics
         assert m["decode_steps"] == 0 and m["requests_prefill_only"] == 2
         assert m["finetune_per_gpu"] == pytest.approx(expected)
+
+
+def _with_phase_models(profile, forward: tuple[float, float], backward: tuple[float, float]):
+    from harvest.predict.model import CoRunCoefficients, LatencyPredictor
+
+    predictor = LatencyPredictor(profile.ladder, profile.buckets, profile.solo, profile.corun, profile.profiled_range,
+                                 corun_by_phase={"forward": CoRunCoefficients(*forward), "backward": CoRunCoefficients(*backward)})
+    return dataclasses.replace(profile, predictor=predictor)
+
+
+def test_harvest_decides_with_the_worst_phase_model_as_the_runtime_does():
+    base = make_profile(**ERROR_PROFILE)
+    combined_ms = base.predictor.predict_colo(0, 1, 100) * 1e3
+    profile = _with_phase_models(base, forward=(1.0, 2.0), backward=(1.0, 1.0))
+    solo, colo = [0.0] * 2, [0.0] * 2
+    profile.predictor.predict_levels(1, 100, solo, colo, profile.predictor.worst_phase, 1e3)
+    assert colo[0] > combined_ms
+    # A target the combined model fits under (with the scheduler's margin) but the worst
+    # phase does not: the runtime never co-locates, and neither does the replay.
+    target = (combined_ms + colo[0]) / 2 / (1 - SchedulerConfig().initial_margin)
+    assert combined_ms < target * (1 - SchedulerConfig().initial_margin) < colo[0]
+    result = replay(profile, LONG, target_tpot_ms=target)
+    m = result.results["harvest"].metrics
+    assert m["steps_by_level"] == {"whole_gpu": m["decode_steps"]}
+    # The combined-only profile runs the trainer at the same target.
+    assert replay(base, LONG, target_tpot_ms=target).results["harvest"].metrics["steps_by_level"].get("0", 0) > 0
