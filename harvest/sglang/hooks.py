@@ -59,9 +59,9 @@ _lending_by_allocator: dict[int, object] = {}
 
 
 def _token_alloc(original, allocator, need_size, *args, **kwargs):
-    # SGLang's alloc returns None, having changed nothing but the free list's order, when
-    # the free slots are too few: only then are lent chunks taken back, and it runs again
-    # (the common call costs harvest one comparison, not an extra size query).
+    # SGLang's alloc returns None when the free slots are too few, having at most merged and
+    # sorted its free lists (the same free slots): only then are lent chunks taken back and
+    # it runs again (the common call costs harvest one comparison, not an extra size query).
     result = original(allocator, need_size, *args, **kwargs)
     if result is not None:
         return result
