@@ -63,13 +63,9 @@ def _token_alloc(original, allocator, need_size, *args, **kwargs):
     # sorted its free lists (the same free slots): only then are lent chunks taken back and
     # it runs again (the common call costs harvest one comparison, not an extra size query).
     result = original(allocator, need_size, *args, **kwargs)
-    if result is not None:
-        return result
-    lending = _lending_by_allocator.get(id(allocator))
-    if lending is None or not lending.num_lent:
-        return result
-    lending.ensure_available(need_size)  # take lent chunks back rather than fail
-    return original(allocator, need_size, *args, **kwargs)
+    if result is None and _took_lent_chunks_back(allocator, need_size):
+        result = original(allocator, need_size, *args, **kwargs)
+    return result
 
 
 def _check_decode_capacity(original, allocator, *args, **kwargs):
@@ -78,11 +74,14 @@ def _check_decode_capacity(original, allocator, *args, **kwargs):
     # because the trainer holds memory. (The cheap call first: it is True nearly always.)
     if original(allocator, *args, **kwargs):
         return True
+    return _took_lent_chunks_back(allocator, kwargs["num_tokens"]) and original(allocator, *args, **kwargs)
+
+
+def _took_lent_chunks_back(allocator, need_tokens: int) -> bool:
+    """After SGLang found too few free slots: take lent chunks back toward ``need_tokens``.
+    True if any came back (only then can asking SGLang again change its answer)."""
     lending = _lending_by_allocator.get(id(allocator))
-    if lending is None or not lending.num_lent:
-        return False
-    lending.ensure_available(kwargs["num_tokens"])
-    return original(allocator, *args, **kwargs)
+    return lending is not None and lending.ensure_available(need_tokens)
 
 
 def register_lending(token_allocator, lending) -> None:

@@ -76,10 +76,7 @@ class KvLendingController:
         """Urgent path: free mapped slots under the reserve -> reclaim now."""
         if not self._num_lent:
             return
-        free_mapped = self.tokens.available_size()
-        if free_mapped >= self.policy.reserve_tokens:  # reclaim_count's common answer, 0, without the call
-            return
-        count = reclaim_count(self.policy, free_mapped, self._num_lent)
+        count = reclaim_count(self.policy, self.tokens.available_size(), self._num_lent)
         if count:
             self.reclaim(count, wait=False)
 
@@ -94,13 +91,15 @@ class KvLendingController:
         elif decision.lend:
             self.lend(decision.lend)
 
-    def ensure_available(self, need_tokens: int) -> None:
-        """Before an allocation of ``need_tokens``: reclaim synchronously if it would fail."""
+    def ensure_available(self, need_tokens: int) -> bool:
+        """Before an allocation of ``need_tokens``: reclaim synchronously if it would fail.
+        Returns whether any chunk came back."""
         if not self._num_lent:
-            return
+            return False
         short = need_tokens - self.tokens.available_size()
-        if short > 0:
-            self.reclaim(min(self.num_lent, math.ceil(short / self.tokens_per_chunk)))
+        if short <= 0:
+            return False
+        return bool(self.reclaim(min(self._num_lent, math.ceil(short / self.tokens_per_chunk))))
 
     # -- mechanism ------------------------------------------------------------------------
     def lend(self, chunks) -> None:

@@ -80,6 +80,7 @@ def test_an_allocation_that_would_fail_reclaims_first(kv):
     fits = hooks._token_alloc(TokenToKVPoolAllocator.alloc, tokens, 3)
     assert fits is not None and len(fits) == 3 and lending.num_lent == lent  # it fits: nothing comes back
     tokens.free(fits)
+    assert lending.ensure_available(3) is False and lending.num_lent == lent  # enough free: nothing comes back
     need = tokens.available_size() + 1
     assert TokenToKVPoolAllocator.alloc(tokens, need) is None  # SGLang alone would fail
     out = hooks._token_alloc(TokenToKVPoolAllocator.alloc, tokens, need)
