@@ -4,7 +4,7 @@ trainer. Pure policy: standard library only (no torch, numpy or scikit-learn).""
 
 from harvest.schedule.config import SchedulerConfig
 from harvest.schedule.controller import QoSController, SchedulerStats
-from harvest.schedule.margin import is_violation, margin_after
+from harvest.schedule.margin import backoff_after, is_violation, margin_after
 from harvest.schedule.rule import advance, choose, closest_under, safest_under
 from harvest.schedule.snapshots import (
     WHOLE_GPU,
@@ -30,6 +30,7 @@ __all__ = [
     "TrainerAction",
     "TrainerState",
     "advance",
+    "backoff_after",
     "choose",
     "closest_under",
     "is_violation",

@@ -43,6 +43,15 @@ class SchedulerConfig:
       ``None`` disables the floor.
     - ``floor_margin``: the margin the floor keeps (≤ ``initial_margin``; 0 = the raw
       predicted target).
+    - ``backoff_steps``: a co-located violation the margin cannot absorb (it was already
+      within half a growth step of ``max_margin``) keeps the trainer paused for this
+      many decisions, floor included: the predictor is off by more than the margin can
+      cover (a slowed machine, a load the profile never saw) and co-locating on its
+      word would keep violating. Each further such violation doubles the backoff, up to
+      ``max_backoff_steps``; it starts from ``backoff_steps`` again once co-located
+      steps on target have decayed the margin a full growth step below its maximum.
+      32 steps ≈ 1.3 s at 40 ms: long enough for the online predictor to see solo steps
+      of the changed machine. ``None``: no backoff (the margin is the only feedback).
     - ``ring_size``: how many recent decisions are kept for inspection.
     """
 
@@ -55,6 +64,8 @@ class SchedulerConfig:
     hysteresis_gain: float | None = 0.25
     floor_after_paused_steps: int | None = 20
     floor_margin: float = 0.0
+    backoff_steps: int | None = 32
+    max_backoff_steps: int = 1024
     ring_size: int = 1024
 
     def __post_init__(self) -> None:
@@ -88,6 +99,11 @@ class SchedulerConfig:
             fix=f"a fraction in [0, initial_margin={self.initial_margin!r}]: the floor relaxes the margin, "
             "a larger one would never fire",
         )
+        if self.backoff_steps is not None:
+            self._check_int("backoff_steps", low=1, fix="decisions the trainer waits after a violation at the maximum "
+                            "margin, e.g. 32, or null for no backoff")
+        self._check_int("max_backoff_steps", low=self.backoff_steps or 1,
+                        fix=f"the longest backoff in decisions, at least backoff_steps={self.backoff_steps!r}, e.g. 1024")
         self._check_int("ring_size", low=1, fix="the number of recent decisions kept, e.g. 1024")
 
     # -- validation helpers --------------------------------------------------------------

@@ -20,7 +20,7 @@ from typing import Any, Mapping, Sequence
 
 from harvest.logs import get_logger
 from harvest.schedule.config import SchedulerConfig
-from harvest.schedule.margin import margin_after
+from harvest.schedule.margin import backoff_after, margin_after
 from harvest.schedule.rule import advance, choose
 from harvest.schedule.snapshots import (
     Decision,
@@ -38,7 +38,7 @@ log = get_logger(__name__)
 class SchedulerStats:
     """Counters since start. ``decisions_by_level`` is keyed by level index, WHOLE_GPU
     (-1) included; ``num_colocated_violations`` counts violations with the trainer running
-    (the ones the margin reacts to)."""
+    (the ones the margin reacts to); ``num_backoffs`` the backoffs started."""
 
     num_decisions: int
     decisions_by_reason: Mapping[DecisionReason, int]
@@ -47,6 +47,7 @@ class SchedulerStats:
     num_violations: int
     num_colocated_violations: int
     margin: float
+    num_backoffs: int = 0
 
     @property
     def violation_rate(self) -> float:
@@ -62,6 +63,7 @@ class SchedulerStats:
             "num_colocated_violations": self.num_colocated_violations,
             "violation_rate": self.violation_rate,
             "margin": self.margin,
+            "num_backoffs": self.num_backoffs,
         }
 
 
@@ -87,6 +89,7 @@ class QoSController:
         self._num_violations = 0
         self._num_colocated_violations = 0
         self._warned_max_margin = False
+        self._num_backoffs = 0
 
     # -- queries (no state change) ----------------------------------------------------------
     @property
@@ -116,6 +119,7 @@ class QoSController:
             num_violations=self._num_violations,
             num_colocated_violations=self._num_colocated_violations,
             margin=self._state.margin,
+            num_backoffs=self._num_backoffs,
         )
 
     @staticmethod
@@ -165,6 +169,9 @@ class QoSController:
             self._num_colocated_violations += colocated
         state = self._state
         margin = margin_after(self.config, state.margin, measured_ms, colocated)
+        # backoff_after leaves a paused step's length alone; not called for one (most steps).
+        length, starts = (backoff_after(self.config, state.margin, measured_ms, True, state.backoff_steps) if colocated
+                          else (state.backoff_steps, False))
         if margin != state.margin:
             if margin == self.config.max_margin and not self._warned_max_margin:
                 # Once per excursion: re-armed when the margin is back at its initial value.
@@ -176,7 +183,17 @@ class QoSController:
                 )
             elif margin == self.config.initial_margin:
                 self._warned_max_margin = False
+        if margin != state.margin or length != state.backoff_steps or starts:
+            until = state.backoff_until
+            if starts:
+                until = state.step + length
+                self._num_backoffs += 1
+                log.warning(
+                    "QoS backoff: a %.2f ms co-located step against a %.1f ms target with the margin at its maximum "
+                    "%.2f; the trainer pauses for %d decisions",
+                    measured_ms, self.config.target_tpot_ms, state.margin, length,
+                )
             self._state = SchedulerState(
-                state.step, state.reference_level, state.hold_streak, state.paused_steps, margin
+                state.step, state.reference_level, state.hold_streak, state.paused_steps, margin, until, length
             )
         return violated

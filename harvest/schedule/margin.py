@@ -12,6 +12,13 @@ and is caught after a few violations anyway.
 
 Only co-located steps move the margin: it decides which co-located level fits, and a
 step with the trainer paused says nothing about the co-location prediction's error.
+
+The margin is bounded, the predictor's error is not: once the margin is at its maximum,
+a co-located violation starts a backoff (``backoff_after``): the trainer stays paused for
+``backoff_steps`` decisions, twice as long after each further such violation, and the
+length starts over once co-located steps on target have decayed the margin a full growth
+step below its maximum (multiplicative increase, slow decrease: a machine that stays
+slower than its profile costs a violation per doubling, not one per co-located step).
 """
 
 from __future__ import annotations
@@ -32,3 +39,25 @@ def margin_after(config: SchedulerConfig, margin: float, measured_ms: float, col
     if measured_ms > config.target_tpot_ms:
         return min(config.max_margin, margin + config.margin_growth)
     return max(config.initial_margin, margin - config.margin_decay)
+
+
+def margin_saturated(config: SchedulerConfig, margin: float) -> bool:
+    """The margin in force cannot grow by half a growth step: it is (about) at its maximum."""
+    return margin >= config.max_margin - config.margin_growth / 2
+
+
+def backoff_after(
+    config: SchedulerConfig, margin: float, measured_ms: float, colocated: bool, length: int
+) -> tuple[int, bool]:
+    """(the backoff length, whether a backoff of that many decisions starts now) after a
+    step measured at ``measured_ms`` with ``margin`` in force; ``length``: the last
+    backoff's (0: none since the last reset)."""
+    if not colocated or config.backoff_steps is None:
+        return length, False
+    if measured_ms > config.target_tpot_ms:
+        if not margin_saturated(config, margin):
+            return length, False
+        return (config.backoff_steps if length == 0 else min(config.max_backoff_steps, 2 * length)), True
+    if length and margin_after(config, margin, measured_ms, True) <= config.max_margin - config.margin_growth:
+        return 0, False
+    return length, False

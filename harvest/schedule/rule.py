@@ -19,7 +19,10 @@ to the trainer (§5.2.3). harvest adds (DESIGN.md, "Beyond Harli"):
 - a minimum-progress floor: after ``floor_after_paused_steps`` steps of a runnable but
   paused trainer, one step on the safest level that predicts under the floor's relaxed
   target (without the default headroom, with what the feedback margin learned) — never
-  one predicted over it.
+  one predicted over it;
+- a backoff: after co-located violations the feedback margin could not absorb (it was at
+  its maximum), a runnable trainer stays paused, floor included, for ``backoff_until``
+  (set by the controller from ``margin.backoff_after``).
 
 Cost: one pass over the levels plus one Decision per step (a second pass only when the
 floor fires).
@@ -42,11 +45,12 @@ from harvest.schedule.snapshots import (
 )
 
 _RUN, _PAUSE = TrainerAction.RUN, TrainerAction.PAUSE
-_FITS, _HOLD, _FLOOR, _NONE_FITS = (
+_FITS, _HOLD, _FLOOR, _NONE_FITS, _BACKOFF = (
     DecisionReason.FITS,
     DecisionReason.HYSTERESIS_HOLD,
     DecisionReason.FLOOR,
     DecisionReason.NONE_FITS,
+    DecisionReason.QOS_BACKOFF,
 )
 _REASON_WHEN_TRAINER_CANNOT_RUN = {
     TrainerState.STARVED: DecisionReason.TRAINER_STARVED,
@@ -125,6 +129,8 @@ def choose(
             "(NaN where there is no prediction)"
         ) from None
 
+    if state.step < state.backoff_until:
+        return Decision(state.step, WHOLE_GPU, _PAUSE, _BACKOFF, margin, budget, snapshot.predicted_whole_gpu_ms)
     if best == WHOLE_GPU:
         return _floor_or_pause(config, ladder, state, snapshot, budget, _NONE_FITS)
     reference = state.reference_level
@@ -170,16 +176,21 @@ def _floor_or_pause(
 
 
 def advance(state: SchedulerState, decision: Decision) -> SchedulerState:
-    """The state after ``decision`` was applied (the margin changes only with measurements,
-    see :func:`harvest.schedule.margin.margin_after`)."""
+    """The state after ``decision`` was applied (the margin and the backoff change only
+    with measurements, see :mod:`harvest.schedule.margin`)."""
     reason, step = decision.reason, state.step + 1
+    margin, until, length = state.margin, state.backoff_until, state.backoff_steps
     if reason is _FITS or reason is _FLOOR:
-        return SchedulerState(step, decision.level_index, 0, 0, state.margin)
+        return SchedulerState(step, decision.level_index, 0, 0, margin, until, length)
     if reason is _HOLD:
         paused_steps = state.paused_steps + 1 if decision.level_index == WHOLE_GPU else 0
-        return SchedulerState(step, state.reference_level, state.hold_streak + 1, paused_steps, state.margin)
+        return SchedulerState(step, state.reference_level, state.hold_streak + 1, paused_steps, margin, until, length)
     if reason is _NONE_FITS:
-        return SchedulerState(step, WHOLE_GPU, 0, state.paused_steps + 1, state.margin)
+        return SchedulerState(step, WHOLE_GPU, 0, state.paused_steps + 1, margin, until, length)
+    if reason is _BACKOFF:
+        # Like a QoS pause, but the floor's count starts afresh when the backoff ends: the
+        # floor's steps are the riskiest, the last thing to run right after one.
+        return SchedulerState(step, WHOLE_GPU, 0, 0, margin, until, length)
     # The trainer could not run: neither a QoS pause nor progress, so the hysteresis and
     # floor counters stand still and the trainer returns to its level when it can.
-    return SchedulerState(step, state.reference_level, state.hold_streak, state.paused_steps, state.margin)
+    return SchedulerState(step, state.reference_level, state.hold_streak, state.paused_steps, margin, until, length)

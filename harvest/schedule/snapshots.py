@@ -49,6 +49,7 @@ class DecisionReason(str, enum.Enum):
     HYSTERESIS_HOLD = "hysteresis_hold"  # a better level exists but QoS does not require the move yet
     FLOOR = "floor"  # minimum-progress floor: run on the safest level under the relaxed target
     NONE_FITS = "none_fits"  # no level predicts under budget: trainer paused (Harli §6.2)
+    QOS_BACKOFF = "qos_backoff"  # violations the margin could not absorb: trainer paused for a while
     TRAINER_STARVED = "trainer_starved"  # trainer waits on a swap-in: decode takes all SMs (Harli §6.2)
     TRAINER_PAUSED = "trainer_paused"  # operator pause
     TRAINER_STOPPED = "trainer_stopped"
@@ -183,6 +184,8 @@ class SchedulerState(NamedTuple):
     - ``hold_streak``: consecutive hysteresis holds (a better level existed).
     - ``paused_steps``: consecutive steps in which a runnable trainer was kept paused.
     - ``margin``: the feedback margin in force.
+    - ``backoff_until``: decisions with ``step`` below it keep a runnable trainer paused
+      (QOS_BACKOFF); ``backoff_steps``: the length of the last backoff, 0 once reset.
     """
 
     step: int
@@ -190,9 +193,11 @@ class SchedulerState(NamedTuple):
     hold_streak: int
     paused_steps: int
     margin: float
+    backoff_until: int = 0
+    backoff_steps: int = 0
 
     @classmethod
     def initial(cls, initial_margin: float) -> "SchedulerState":
         """Start as if resuming from a pause: the trainer first runs once a level has fit
         for ``hysteresis_steps`` consecutive steps."""
-        return cls(0, WHOLE_GPU, 0, 0, initial_margin)
+        return cls(0, WHOLE_GPU, 0, 0, initial_margin, 0, 0)

@@ -22,9 +22,11 @@ LADDER = SchedulerLadder((120, 96, 64, 32), (12, 36, 68, 100))
 
 
 def config(**overrides) -> SchedulerConfig:
-    """Defaults, except the floor is off unless a test asks for it (it would otherwise
-    fire in long pause sequences that test something else)."""
+    """Defaults, except the floor and the backoff are off unless a test asks for them
+    (they would otherwise fire in long pause sequences or violation walks that test
+    something else)."""
     overrides.setdefault("floor_after_paused_steps", None)
+    overrides.setdefault("backoff_steps", None)
     return SchedulerConfig(**overrides)
 
 
@@ -32,8 +34,9 @@ def snap(*colo_ms: float, trainer: TrainerState = RUNNING, whole_gpu_ms: float =
     return SchedulerInput(tuple(colo_ms), trainer, whole_gpu_ms)
 
 
-def state(reference: int = WHOLE_GPU, *, hold: int = 0, paused: int = 0, margin: float = 0.05, step: int = 0):
-    return SchedulerState(step, reference, hold, paused, margin)
+def state(reference: int = WHOLE_GPU, *, hold: int = 0, paused: int = 0, margin: float = 0.05, step: int = 0,
+          backoff_until: int = 0, backoff_steps: int = 0):
+    return SchedulerState(step, reference, hold, paused, margin, backoff_until, backoff_steps)
 
 
 def controller(ladder=LADDER, **overrides) -> QoSController:

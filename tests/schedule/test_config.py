@@ -33,8 +33,8 @@ def test_integers_given_for_float_fields_become_floats():
 
 
 def test_optional_features_can_be_disabled():
-    cfg = SchedulerConfig(hysteresis_gain=None, floor_after_paused_steps=None, hysteresis_steps=1)
-    assert cfg.hysteresis_gain is None and cfg.floor_after_paused_steps is None
+    cfg = SchedulerConfig(hysteresis_gain=None, floor_after_paused_steps=None, hysteresis_steps=1, backoff_steps=None)
+    assert cfg.hysteresis_gain is None and cfg.floor_after_paused_steps is None and cfg.backoff_steps is None
 
 
 BAD_VALUES = [
@@ -63,6 +63,10 @@ BAD_VALUES = [
     ("floor_after_paused_steps", 2.5, "integer >= 1"),
     ("floor_margin", -0.1, "[0.0, 0.05]"),
     ("floor_margin", 0.06, "initial_margin=0.05"),
+    ("backoff_steps", 0, "integer >= 1"),
+    ("backoff_steps", 1.5, "integer >= 1"),
+    ("max_backoff_steps", 16, "integer >= 32; the longest backoff in decisions, at least backoff_steps=32"),
+    ("max_backoff_steps", None, "integer >= 32"),
     ("ring_size", 0, "integer >= 1"),
     ("ring_size", 10.0, "integer >= 1"),
 ]
@@ -82,6 +86,9 @@ def test_cross_field_bounds_follow_initial_margin():
     SchedulerConfig(initial_margin=0.2, max_margin=0.2, floor_margin=0.2)
     with pytest.raises(ValueError, match=r"max_margin=0\.1.*initial_margin=0\.2"):
         SchedulerConfig(initial_margin=0.2, max_margin=0.1)
+    SchedulerConfig(backoff_steps=2048, max_backoff_steps=2048)
+    with pytest.raises(ValueError, match=r"max_backoff_steps=1024: must be an integer >= 2048; .*backoff_steps=2048"):
+        SchedulerConfig(backoff_steps=2048)
 
 
 def test_from_mapping_builds_and_refuses_unknown_keys():

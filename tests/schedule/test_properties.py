@@ -4,6 +4,7 @@ independent brute-force statement of the rule after every step."""
 
 from __future__ import annotations
 
+import collections
 import math
 import random
 
@@ -53,6 +54,7 @@ def random_ladder(rng: random.Random) -> SchedulerLadder:
 
 def random_config(rng: random.Random) -> SchedulerConfig:
     initial = rng.choice([0.0, rng.uniform(0.0, 0.3)])
+    backoff = rng.choice([None, rng.randint(1, 8)])
     return SchedulerConfig(
         target_tpot_ms=rng.uniform(5.0, 100.0),
         initial_margin=initial,
@@ -63,6 +65,8 @@ def random_config(rng: random.Random) -> SchedulerConfig:
         hysteresis_gain=rng.choice([None, rng.uniform(0.01, 1.0)]),
         floor_after_paused_steps=rng.choice([None, rng.randint(1, 6)]),
         floor_margin=rng.uniform(0.0, initial),
+        backoff_steps=backoff,
+        max_backoff_steps=rng.randint(backoff or 1, 40),
         ring_size=rng.randint(1, 50),
     )
 
@@ -98,6 +102,13 @@ def check_step(ctl: QoSController, before, inp: SchedulerInput, d) -> None:
         assert d.reason is IDLE_REASON[inp.trainer_state] and d.level_index == WHOLE_GPU
         assert after[1:] == before[1:]
         return
+    # Deciding never moves the margin or the backoff: only measurements do.
+    assert (after.margin, after.backoff_until, after.backoff_steps) == before[4:]
+    if before.step < before.backoff_until:
+        assert d.reason is R.QOS_BACKOFF and d.trainer_action is TrainerAction.PAUSE and d.budget_ms == budget
+        assert (after.reference_level, after.hold_streak, after.paused_steps) == (WHOLE_GPU, 0, 0)
+        return
+    assert d.reason is not R.QOS_BACKOFF
 
     if d.trainer_action is TrainerAction.RUN:
         # Never run the trainer on a level predicted over the target it was checked against,
@@ -144,9 +155,35 @@ def check_step(ctl: QoSController, before, inp: SchedulerInput, d) -> None:
         pytest.fail(f"unexpected reason {d.reason} for a running trainer")
 
 
-@pytest.mark.parametrize("seed", range(40))
-def test_random_sequences_keep_every_invariant(seed):
+def check_measurement(ctl: QoSController, before, d, measured: float) -> None:
+    """The margin and the backoff after a measurement, stated independently."""
+    cfg, after = ctl.config, ctl.state
+    assert after[:4] == before[:4]
+    colocated, violated = d.trainer_action is TrainerAction.RUN, measured > cfg.target_tpot_ms
+    assert cfg.initial_margin <= after.margin <= cfg.max_margin
+    if not colocated:
+        assert after.margin == before.margin
+    elif violated:
+        assert after.margin == min(cfg.max_margin, before.margin + cfg.margin_growth)
+    else:
+        assert after.margin == max(cfg.initial_margin, before.margin - cfg.margin_decay)
+    unchanged = (before.backoff_until, before.backoff_steps)
+    if cfg.backoff_steps is None or not colocated:
+        assert after[5:] == unchanged
+    elif violated and before.margin >= cfg.max_margin - cfg.margin_growth / 2:  # the margin could not absorb it
+        length = cfg.backoff_steps if before.backoff_steps == 0 else min(cfg.max_backoff_steps, 2 * before.backoff_steps)
+        assert after[5:] == (before.step + length, length)
+    elif not violated and after.margin <= cfg.max_margin - cfg.margin_growth:
+        assert after[5:] == (before.backoff_until, 0)
+    else:
+        assert after[5:] == unchanged
+    assert 0 <= after.backoff_steps <= cfg.max_backoff_steps
+
+
+def run_random_sequences(seed: int) -> collections.Counter:
+    """Random ladders, configs and steps, every invariant checked; the reasons decided."""
     rng = random.Random(seed)
+    reasons: collections.Counter = collections.Counter()
     for _ in range(10):
         ladder, cfg = random_ladder(rng), random_config(rng)
         ctl = QoSController(cfg, ladder)
@@ -159,13 +196,25 @@ def test_random_sequences_keep_every_invariant(seed):
             d = ctl.decide(inp)
             assert d == preview
             check_step(ctl, before, inp, d)
+            reasons[d.reason] += 1
             assert ctl.recent_decisions()[-1] == d and len(ctl.recent_decisions()) <= cfg.ring_size
             if rng.random() < 0.8:
                 measured = rng.uniform(0.3, 1.6) * cfg.target_tpot_ms
+                before_measurement = ctl.state
                 violated = ctl.observe_measurement(measured)
                 assert violated == (measured > cfg.target_tpot_ms)
-                assert cfg.initial_margin <= ctl.margin <= cfg.max_margin
-                if d.trainer_action is TrainerAction.PAUSE:
-                    assert ctl.margin == before.margin
+                check_measurement(ctl, before_measurement, d, measured)
         stats = ctl.stats()
         assert sum(stats.decisions_by_reason.values()) == sum(stats.decisions_by_level.values()) == stats.num_decisions
+    return reasons
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_sequences_keep_every_invariant(seed):
+    run_random_sequences(seed)
+
+
+def test_random_sequences_reach_every_reason():
+    """The invariants above are checked on every path: the sequences decide every reason."""
+    reasons = sum((run_random_sequences(seed) for seed in range(40)), collections.Counter())
+    assert set(reasons) == set(R), set(R) - set(reasons)
