@@ -222,6 +222,10 @@ def main() -> int:
         "chunks_lent": after["kv"]["lends_total"],
         "chunks_reclaimed": after["kv"]["reclaims_total"],
         "decisions_by_reason": {k: v for k, v in after["qos"]["decisions_by_reason"].items() if v},
+        # Backoffs started (server life): co-located violations the margin, at its maximum,
+        # could not absorb; each kept the trainer paused (decisions "qos_backoff").
+        "qos_backoffs": after["qos"]["num_backoffs"],
+        "qos_margin": after["qos"]["margin"],
         # Measured pass, decode steps: [steps, violations] by the QoS decision's reason
         # (none_fits / no decision to run the trainer: violations decode had alone too).
         "decode_steps_and_violations_by_reason": _by_reason(all_steps, target_ms),

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 import math
 from typing import Any, Mapping, Sequence
 
@@ -188,7 +189,9 @@ class QoSController:
             if starts:
                 until = state.step + length
                 self._num_backoffs += 1
-                log.warning(
+                # A warning for a fresh backoff; the doublings that follow it are info.
+                log.log(
+                    logging.WARNING if state.backoff_steps == 0 else logging.INFO,
                     "QoS backoff: a %.2f ms co-located step against a %.1f ms target with the margin at its maximum "
                     "%.2f; the trainer pauses for %d decisions",
                     measured_ms, self.config.target_tpot_ms, state.margin, length,

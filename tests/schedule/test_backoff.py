@@ -67,8 +67,11 @@ def test_controller_backs_off_after_a_violation_at_the_maximum_margin(caplog):
     assert paused[0].predicted_ms == 10.0 and paused[0].budget_ms == pytest.approx(32.0)
     assert ctl.margin == pytest.approx(0.2)  # paused steps do not move the margin
     # Then the trainer resumes; the next violation doubles the backoff.
-    got = walk(ctl, FIT, [41.0])
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="harvest.schedule.controller"):
+        got = walk(ctl, FIT, [41.0])
     assert got[0].reason is FITS and ctl.state.backoff_steps == 8
+    assert [r.levelname for r in caplog.records] == ["INFO"] and "pauses for 8 decisions" in caplog.text
     assert [d.reason for d in walk(ctl, FIT, [None] * 9)] == [BACKOFF] * 8 + [FITS]
     assert ctl.stats().num_backoffs == 2 and ctl.stats().to_dict()["num_backoffs"] == 2
     assert ctl.stats().decisions_by_reason[BACKOFF] == 12
