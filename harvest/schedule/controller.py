@@ -189,9 +189,11 @@ class QoSController:
             if starts:
                 until = state.step + length
                 self._num_backoffs += 1
-                # A warning for a fresh backoff; the doublings that follow it are info.
+                # A warning for a fresh backoff, info for a doubling; once at its maximum
+                # length (a machine that stays slow), debug: one line per backoff is noise.
+                level = logging.WARNING if state.backoff_steps == 0 else logging.INFO
                 log.log(
-                    logging.WARNING if state.backoff_steps == 0 else logging.INFO,
+                    level if length != state.backoff_steps else logging.DEBUG,
                     "QoS backoff: a %.2f ms co-located step against a %.1f ms target with the margin at its maximum "
                     "%.2f; the trainer pauses for %d decisions",
                     measured_ms, self.config.target_tpot_ms, state.margin, length,

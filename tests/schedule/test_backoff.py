@@ -74,6 +74,14 @@ def test_controller_backs_off_after_a_violation_at_the_maximum_margin(caplog):
     assert [r.levelname for r in caplog.records] == ["INFO"] and "pauses for 8 decisions" in caplog.text
     assert [d.reason for d in walk(ctl, FIT, [None] * 9)] == [BACKOFF] * 8 + [FITS]
     assert ctl.stats().num_backoffs == 2 and ctl.stats().to_dict()["num_backoffs"] == 2
+    # At its maximum length, a backoff repeats without a log line at INFO or above.
+    capped = controller(initial_margin=0.05, max_margin=0.2, margin_growth=0.05, margin_decay=0.01,
+                        hysteresis_steps=1, backoff_steps=4, max_backoff_steps=4)
+    walk(capped, FIT, [41.0] * 4 + [None] * 4)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="harvest.schedule.controller"):
+        walk(capped, FIT, [41.0])
+    assert capped.stats().num_backoffs == 2 and not caplog.records
     assert ctl.stats().decisions_by_reason[BACKOFF] == 12
 
 
