@@ -96,8 +96,9 @@ ERROR_PROFILE = dict(levels=((50, 50), (100, 0)), solo=[(0.0, 0.010, 0.0), (0.0,
 LONG = requests((0.0, 100, 400))
 
 
-def _violations(scale: float, **scheduler) -> tuple[float, dict]:
-    result = replay(make_profile(**ERROR_PROFILE), LONG, target_tpot_ms=12.9, error_scale=scale, scheduler_overrides=scheduler)
+def _violations(scale: float, target_tpot_ms: float = 12.9, **scheduler) -> tuple[float, dict]:
+    result = replay(make_profile(**ERROR_PROFILE), LONG, target_tpot_ms=target_tpot_ms, error_scale=scale,
+                    scheduler_overrides=scheduler)
     harvest = result.results["harvest"]
     return harvest.metrics["violation_rate"], harvest.extra["scheduler"]
 
@@ -113,6 +114,15 @@ def test_injected_error_is_caught_by_the_feedback_margin():
     assert stats["margin"] == pytest.approx(0.1)
     with_floor, stats = _violations(1.1)
     assert 0 < with_floor < 0.1 and stats["decisions_by_reason"]["floor"] == stats["num_colocated_violations"] - 1
+
+
+def test_error_beyond_the_margin_is_caught_by_the_backoff():
+    # Predicted 12 ms fits even the maximum margin's budget (25 × 0.5); true 30 ms > 25 ms.
+    without, stats = _violations(2.5, target_tpot_ms=25.0, backoff_steps=None)
+    assert without > 0.9 and stats["margin"] == pytest.approx(0.5) and stats["num_backoffs"] == 0
+    backoff, stats = _violations(2.5, target_tpot_ms=25.0)
+    assert backoff < 0.05 and stats["num_backoffs"] >= 3
+    assert stats["decisions_by_reason"]["qos_backoff"] > 300  # of the request's 400 decode steps
 
 
 def test_noise_is_seeded():
