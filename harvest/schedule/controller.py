@@ -171,8 +171,8 @@ class QoSController:
         state = self._state
         margin = margin_after(self.config, state.margin, measured_ms, colocated)
         # backoff_after leaves a paused step's length alone; not called for one (most steps).
-        length, starts = (backoff_after(self.config, state.margin, measured_ms, True, state.backoff_steps) if colocated
-                          else (state.backoff_steps, False))
+        length, starts = (backoff_after(self.config, state.margin, measured_ms, True, state.backoff_length) if colocated
+                          else (state.backoff_length, False))
         if margin != state.margin:
             if margin == self.config.max_margin and not self._warned_max_margin:
                 # Once per excursion: re-armed when the margin is back at its initial value.
@@ -184,16 +184,16 @@ class QoSController:
                 )
             elif margin == self.config.initial_margin:
                 self._warned_max_margin = False
-        if margin != state.margin or length != state.backoff_steps or starts:
+        if margin != state.margin or length != state.backoff_length or starts:
             until = state.backoff_until
             if starts:
                 until = state.step + length
                 self._num_backoffs += 1
                 # A warning for a fresh backoff, info for a doubling; once at its maximum
                 # length (a machine that stays slow), debug: one line per backoff is noise.
-                level = logging.WARNING if state.backoff_steps == 0 else logging.INFO
+                level = logging.WARNING if state.backoff_length == 0 else logging.INFO
                 log.log(
-                    level if length != state.backoff_steps else logging.DEBUG,
+                    level if length != state.backoff_length else logging.DEBUG,
                     "QoS backoff: a %.2f ms co-located step against a %.1f ms target with the margin at its maximum "
                     "%.2f; the trainer pauses for %d decisions",
                     measured_ms, self.config.target_tpot_ms, state.margin, length,

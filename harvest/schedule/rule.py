@@ -179,7 +179,7 @@ def advance(state: SchedulerState, decision: Decision) -> SchedulerState:
     """The state after ``decision`` was applied (the margin and the backoff change only
     with measurements, see :mod:`harvest.schedule.margin`)."""
     reason, step = decision.reason, state.step + 1
-    margin, until, length = state.margin, state.backoff_until, state.backoff_steps
+    margin, until, length = state.margin, state.backoff_until, state.backoff_length
     if reason is _FITS or reason is _FLOOR:
         return SchedulerState(step, decision.level_index, 0, 0, margin, until, length)
     if reason is _HOLD:

@@ -185,7 +185,7 @@ class SchedulerState(NamedTuple):
     - ``paused_steps``: consecutive steps in which a runnable trainer was kept paused.
     - ``margin``: the feedback margin in force.
     - ``backoff_until``: decisions with ``step`` below it keep a runnable trainer paused
-      (QOS_BACKOFF); ``backoff_steps``: the length of the last backoff, 0 once reset.
+      (QOS_BACKOFF); ``backoff_length``: the length of the last backoff, 0 once reset.
     """
 
     step: int
@@ -194,7 +194,7 @@ class SchedulerState(NamedTuple):
     paused_steps: int
     margin: float
     backoff_until: int = 0
-    backoff_steps: int = 0
+    backoff_length: int = 0
 
     @classmethod
     def initial(cls, initial_margin: float) -> "SchedulerState":

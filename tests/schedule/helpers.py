@@ -35,8 +35,8 @@ def snap(*colo_ms: float, trainer: TrainerState = RUNNING, whole_gpu_ms: float =
 
 
 def state(reference: int = WHOLE_GPU, *, hold: int = 0, paused: int = 0, margin: float = 0.05, step: int = 0,
-          backoff_until: int = 0, backoff_steps: int = 0):
-    return SchedulerState(step, reference, hold, paused, margin, backoff_until, backoff_steps)
+          backoff_until: int = 0, backoff_length: int = 0):
+    return SchedulerState(step, reference, hold, paused, margin, backoff_until, backoff_length)
 
 
 def controller(ladder=LADDER, **overrides) -> QoSController:

@@ -59,7 +59,7 @@ def test_controller_backs_off_after_a_violation_at_the_maximum_margin(caplog):
         got = walk(ctl, FIT, [41.0] * 3)  # margin 0.10, 0.15, 0.20: absorbed
         assert [d.reason for d in got] == [FITS] * 3 and ctl.state.backoff_until == 0
         got = walk(ctl, FIT, [41.0])  # at the maximum: backoff for the next 4 decisions
-    assert got[0].reason is FITS and ctl.state.backoff_steps == 4 and ctl.state.backoff_until == 4 + 4  # decisions 4..7
+    assert got[0].reason is FITS and ctl.state.backoff_length == 4 and ctl.state.backoff_until == 4 + 4  # decisions 4..7
     assert "QoS backoff" in caplog.text and "pauses for 4 decisions" in caplog.text
     paused = walk(ctl, FIT, [20.0] * 4)
     assert all(d.reason is BACKOFF and d.level_index == WHOLE_GPU and d.trainer_action is TrainerAction.PAUSE
@@ -70,7 +70,7 @@ def test_controller_backs_off_after_a_violation_at_the_maximum_margin(caplog):
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="harvest.schedule.controller"):
         got = walk(ctl, FIT, [41.0])
-    assert got[0].reason is FITS and ctl.state.backoff_steps == 8
+    assert got[0].reason is FITS and ctl.state.backoff_length == 8
     assert [r.levelname for r in caplog.records] == ["INFO"] and "pauses for 8 decisions" in caplog.text
     assert [d.reason for d in walk(ctl, FIT, [None] * 9)] == [BACKOFF] * 8 + [FITS]
     assert ctl.stats().num_backoffs == 2 and ctl.stats().to_dict()["num_backoffs"] == 2
@@ -89,13 +89,13 @@ def test_backoff_length_resets_once_steps_on_target_decay_the_margin():
     ctl = controller(initial_margin=0.05, max_margin=0.2, margin_growth=0.05, margin_decay=0.01, hysteresis_steps=1,
                      backoff_steps=4, max_backoff_steps=16)
     walk(ctl, FIT, [41.0] * 4 + [None] * 4)
-    assert ctl.state.backoff_steps == 4
+    assert ctl.state.backoff_length == 4
     walk(ctl, FIT, [30.0] * 4)  # margin 0.16: still within a growth step of the maximum
-    assert ctl.state.backoff_steps == 4
+    assert ctl.state.backoff_length == 4
     walk(ctl, FIT, [30.0])  # margin 0.15
-    assert ctl.state.backoff_steps == 0
+    assert ctl.state.backoff_length == 0
     walk(ctl, FIT, [41.0, 41.0])  # margin 0.20 then a violation at it: a fresh, short backoff
-    assert ctl.state.backoff_steps == 4
+    assert ctl.state.backoff_length == 4
 
 
 def test_backoff_suppresses_the_floor_and_restarts_its_count():

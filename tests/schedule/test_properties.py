@@ -103,7 +103,7 @@ def check_step(ctl: QoSController, before, inp: SchedulerInput, d) -> None:
         assert after[1:] == before[1:]
         return
     # Deciding never moves the margin or the backoff: only measurements do.
-    assert (after.margin, after.backoff_until, after.backoff_steps) == before[4:]
+    assert (after.margin, after.backoff_until, after.backoff_length) == before[4:]
     if before.step < before.backoff_until:
         assert d.reason is R.QOS_BACKOFF and d.trainer_action is TrainerAction.PAUSE and d.budget_ms == budget
         assert (after.reference_level, after.hold_streak, after.paused_steps) == (WHOLE_GPU, 0, 0)
@@ -167,17 +167,17 @@ def check_measurement(ctl: QoSController, before, d, measured: float) -> None:
         assert after.margin == min(cfg.max_margin, before.margin + cfg.margin_growth)
     else:
         assert after.margin == max(cfg.initial_margin, before.margin - cfg.margin_decay)
-    unchanged = (before.backoff_until, before.backoff_steps)
+    unchanged = (before.backoff_until, before.backoff_length)
     if cfg.backoff_steps is None or not colocated:
         assert after[5:] == unchanged
     elif violated and before.margin >= cfg.max_margin - cfg.margin_growth / 2:  # the margin could not absorb it
-        length = cfg.backoff_steps if before.backoff_steps == 0 else min(cfg.max_backoff_steps, 2 * before.backoff_steps)
+        length = cfg.backoff_steps if before.backoff_length == 0 else min(cfg.max_backoff_steps, 2 * before.backoff_length)
         assert after[5:] == (before.step + length, length)
     elif not violated and after.margin <= cfg.max_margin - cfg.margin_growth:
         assert after[5:] == (before.backoff_until, 0)
     else:
         assert after[5:] == unchanged
-    assert 0 <= after.backoff_steps <= cfg.max_backoff_steps
+    assert 0 <= after.backoff_length <= cfg.max_backoff_steps
 
 
 def run_random_sequences(seed: int) -> collections.Counter:
