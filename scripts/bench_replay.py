@@ -67,41 +67,39 @@ def _replay(requests, profile, settings, repeats: int):
 def _robustness(requests, settings) -> dict:
     """Harvest under a 10 % stage-2 under-prediction plus 5 % noise, with the feedback
     margin and with it fixed, and under a 2.5x one with and without the backoff, on the
-    synthetic A100 profile (the CPU profile's one level
-    never comes near a 40 ms target, so it would show nothing)."""
+    synthetic A100 profile (the CPU profile's one level never comes near a 40 ms target,
+    so it would show nothing)."""
     import dataclasses
 
     from harvest.replay import profile_source, synthetic
     from harvest.replay.command import SYNTHETIC_A100
 
     profile = profile_source.from_profile(synthetic.harli_a100_llama3_8b(), SYNTHETIC_A100)
-    out = {"error_scale": 1.1, "error_noise": 0.05, "note": "synthetic Harli-shaped A100 profile, not measured"}
-    for key, overrides in (("feedback_margin", {}), ("fixed_margin", {"margin_growth": 0.0})):
-        varied = dataclasses.replace(
-            settings, error_scale=1.1, error_noise=0.05, scheduler_overrides=overrides, policies=("harvest", "static", "separate")
-        )
-        result, _, _ = _replay(requests, profile, varied, 1)
-        harvest = result.results["harvest"]
-        out[key] = {
-            "qos_violation_rate": harvest.metrics["violation_rate"],
-            "tpot_p99_ms": harvest.metrics["tpot_p99_ms"],
-            "ft_gain_vs_static": harvest.gain_vs["static"],
-            "ft_gain_vs_separate": harvest.gain_vs["separate"],
-        }
-    errors = {"error_scale": 2.5, "error_noise": 0.05}
-    beyond = dict(errors)
-    for key, overrides in (("backoff", {}), ("no_backoff", {"backoff_steps": None})):
+
+    def harvest_with(errors: dict, overrides: dict) -> dict:
         varied = dataclasses.replace(settings, **errors, scheduler_overrides=overrides, policies=("harvest", "static", "separate"))
         result, _, _ = _replay(requests, profile, varied, 1)
         harvest = result.results["harvest"]
-        beyond[key] = {
+        return {
             "qos_violation_rate": harvest.metrics["violation_rate"],
             "tpot_p99_ms": harvest.metrics["tpot_p99_ms"],
             "ft_gain_vs_static": harvest.gain_vs["static"],
             "ft_gain_vs_separate": harvest.gain_vs["separate"],
         }
-    out["beyond_margin"] = beyond
-    return out
+
+    within = {"error_scale": 1.1, "error_noise": 0.05}
+    beyond = {"error_scale": 2.5, "error_noise": 0.05}
+    return {
+        **within,
+        "note": "synthetic Harli-shaped A100 profile, not measured",
+        "feedback_margin": harvest_with(within, {}),
+        "fixed_margin": harvest_with(within, {"margin_growth": 0.0}),
+        "beyond_margin": {
+            **beyond,
+            "backoff": harvest_with(beyond, {}),
+            "no_backoff": harvest_with(beyond, {"backoff_steps": None}),
+        },
+    }
 
 
 def main() -> int:
