@@ -255,17 +255,22 @@ class HarvestControl:
         from harvest.schedule import TrainerAction
 
         self.control, self._run = control, TrainerAction.RUN
+        self.control_ns = 0  # time in the controller's before_step and after_step: its per-step cost
 
     @property
     def level(self):
         return self.control.level
 
     def before_step(self, load):
+        started = time.perf_counter_ns()
         decision = self.control.before_step(load)
+        self.control_ns += time.perf_counter_ns() - started
         return self.control.level, decision.trainer_action is self._run
 
     def after_step(self, measured_s):
+        started = time.perf_counter_ns()
         self.control.after_step(measured_s)
+        self.control_ns += time.perf_counter_ns() - started
 
     def idle(self):
         self.control.on_idle()
@@ -420,7 +425,7 @@ def run_mode(mode, args, ctx) -> dict:
             ctx["step_log"][mode] = served["steps"]
             if refiner is not None:
                 result.update(qos=qos.stats().to_dict(), prediction_error=refiner.error,
-                              control_us_per_step=round(control.control_ns / max(1, control.num_steps) / 1e3, 2))
+                              control_us_per_step=round(policy.control_ns / max(1, control.num_steps) / 1e3, 2))
     finally:
         if refiner is not None:
             refiner.stop()

@@ -84,7 +84,6 @@ class StepController:
         self.level = self.levels[self.whole_index]
         self.num_steps = 0
         self._last_decision_step = -1
-        self.control_ns = 0  # time spent in before_step + after_step (hook overhead)
 
     @property
     def decode_stream(self):
@@ -92,7 +91,6 @@ class StepController:
 
     # -- before the step ------------------------------------------------------------------
     def before_step(self, load: StepLoad):
-        started = time.perf_counter_ns()
         trainer_state = self.trainer.scheduler_state() if self.trainer is not None else TrainerState.ABSENT
         colo_ms = self._no_prediction
         whole_ms = math.nan
@@ -120,7 +118,6 @@ class StepController:
             self.trainer.apply(run, self.level.trainer_stream)
         self._last_decision_step = decision.step
         self._pending.append(_Pending(decision.step, load, index, phase, predicted_s, run, decision.reason))
-        self.control_ns += time.perf_counter_ns() - started
         return decision
 
     # -- after the step (measurements may arrive one step late, in order) -----------------
@@ -128,7 +125,6 @@ class StepController:
         """The measured step: feedback to the QoS scheduler now (the next decision needs
         it); the rest of the bookkeeping (step record, predictor window, metrics) is queued
         and done for ``RECORD_EVERY`` steps at once, off most steps' path."""
-        started = time.perf_counter_ns()
         pending = self._pending.popleft()
         self.num_steps += 1
         if measured_s > 0:
@@ -139,7 +135,6 @@ class StepController:
             self._unrecorded.append((time.time(), pending, measured_s))
             if len(self._unrecorded) >= self.RECORD_EVERY:
                 self.record_steps(blocking=False)
-        self.control_ns += time.perf_counter_ns() - started
 
     RECORD_EVERY = 32
 
