@@ -219,6 +219,10 @@ def main() -> int:
         "hook_cpu_us_median": after["hook_cpu_us_median"],
         "hook_cpu_us_mean": after["hook_cpu_us_per_step"],
         "hook_wall_us_median": after["hook_wall_us_median"],
+        # The hook's wall time by part (each part's median): decide (predict, QoS decision,
+        # partition and gate before the step), feedback (the measurement to the scheduler
+        # after it), lending (the KV reserve check; the lending plan every 50 ms).
+        "hook_wall_us_median_by_part": after["hook_wall_us_median_by_part"],
         "chunks_lent": after["kv"]["lends_total"],
         "chunks_reclaimed": after["kv"]["reclaims_total"],
         "decisions_by_reason": {k: v for k, v in after["qos"]["decisions_by_reason"].items() if v},

@@ -71,7 +71,8 @@ class HarvestRuntime:
         self.accounted_steps = 0  # steps whose hook cost was measured (every ACCOUNT_EVERY-th)
         self.step_ns_total = 0
         self.step_cpu_ns_total = 0
-        self.recent_hook_ns: collections.deque = collections.deque(maxlen=2048)  # (thread CPU, wall) per accounted step
+        # Per accounted step: (thread CPU, wall, and the wall time of its parts: decide, feedback, lending), ns.
+        self.recent_hook_ns: collections.deque = collections.deque(maxlen=2048)
         self._last_refit = 0.0
         self._last_publish = 0.0
         self.idle_gc_collections = 0
@@ -203,7 +204,8 @@ class HarvestRuntime:
     # Hook overhead is accounted on every ACCOUNT_EVERY-th step: a thread-CPU clock read
     # is a system call (~0.6-1.5 us here), four per step would be a tenth of the hook.
     # Prime, so that the sample does not alias with the bookkeeping every RECORD_EVERY (32)
-    # steps: sampled steps see it in proportion.
+    # steps: sampled steps see it in proportion. The wall clock is read inside the CPU
+    # clock's reads, so the wall figures do not count those system calls.
     ACCOUNT_EVERY = 7
 
     def run_step(self, original, scheduler, batch, *args, **kwargs):
@@ -214,7 +216,8 @@ class HarvestRuntime:
         # this thread; wall time adds OS preemption and GIL waits (large on a loaded CPU).
         accounted = self.num_steps % self.ACCOUNT_EVERY == 0
         if accounted:
-            wall0, cpu0 = time.perf_counter_ns(), time.thread_time_ns()
+            cpu0 = time.thread_time_ns()
+            wall0 = time.perf_counter_ns()
         if self._attention:
             self._attend()
         if self.timer.measures_late:  # CUDA events of earlier steps: feedback before this decision
@@ -225,7 +228,8 @@ class HarvestRuntime:
         self.control.before_step(observe(batch, self._decode_modes))
         stream = self.control.decode_stream
         if accounted:
-            wall1, cpu1 = time.perf_counter_ns(), time.thread_time_ns()
+            wall1 = time.perf_counter_ns()
+            cpu1 = time.thread_time_ns()
         if stream is None:  # CPU, or the whole-device level: the thread's current stream
             self.timer.start(None)
             result = original(scheduler, batch, *args, **kwargs)
@@ -236,15 +240,20 @@ class HarvestRuntime:
                 result = original(scheduler, batch, *args, **kwargs)
                 self.timer.stop(stream)
         if accounted:
-            wall2, cpu2 = time.perf_counter_ns(), time.thread_time_ns()
+            cpu2 = time.thread_time_ns()
+            wall2 = time.perf_counter_ns()
         for measured in self.timer.completed():
             self.control.after_step(measured)
+        if accounted:
+            wall3 = time.perf_counter_ns()
         self.lending.after_step()
         self.lending.maybe_lend()  # at most every lend_interval_s: a busy server lends too, not only an idle one
         if accounted:
-            wall_ns = (wall1 - wall0) + time.perf_counter_ns() - wall2
+            wall4 = time.perf_counter_ns()
             cpu_ns = (cpu1 - cpu0) + time.thread_time_ns() - cpu2
-            self.recent_hook_ns.append((cpu_ns, wall_ns))
+            decide_ns, feedback_ns, lending_ns = wall1 - wall0, wall3 - wall2, wall4 - wall3
+            wall_ns = decide_ns + feedback_ns + lending_ns
+            self.recent_hook_ns.append((cpu_ns, wall_ns, decide_ns, feedback_ns, lending_ns))
             self.accounted_steps += 1
             self.step_ns_total += wall_ns
             self.step_cpu_ns_total += cpu_ns
@@ -375,6 +384,11 @@ class HarvestRuntime:
             # reclaims KV chunks or is preempted mid-hook (those are in the means above).
             "hook_cpu_us_median": _median_us(hook, 0),
             "hook_wall_us_median": _median_us(hook, 1),
+            # Where the wall time goes: predict + decide + apply before the step (with a
+            # late timer, the earlier steps' feedback too); the measurement's feedback after
+            # it; the KV reserve check and lending plan. Each part's own median.
+            "hook_wall_us_median_by_part": {part: _median_us(hook, index)
+                                            for index, part in enumerate(HOOK_PARTS, start=2)},
             "prediction_error": self.refiner.error if self.refiner is not None else None,
             "trainer_cpu_threads": self.config.trainer.cpu_threads,
             "trainer_nice": self.config.trainer.nice,
@@ -406,6 +420,9 @@ class HarvestRuntime:
         self.control.record_steps()
         self._publish()
         return self.metrics.exposition()
+
+
+HOOK_PARTS = ("decide", "feedback", "lending")
 
 
 def _median_us(samples: list, index: int) -> float:
