@@ -19,6 +19,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+import warnings
 from pathlib import Path
 
 HELP = "co-locate a LoRA job with an SGLang decode server on a slice of the Azure trace (CPU by default)"
@@ -102,7 +103,11 @@ def _wait_for_trainer(port: int, timeout_s: float = 180.0) -> dict:
 
 
 def _replay(srv, trace, args, port: int, timeline: list) -> list[dict]:
-    from sglang.srt.disaggregation.utils import FAKE_BOOTSTRAP_HOST
+    with warnings.catch_warnings():
+        # Importing SGLang loads its quantization modules, which warn that their kernels
+        # need a GPU: noise in the demo's output (the server itself logs them already).
+        warnings.filterwarnings("ignore", message="Only CUDA", category=UserWarning)
+        from sglang.srt.disaggregation.utils import FAKE_BOOTSTRAP_HOST
 
     stop = threading.Event()
 
@@ -182,8 +187,9 @@ def _print_report(report: dict, png: Path | None, json_path: Path) -> None:
     if report["tpot_p50_ms"] is not None:
         print(f"  decode step (TPOT)   p50 {report['tpot_p50_ms']:.1f} ms, p99 {report['tpot_p99_ms']:.1f} ms, target {report['qos_target_ms']:.0f} ms;"
               f" violations {report['qos_violations']}/{report['decode_steps']} steps")
+    loss = report["trainer_loss"]
     print(f"  trainer              {report['trainer_steps']} steps, {report['trainer_tokens']} tokens during the replay"
-          f" ({report['trainer_tokens_per_s'] or 0:.0f} tokens/s while running), loss {report['trainer_loss']}")
+          f" ({report['trainer_tokens_per_s'] or 0:.0f} tokens/s while running), loss {'n/a' if loss is None else f'{loss:.4g}'}")
     print(f"  KV memory            {report['kv_lends_total']} chunks lent, {report['kv_reclaims_total']} reclaimed, {report['kv_chunks_lent_now']} lent now")
     print(f"  decisions by level   {report['decisions_by_level']}  (-1 = trainer paused, decode has the device)")
     print(f"  decisions by reason  {report['decisions_by_reason']}")
