@@ -15,7 +15,7 @@ Example::
     share_served_weights: true  # a job whose base is the served checkpoint uses its weights in place
     ladder: auto                # or a list of decode SM counts, e.g. [132, 96, 64, 32]
     trainer:
-      cpu_threads: 1            # torch CPU threads of the trainer's thread (decode keeps its own)
+      cpu_threads: 1            # torch CPU threads of the trainer's thread (on a CPU, decode keeps the other cores)
       nice: 2                   # the trainer thread's nice increment: decode wins a contended core
     memory:
       reserve_tokens: auto      # free KV slots kept mapped; auto = Harli's formula

@@ -208,6 +208,9 @@ def main() -> int:
         "trainer_tokens_per_s": tokens / replay_s,
         "trainer_solo_tokens_per_s": solo_tokens_per_s,
         "trainer_cpu_threads": cpu_threads,
+        # decode's torch threads in the harvest server: the cores the trainer leaves
+        # (decode alone, step 2, has its default: one per core)
+        "decode_cpu_threads": after["decode_cpu_threads"],
         # harvest's per-step control time on the scheduler thread (thread CPU time of the
         # hook, engine call excluded; median over steps, as the step time it is divided by)
         # over the median decode step. The means add the rare steps that reclaim KV chunks

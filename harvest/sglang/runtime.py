@@ -86,6 +86,7 @@ class HarvestRuntime:
         import torch
 
         self._torch = torch
+        self.decode_cpu_threads = None  # set after start-up: the scheduler thread's torch threads
 
     # -- start-up ---------------------------------------------------------------------
     @classmethod
@@ -188,10 +189,19 @@ class HarvestRuntime:
                                                    admin_api_key=getattr(server_args, "admin_api_key", None)).start()
         if trainer_host is not None:
             from harvest.sglang.shutdown import SignalCheckpoint
+            from harvest.train import trainer_cpu
 
+            if device_type == "cpu":
+                # Decode's OpenMP team and the trainer's threads must fit the cores
+                # together (an oversubscribed team stalls decode steps; trainer_cpu).
+                before, after = trainer_cpu.leave_cores_to_trainer(config.trainer.cpu_threads)
+                if after != before:
+                    logger.info("decode's torch threads %d -> %d: the trainer's %d thread(s) take the other core(s) of %d",
+                                before, after, config.trainer.cpu_threads, trainer_cpu.usable_cores())
             trainer_host.start()
             runtime.shutdown_signals = SignalCheckpoint(trainer_host, runtime._needs_attention)
             runtime.shutdown_signals.install()
+        runtime.decode_cpu_threads = runtime._torch.get_num_threads()
         atexit.register(runtime.close)
         logger.info(
             "harvest co-location on %s: %s; KV %d chunks x %d tokens, reserve %d tokens; target TPOT %.1f ms; jobs: %s",
@@ -391,6 +401,7 @@ class HarvestRuntime:
                                             for index, part in enumerate(HOOK_PARTS, start=2)},
             "prediction_error": self.refiner.error if self.refiner is not None else None,
             "trainer_cpu_threads": self.config.trainer.cpu_threads,
+            "decode_cpu_threads": self.decode_cpu_threads,
             "trainer_nice": self.config.trainer.nice,
             "idle_gc_collections": self.idle_gc_collections,
         }

@@ -24,6 +24,7 @@ import pytest
 
 from harvest import colocation_config
 from harvest.sglang import server
+from harvest.train.trainer_cpu import usable_cores
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -112,6 +113,9 @@ def test_outputs_identical_reclaim_progress_and_metrics(tiny_llama_path, tmp_pat
     assert (light_out, burst_out) == reference_outputs
     assert lent_before_burst and after["kv"]["reclaims_total"] > 0, after["kv"]  # the burst took lent chunks back
     assert after["trainer"]["error"] is None and after["trainer"]["stats"]["global_step"] > status["trainer"]["stats"]["global_step"]
+    # Decode's torch threads and the trainer's fit the cores together (one each here).
+    decode_threads, trainer_threads = after["decode_cpu_threads"], after["trainer_cpu_threads"]
+    assert decode_threads == 1 or decode_threads + trainer_threads <= usable_cores(), (decode_threads, trainer_threads)
     harvest_errors = [line for line in log.splitlines() if "harvest pid=" in line and ("ERROR" in line or "WARNING" in line)]
     assert not harvest_errors, harvest_errors
     assert RETRACTION not in log  # decode never retracts a request because the trainer holds memory

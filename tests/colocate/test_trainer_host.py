@@ -117,3 +117,40 @@ def test_a_failing_build_is_a_fault_not_a_crash():
     assert status.state == "failed" and "MemoryError: no room for the trainer" in status.error
     assert len(faults) == 1 and isinstance(faults[0], MemoryError)
     assert host.scheduler_state() is TrainerState.STOPPED
+
+
+@pytest.mark.parametrize(
+    ("trainer_threads", "decode_threads", "cores", "expected"),
+    [
+        (1, 2, 2, 1),  # this CI machine: one core each
+        (1, 16, 16, 15),
+        (2, 4, 16, 4),  # decode never gets more threads than it had
+        (4, 8, 4, 1),  # a trainer on every core still leaves decode one thread
+        (1, 1, 1, 1),
+    ],
+)
+def test_decode_keeps_the_cores_the_trainer_leaves(trainer_threads, decode_threads, cores, expected):
+    from harvest.train.trainer_cpu import decode_threads_beside_trainer
+
+    assert decode_threads_beside_trainer(trainer_threads, decode_threads, cores) == expected
+
+
+def test_decode_threads_refuse_a_count_below_one():
+    from harvest.train.trainer_cpu import decode_threads_beside_trainer
+
+    with pytest.raises(ValueError, match="trainer_threads=0"):
+        decode_threads_beside_trainer(0, 2, 2)
+
+
+def test_leave_cores_to_trainer_sets_this_threads_count_and_the_default_for_later_threads(serving_threads, monkeypatch):
+    from harvest.train import trainer_cpu
+
+    monkeypatch.setattr(trainer_cpu, "usable_cores", lambda: 2)
+    assert trainer_cpu.leave_cores_to_trainer(1) == (serving_threads, 1)
+    assert torch.get_num_threads() == 1
+    seen = []
+    later = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+    later.start()
+    later.join()
+    assert seen == [1]
+    assert trainer_cpu.leave_cores_to_trainer(1) == (1, 1)  # already within its share: unchanged

@@ -228,9 +228,10 @@ def test_committed_cpu_profile_is_valid_and_matches_the_tiny_model(tiny_llama_pa
     profile = Profile.load(path)
     assert profile.provenance.engine == "sglang" and profile.provenance.device_kind == "cpu"
     assert profile.provenance.model.config_hash == model_config_hash_of_path(tiny_llama_path), (
-        "the tiny model changed: re-run `harvest profile --model-path tiny-llama --torch-threads 1 --repeats 20 "
-        "--out profiles/cpu-tiny-llama-sglang.json`"
+        "the tiny model changed: re-run the command in profiles/README.md (Committed profiles) "
+        "with --out profiles/cpu-tiny-llama-sglang.json"
     )
     assert profile.stage1[0].quality.mape < 0.10  # a sane fit, not a broken measurement
+    assert profile.provenance.measurement.torch_threads == 1  # decode on the core the trainer leaves, as the server runs it
     assert profile.trainer is not None and profile.trainer.whole_device_level == 0  # schema 2: measured alone too
     assert all(r.units > 0 for r in profile.trainer.alone)

@@ -50,7 +50,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--trainer-seq-len", type=int, default=128, help="PEFT co-run workload: tokens per sequence (default 128)")
     parser.add_argument("--trainer-alone-s", type=float, default=3.0, help="seconds the finetune workload runs alone per trainer level and phase, after the grid (default 3; re-measured on resume)")
     parser.add_argument("--switch-interval-ms", type=float, default=None, help="Python GIL switch interval during the run (default: unchanged)")
-    parser.add_argument("--torch-threads", type=int, default=None, help="decode's torch intra-op threads (default: torch's, one per core)")
+    parser.add_argument("--torch-threads", type=int, default=None, help="decode's torch intra-op threads (default on a CPU: the cores the co-run trainer leaves, as the server runs decode beside a job; on a GPU: torch's)")
     parser.add_argument("--trainer-cpu-threads", type=int, default=DEFAULT_TRAINER_CPU_THREADS,
                         help=f"torch CPU threads of the co-run workload's thread; match harvest.yaml trainer.cpu_threads (default {DEFAULT_TRAINER_CPU_THREADS})")
     parser.add_argument("--trainer-nice", type=int, default=DEFAULT_TRAINER_NICE,

@@ -24,6 +24,7 @@ from harvest.predict.profiler.report import write_report
 from harvest.predict.profiler.runner import plan_points, run_grid
 from harvest.predict.profiler.trainer_alone import measure_section
 from harvest.predict.schema import FinetuneIdentity, Grid, MeasurementSettings
+from harvest.train import trainer_cpu
 
 logger = get_logger(__name__)
 
@@ -71,6 +72,18 @@ def _make_workload(args, finetune_model: str, device: str, dtype: str):
     )
 
 
+def _decode_threads(args, device: str) -> int:
+    """Decode's torch intra-op threads for the run: ``--torch-threads``, else on a CPU the
+    cores the co-run trainer leaves (as the server runs decode beside a job), else torch's."""
+    import torch
+
+    if args.torch_threads is not None:
+        return args.torch_threads
+    if device == "cpu":
+        return trainer_cpu.decode_threads_beside_trainer(args.trainer_cpu_threads, torch.get_num_threads())
+    return torch.get_num_threads()
+
+
 def profile(args, model_path: str, measure: MeasureConfig) -> int:
     import torch
     from tqdm import tqdm
@@ -80,8 +93,7 @@ def profile(args, model_path: str, measure: MeasureConfig) -> int:
     engine_name = args.engine if args.engine != "auto" else ("sglang" if sglang_available() else "transformers")
     if args.switch_interval_ms is not None:
         sys.setswitchinterval(args.switch_interval_ms / 1e3)
-    if args.torch_threads is not None:
-        torch.set_num_threads(args.torch_threads)
+    decode_threads = _decode_threads(args, device)
     torch.manual_seed(args.seed)
     finetune_model = args.finetune_model or model_path
     device_id = provenance.device_identity(device)
@@ -97,14 +109,16 @@ def profile(args, model_path: str, measure: MeasureConfig) -> int:
             "device": device_id.name, "model_config_hash": model.config_hash, "dtype": dtype, "engine": engine_name,
             "random_weights": args.random_weights, "ladder": ladder_info.ladder.to_dict(), "grid": [grid.batch_sizes, grid.context_lengths],
             "warmup": measure.warmup_steps, "repeats": measure.timed_steps, "trim": measure.trim_fraction,
-            "switch_interval_s": sys.getswitchinterval(), "torch_threads": torch.get_num_threads(), "workload": workload_identity, "seed": args.seed,
+            "switch_interval_s": sys.getswitchinterval(), "torch_threads": decode_threads, "workload": workload_identity, "seed": args.seed,
         }
         partial = PartialRun(partial_path(out), identity)
         try:
             done = partial.open(restart=args.restart)
         except PartialRunError as exc:
             raise ProfilingFailed(str(exc)) from exc
-        print(f"harvest profile: {model.name} ({dtype}) on {device_id.name}, {engine_name} engine; {ladder_info.description}")
+        threads = f"; decode on {decode_threads} torch thread(s), the co-run trainer on {args.trainer_cpu_threads}" if device == "cpu" else ""
+        print(f"harvest profile: {model.name} ({dtype}) on {device_id.name}, {engine_name} engine; {ladder_info.description}{threads}")
+        torch.set_num_threads(decode_threads)
         try:
             records, buckets, finetune, trainer = _measure(args, engine_name, model_path, device, dtype, measure, grid, ladder_info, finetune_model, done, partial, tqdm)
         except KeyboardInterrupt:
