@@ -195,9 +195,13 @@ class HarvestRuntime:
                 # Decode's OpenMP team and the trainer's threads must fit the cores
                 # together (an oversubscribed team stalls decode steps; trainer_cpu).
                 before, after = trainer_cpu.leave_cores_to_trainer(config.trainer.cpu_threads)
-                if after != before:
+                cores = trainer_cpu.usable_cores()
+                problem = trainer_cpu.oversubscription(config.trainer.cpu_threads, after, cores)
+                if problem is not None:
+                    logger.warning("%s", problem)
+                elif after != before:
                     logger.info("decode's torch threads %d -> %d: the trainer's %d thread(s) take the other core(s) of %d",
-                                before, after, config.trainer.cpu_threads, trainer_cpu.usable_cores())
+                                before, after, config.trainer.cpu_threads, cores)
             trainer_host.start()
             runtime.shutdown_signals = SignalCheckpoint(trainer_host, runtime._needs_attention)
             runtime.shutdown_signals.install()

@@ -80,6 +80,16 @@ def decode_threads_beside_trainer(trainer_threads: int, decode_threads: int, cor
     return max(1, min(decode_threads, cores - trainer_threads))
 
 
+def oversubscription(trainer_threads: int, decode_threads: int, cores: int) -> str | None:
+    """What to tell the operator when decode's and the trainer's threads exceed the cores
+    (co-located steps will stall); None when they fit."""
+    if decode_threads + trainer_threads <= cores:
+        return None
+    advice = f"; set trainer.cpu_threads to at most {cores - 1}" if cores >= 2 else ""
+    return (f"the trainer's {trainer_threads} and decode's {decode_threads} torch thread(s) exceed this CPU's {cores} "
+            f"core(s): co-located decode steps will stall{advice}")
+
+
 def leave_cores_to_trainer(trainer_threads: int) -> tuple[int, int]:
     """On the decode (serving) thread of a CPU device, before the trainer starts: limit
     its intra-op threads to what :func:`decode_threads_beside_trainer` leaves it (this

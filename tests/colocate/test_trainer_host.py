@@ -154,3 +154,14 @@ def test_leave_cores_to_trainer_sets_this_threads_count_and_the_default_for_late
     later.join()
     assert seen == [1]
     assert trainer_cpu.leave_cores_to_trainer(1) == (1, 1)  # already within its share: unchanged
+
+
+def test_oversubscription_is_named_with_the_setting_that_fixes_it():
+    from harvest.train.trainer_cpu import oversubscription
+
+    assert oversubscription(1, 1, 2) is None and oversubscription(2, 14, 16) is None
+    assert oversubscription(2, 1, 2) == (
+        "the trainer's 2 and decode's 1 torch thread(s) exceed this CPU's 2 core(s): co-located decode steps will stall; "
+        "set trainer.cpu_threads to at most 1"
+    )
+    assert oversubscription(1, 1, 1).endswith("will stall")  # one core: no setting fixes it
