@@ -21,8 +21,10 @@ Decode's share. Limiting the trainer is not enough on a CPU with few cores: deco
 OpenMP team (one thread per core by default) plus the trainer's thread is still one thread
 more than cores, and an OpenMP team needs all its threads running at once to pass its
 barriers. Co-located steps then mostly run fine but now and then one waits out whole OS
-time slices: on the 2-core CPU, decode on 2 threads beside the running trainer had 38-65
-of 3000 steps over 25x their median (up to 230 ms), at nice +2; none of 1500 on 1 thread.
+time slices. ``scripts/bench_cpu_threads.py`` on the 2-core CPU (nice +2): decode on 2
+threads beside the running trainer had 101 and 130 of 3000 steps over 10x their median alone,
+the worst 260 ms; on 1 thread, 1 step, the worst 10-11 ms (its median 2.3-2.6x its median alone
+against 1.3-1.5x, and the trainer at 0.57-0.58x the units per second in that tight loop).
 So on a CPU, decode keeps the cores the trainer does not use
 (:func:`decode_threads_beside_trainer`; the runtime and ``harvest profile`` both apply it).
 Measured in the server (tiny model, 40 ms target, two passes of the bench's trace slice):
