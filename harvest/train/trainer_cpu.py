@@ -18,21 +18,21 @@ first, then sets its count; :func:`restore_process_default` puts the default bac
 serving threads are left exactly as they were.
 
 Decode's share. Limiting the trainer is not enough on a CPU with few cores: decode's own
-OpenMP team (one thread per core by default) plus the trainer's thread is still one thread
-more than cores, and an OpenMP team needs all its threads running at once to pass its
-barriers. Co-located steps then mostly run fine but now and then one waits out whole OS
-time slices. ``scripts/bench_cpu_threads.py`` on the 2-core CPU (nice +2): decode on 2
-threads beside the running trainer had 101 and 130 of 3000 steps over 10x their median alone,
-the worst 260 ms; on 1 thread, 1 step, the worst 10-11 ms (its median 2.3-2.6x its median alone
-against 1.3-1.5x, and the trainer at 0.57-0.58x the units per second in that tight loop).
-So on a CPU, decode keeps the cores the trainer does not use
-(:func:`decode_threads_beside_trainer`; the runtime and ``harvest profile`` both apply it).
-Measured in the server (tiny model, 40 ms target, two passes of the bench's trace slice):
-decode on 2 threads, 7 violations in 2326 decode steps and co-located worst cases of 25
-and 372 ms; decode on 1 thread, none in 3256 and worst cases of 26-30 ms. The trainer
-kept its throughput (1670-2150 tokens/s against 1860-2230) and decode alone is no
-slower (the tiny model's operations are too small to gain from a second thread); its
-co-located median rose (10-11 ms against 6-9): the price of a bounded worst case.
+OpenMP team (one thread per core by default) plus the trainer's thread is still one
+thread more than cores, and an OpenMP team needs all its threads running at once to pass
+its barriers. Co-located steps then mostly run fine but now and then one waits out whole
+OS time slices. ``scripts/bench_cpu_threads.py`` on the 2-core CPU (nice +2): decode on
+2 threads beside the running trainer had 101 and 130 of 3000 steps over 10x their median
+alone, the worst 260 ms; on 1 thread, 1 step, the worst 10-11 ms (its median 2.3-2.6x
+its median alone against 1.3-1.5x, and the trainer at 0.57-0.58x the units per second in
+that tight loop). So on a CPU, decode keeps the cores the trainer does not use
+(:func:`decode_threads_beside_trainer`; the runtime and ``harvest profile`` both apply
+it). Measured in the server (tiny model, 40 ms target, two passes of the bench's trace
+slice): decode on 2 threads, 7 violations in 2326 decode steps and co-located worst
+cases of 25 and 372 ms; decode on 1 thread, none in 3256 and worst cases of 26-30 ms.
+The trainer kept its throughput (1670-2150 tokens/s against 1860-2230) and decode alone
+is no slower (the tiny model's operations are too small to gain from a second thread);
+its co-located median rose (10-11 ms against 6-9): the price of a bounded worst case.
 
 Priority. When the trainer runs beside a decode step, decode's threads and the trainer's
 compete for cores; at equal priority the OS hands a core to the trainer for whole time
