@@ -1,6 +1,8 @@
-"""The trainer thread's share of the CPU: its torch intra-op threads and its priority.
+"""The trainer thread's share of the CPU: its torch intra-op threads and its priority;
+and, on a CPU device, decode's share: the cores the trainer leaves.
 
-The trainer runs on a thread of the serving process; both are set on that thread only.
+The trainer runs on a thread of the serving process; its threads and priority are set on
+that thread only, decode's threads on the decode (scheduler) thread.
 
 Threads. Left alone, the trainer's torch CPU operations would use the process's
 intra-op thread count, so it would start an OpenMP team of its own beside decode's. With
