@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -47,8 +48,36 @@ def cpu_server_env() -> dict[str, str]:
     return env
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
+# A port handed to a server that binds it only later (its HTTP port, harvest's metrics
+# port) must not be one the OS can give an outgoing connection meanwhile: a gloo store
+# client in the scheduler once took the demo's metrics port, and harvest's start-up then
+# failed with "Address already in use". So: below the kernel's ephemeral range, and
+# below SGLang's own pick for its NCCL/gloo port (22000-29999, its
+# get_free_port_below_ephemeral).
+FREE_PORT_RANGE = (10000, 21999)
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+def free_port(attempts: int = 64) -> int:
+    """A TCP port free now, outside the range outgoing connections take ports from."""
+    low, high = FREE_PORT_RANGE[0], min(FREE_PORT_RANGE[1], _ephemeral_low() - 1)
+    candidates = range(low, high + 1)
+    # SystemRandom: processes that seeded the random module alike still pick apart.
+    for port in random.SystemRandom().sample(candidates, min(attempts, len(candidates))):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("0.0.0.0", port))  # any address: 127.0.0.1 listeners conflict too
+            except OSError:
+                continue
+            return port
+    with socket.socket() as sock:  # all taken: whatever the OS hands out
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
