@@ -49,8 +49,9 @@ def cpu_server_env() -> dict[str, str]:
 
 
 # A port handed to a server that binds it only later (its HTTP port, harvest's metrics
-# port) must not be one the OS can give an outgoing connection meanwhile: a gloo store
-# client in the scheduler once took the demo's metrics port, and harvest's start-up then
+# port) must not be one the OS can give an outgoing connection meanwhile: once, between
+# the demo picking its metrics port and harvest binding it in the scheduler, the port was
+# taken (the server's start-up opens connections of its own) and harvest's start-up
 # failed with "Address already in use". So: below the kernel's ephemeral range, and
 # below SGLang's own pick for its NCCL/gloo port (22000-29999, its
 # get_free_port_below_ephemeral).
