@@ -22,6 +22,8 @@ import urllib.request
 import warnings
 from pathlib import Path
 
+from harvest.metrics.percentile import nearest_rank
+
 HELP = "co-locate a LoRA job with an SGLang decode server on a slice of the Azure trace (CPU by default)"
 
 
@@ -149,11 +151,6 @@ def _replay(srv, trace, args, port: int, timeline: list) -> list[dict]:
         poller.join()
 
 
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))] if ordered else float("nan")
-
-
 def _report(results, first, final, steps, target_ms) -> dict:
     decode_ms = [s[2] for s in steps if s[6]]  # TPOT: decode steps only (a decode instance has no others)
     trainer_first, trainer_final = first["trainer"]["stats"], final["trainer"]["stats"] or {}
@@ -165,7 +162,7 @@ def _report(results, first, final, steps, target_ms) -> dict:
         "qos_target_ms": target_ms,
         "decode_steps": len(decode_ms),
         "tpot_p50_ms": statistics.median(decode_ms) if decode_ms else None,
-        "tpot_p99_ms": _percentile(decode_ms, 0.99) if decode_ms else None,
+        "tpot_p99_ms": nearest_rank(decode_ms, 0.99) if decode_ms else None,
         "qos_violations": sum(ms > target_ms for ms in decode_ms),
         "trainer_steps": trainer_final.get("global_step", 0) - trainer_first["global_step"],
         "trainer_tokens": trainer_final.get("tokens_seen", 0) - trainer_first["tokens_seen"],

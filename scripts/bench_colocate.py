@@ -65,11 +65,6 @@ def _replay(srv, trace, args):
         return list(pool.map(lambda item: one(*item), enumerate(trace)))
 
 
-def _p99(values):
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))]
-
-
 def _steps(port):
     return _get(port, "/harvest/steps")["steps"]
 
@@ -127,6 +122,7 @@ def main() -> int:
     args = parser.parse_args()
 
     from harvest import colocation_config
+    from harvest.metrics.percentile import nearest_rank
     from harvest.replay.trace import FULL_TRACE, SAMPLE_TRACE, read_trace
     from harvest.sglang import server
     from harvest.tiny_model import ensure_tiny_model
@@ -155,8 +151,8 @@ def main() -> int:
         solo_status = _get(port, "/harvest/status")
     solo_measured = [s[2] for s in solo_steps if s[6]]
     solo_ms = statistics.median(solo_measured)
-    solo_p99_ms = _p99(solo_measured)
-    solo_p95_ms = sorted(solo_measured)[round(0.95 * (len(solo_measured) - 1))]
+    solo_p99_ms = nearest_rank(solo_measured, 0.99)
+    solo_p95_ms = nearest_rank(solo_measured, 0.95)
     target_ms = args.target_factor * solo_p95_ms
 
     log(f"[3/4] harvest on with the LoRA job, target {target_ms:.2f} ms ({args.target_factor} x decode-alone p95 {solo_p95_ms:.2f} ms)")
@@ -194,7 +190,7 @@ def main() -> int:
         "qos_target_ms": round(target_ms, 3),
         "qos_target_rule": f"{args.target_factor} x decode-alone p95 decode step ({solo_p95_ms:.3f} ms) on this CPU, batch cap {args.max_batch}",
         "tpot_p50_ms": step_ms,
-        "tpot_p99_ms": _p99(measured),
+        "tpot_p99_ms": nearest_rank(measured, 0.99),
         "qos_violation_rate": sum(m > target_ms for m in measured) / len(measured),
         "warmup_passes": args.warmup_passes,
         "qos_violation_rate_warmup": (sum(s[2] > target_ms for s in warmup_steps) / len(warmup_steps)) if warmup_steps else None,

@@ -30,11 +30,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def _quantile(values, q):
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
-
-
 def _busy(seconds: float) -> None:
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:
@@ -56,6 +51,7 @@ def main() -> int:
     from transformers import AutoModelForCausalLM
 
     from harvest import colocation_config
+    from harvest.metrics.percentile import nearest_rank
     from harvest.config import TrainerConfig
     from harvest.tiny_model import ensure_tiny_model
     from harvest.train.build import build_trainer
@@ -119,7 +115,7 @@ def main() -> int:
             "decode_threads": threads,
             "alone_p50_ms": round(alone_median, 3),
             "beside_p50_ms": round(statistics.median(beside), 3),
-            "beside_p99_ms": round(_quantile(beside, 0.99), 3),
+            "beside_p99_ms": round(nearest_rank(beside, 0.99), 3),
             "beside_max_ms": round(max(beside), 3),
             "stalls": sum(t > args.stall_factor * alone_median for t in beside),
             "trainer_units_per_s": round((units[0] - units0) / elapsed, 1),
