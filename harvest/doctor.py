@@ -15,34 +15,7 @@ import sys
 from typing import Any
 
 from harvest import native
-from harvest.compute.greenctx_lib import DeviceInfoStruct
-
-
-class _VmmProbe(ctypes.Structure):
-    # Mirrors hvmm_cuda_probe_t in csrc/vmm_allocator/hvmm.h.
-    _fields_ = [
-        ("driver_version", ctypes.c_int),
-        ("device_count", ctypes.c_int),
-        ("vmm_supported", ctypes.c_int),
-        ("granularity_bytes", ctypes.c_uint64),
-    ]
-
-
-HGC_ERR_NO_DRIVER = 2
-
-
-@dataclasses.dataclass(frozen=True)
-class GpuInfo:
-    ordinal: int
-    name: str
-    sm_count: int
-    compute_capability: str
-    total_memory_bytes: int
-    vmm_supported: bool
-    vmm_granularity_bytes: int
-    green_contexts_supported: bool
-    min_sm_partition_size: int  # 0: not reported by the driver
-    sm_coscheduled_alignment: int  # 0: not reported by the driver
+from harvest.compute.device import GpuInfo, probe_gpus
 
 
 def _version(dist: str) -> str | None:
@@ -62,48 +35,6 @@ def _native_libraries() -> dict[str, dict[str, Any]]:
         except (native.NativeLibraryNotFound, OSError) as exc:
             result[name] = {"path": None, "error": str(exc)}
     return result
-
-
-def probe_gpus() -> tuple[list[GpuInfo], str | None, int | None]:
-    """(GPUs, reason there are none or None, driver version or None)."""
-    try:
-        hgc = native.load("greenctx")
-        hvmm = native.load("vmm")
-    except (native.NativeLibraryNotFound, OSError) as exc:
-        return [], f"native libraries unavailable: {exc}", None
-    device_info = native.bind(hgc, "hgc_device_info", ctypes.c_int, ctypes.c_int, ctypes.POINTER(DeviceInfoStruct))
-    hgc_error = native.bind(hgc, "hgc_last_error", ctypes.c_char_p)
-    vmm_probe = native.bind(hvmm, "hvmm_cuda_probe", ctypes.c_int, ctypes.c_int, ctypes.POINTER(_VmmProbe))
-    vmm_error = native.bind(hvmm, "hvmm_last_error", ctypes.c_char_p)
-
-    probe = _VmmProbe()
-    status = vmm_probe(0, ctypes.byref(probe))
-    if status == HGC_ERR_NO_DRIVER:
-        return [], vmm_error().decode(), None
-    if probe.device_count == 0:
-        return [], "CUDA driver present but no GPU visible", probe.driver_version
-    gpus = []
-    for ordinal in range(probe.device_count):
-        info = DeviceInfoStruct()
-        if device_info(ordinal, ctypes.byref(info)) != 0:
-            raise RuntimeError(f"hgc_device_info({ordinal}): {hgc_error().decode()}")
-        if vmm_probe(ordinal, ctypes.byref(probe)) != 0:
-            raise RuntimeError(f"hvmm_cuda_probe({ordinal}): {vmm_error().decode()}")
-        gpus.append(
-            GpuInfo(
-                ordinal=ordinal,
-                name=info.name.decode(errors="replace"),
-                sm_count=info.sm_count,
-                compute_capability=f"{info.cc_major}.{info.cc_minor}",
-                total_memory_bytes=info.total_memory_bytes,
-                vmm_supported=bool(probe.vmm_supported),
-                vmm_granularity_bytes=probe.granularity_bytes,
-                green_contexts_supported=bool(info.green_contexts_supported),
-                min_sm_partition_size=info.min_sm_partition_size,
-                sm_coscheduled_alignment=info.sm_coscheduled_alignment,
-            )
-        )
-    return gpus, None, probe.driver_version
 
 
 def collect() -> dict[str, Any]:

@@ -7,9 +7,11 @@ trace, with the layer-split LoRA trainer beside it. The last stdout line is one 
 
 Modes, run one after another in one process over the same requests:
   decode-alone   decode on the whole device, no trainer (the TPOT baseline);
-  harvest        harvest.colocate.StepController: the profile's predictor (refined online)
-                 and the QoS controller choose the SM level before every step and open or
-                 close the trainer's gate; idle gaps give the trainer the most SMs;
+  harvest        the system the SGLang server runs, built by harvest.colocate.assemble
+                 (the same composition root) and stepped through Colocation.run_step: the
+                 profile's predictor (refined online between trainer units and when
+                 idle) and the QoS controller choose the SM level before every step and
+                 open or close the trainer's gate; idle gaps give the trainer the most SMs;
   static         StaticMode: the ladder level nearest 60% decode SMs, trainer always on;
   trainer-alone  the trainer alone on the whole device for --trainer-alone-s seconds.
 
@@ -227,53 +229,77 @@ def build_shared_trainer(decode_model, device, *, lora_rank=16, seq_len=512, sam
 
 
 # -- what each mode does around a decode step ------------------------------------------------
-class DecodeAlone:
-    def __init__(self, partitioner):
-        self.level = partitioner.select(partitioner.whole_device_index)
+class FixedLevel:
+    """decode-alone (the whole-device level, no trainer) and static (one partial level,
+    trainer always on): the step on that level's decode stream, timed."""
 
-    def before_step(self, load):
-        return self.level, False
+    def __init__(self, level, trainer_runs: bool, timer):
+        self.level, self.trainer_runs, self.timer = level, trainer_runs, timer
 
-    def after_step(self, measured_s):
+    def run_step(self, load, step) -> None:
+        self.timer.time(self.level.decode_stream, step)
+
+    def completed(self) -> list[float]:
+        return list(self.timer.completed())
+
+    flush = completed
+
+    def last_step(self) -> tuple[int, bool]:
+        return self.level.index, self.trainer_runs
+
+    def idle(self) -> None:
         pass
 
-    def idle(self):
-        pass
+
+class RecordingTimer:
+    """The colocation's step timer, also keeping what it hands out for this report."""
+
+    def __init__(self, timer):
+        self.timer, self.measures_late, self.measured = timer, timer.measures_late, []
+
+    def time(self, stream, run, *args, **kwargs):
+        return self.timer.time(stream, run, *args, **kwargs)
+
+    def completed(self):
+        done = self.timer.completed()
+        self.measured.extend(done)
+        return done
 
 
-class StaticSplit(DecodeAlone):
-    def __init__(self, partitioner, host, level_index):
-        self.level = partitioner.select(level_index)
-        host.apply(True, self.level.trainer_stream)
+class HarvestMode:
+    """harvest: the system the SGLang server runs (harvest.colocate.assemble), every step
+    through :meth:`Colocation.run_step`."""
 
-    def before_step(self, load):
-        return self.level, True
-
-
-class HarvestControl:
-    def __init__(self, control):
+    def __init__(self, colocation):
         from harvest.schedule import TrainerAction
 
-        self.control, self._run = control, TrainerAction.RUN
-        self.control_ns = 0  # time in the controller's before_step and after_step: its per-step cost
+        self.colocation, self._run = colocation, TrainerAction.RUN
+        self.timer = colocation.timer = RecordingTimer(colocation.timer)
 
     @property
     def level(self):
-        return self.control.level
+        return self.colocation.control.level
 
-    def before_step(self, load):
-        started = time.perf_counter_ns()
-        decision = self.control.before_step(load)
-        self.control_ns += time.perf_counter_ns() - started
-        return self.control.level, decision.trainer_action is self._run
+    def run_step(self, load, step) -> None:
+        self.colocation.run_step(load, step)
 
-    def after_step(self, measured_s):
-        started = time.perf_counter_ns()
-        self.control.after_step(measured_s)
-        self.control_ns += time.perf_counter_ns() - started
+    def completed(self) -> list[float]:
+        """The latencies the colocation has fed back since the last call (a late timer's
+        arrive at the next step)."""
+        measured, self.timer.measured = self.timer.measured, []
+        return measured
 
-    def idle(self):
-        self.control.on_idle()
+    def flush(self) -> list[float]:
+        """At the end: the last step's latency too (it feeds no decision)."""
+        self.timer.completed()
+        return self.completed()
+
+    def last_step(self) -> tuple[int, bool]:
+        decision = self.colocation.control.last_decision
+        return self.colocation.control.level.index, decision.trainer_action is self._run
+
+    def idle(self) -> None:
+        self.colocation.on_idle()
 
 
 def static_level_index(levels) -> int:
@@ -282,7 +308,7 @@ def static_level_index(levels) -> int:
     return min(partial, key=lambda lv: abs(lv.decode_sms / lv.total_sms - STATIC_DECODE_FRACTION)).index
 
 
-def serve(requests, batch, policy, timer, max_batch_size) -> dict:
+def serve(requests, batch, policy, max_batch_size) -> dict:
     """Replay ``requests`` in wall-clock time through ``batch`` under ``policy``. Every
     change to the batch runs on the decode stream in force and is synchronised, so the
     next step may run on another level's stream."""
@@ -291,6 +317,12 @@ def serve(requests, batch, policy, timer, max_batch_size) -> dict:
     arrivals, queue = collections.deque(requests), collections.deque()
     left: dict[int, int] = {}
     steps = []
+    unmeasured = collections.deque()  # steps whose latency has not arrived yet, oldest first
+
+    def record(measured_s: float) -> None:
+        step_start, itl_s, batch_size, real_sum, padded_sum, level_index, trainer_ran = unmeasured.popleft()
+        steps.append((step_start, measured_s, itl_s, batch_size, real_sum, padded_sum, level_index, trainer_ran))
+
     start = time.perf_counter()
     last_token = None  # when the batch last produced tokens (or stopped being empty)
     while arrivals or queue or batch.num_requests:
@@ -314,19 +346,16 @@ def serve(requests, batch, policy, timer, max_batch_size) -> dict:
             continue
         load = StepLoad(batch.num_requests, batch.padded_sum_context(), True)
         real_sum = batch.sum_context()
-        level, trainer_ran = policy.before_step(load)
         step_start = time.perf_counter() - start
-        with on_stream(level.decode_stream):
-            timer.start(level.decode_stream)
-            batch.step()
-            timer.stop(level.decode_stream)
+        policy.run_step(load, batch.step)
+        level = policy.level
         if level.decode_stream is not None:
             level.decode_stream.synchronize()
         step_end = time.perf_counter() - start
-        for measured in timer.completed():
-            policy.after_step(measured)
-            steps.append((step_start, measured, step_end - last_token, load.batch_size, real_sum, load.sum_context,
-                          level.index, trainer_ran))
+        unmeasured.append((step_start, step_end - last_token, load.batch_size, real_sum, load.sum_context,
+                           *policy.last_step()))
+        for measured in policy.completed():
+            record(measured)
         last_token = step_end
         done = []
         for rid in batch.request_ids:
@@ -338,7 +367,10 @@ def serve(requests, batch, policy, timer, max_batch_size) -> dict:
                 batch.leave(done)
             if level.decode_stream is not None:
                 level.decode_stream.synchronize()
-    return {"wall_s": time.perf_counter() - start, "steps": steps}
+    wall_s = time.perf_counter() - start
+    for measured in policy.flush():  # a late timer's last step
+        record(measured)
+    return {"wall_s": wall_s, "steps": steps}
 
 
 def on_stream(stream):
@@ -381,19 +413,28 @@ def summarize(served: dict, target_ms: float, num_requests: int) -> dict:
 def run_mode(mode, args, ctx) -> dict:
     import torch
 
-    from harvest.colocate import StepController, TrainerHost, make_step_timer
-    from harvest.schedule import QoSController, SchedulerConfig, TrainerState
+    from harvest.colocate import TrainerHost, make_step_timer
+    from harvest.schedule import TrainerState
 
     trainer, partitioner = ctx["trainer"], ctx["partitioner"]
-    host = None
-    if mode != "decode-alone":
-        host = TrainerHost([Path(f"colocated-lora-{mode}")], build=lambda _path: trainer)
+    job = Path(f"colocated-lora-{mode}")
+    colocation = host = None
+    if mode == "harvest":  # the system the server runs, from the same composition root
+        from harvest.colocate.assemble import EngineAdapter, assemble
+
+        engine = EngineAdapter(device=ctx["device"], model_path=args.model_path, model_dtype=ctx["dtype"],
+                               build_trainer=lambda _job: trainer, jobs=(job,))
+        colocation = assemble(harvest_config(args), engine, partitioner=partitioner)
+        colocation.start()
+        host = colocation.trainer_host
+    elif mode != "decode-alone":
+        host = TrainerHost([job], build=lambda _job: trainer)
         host.start()
+    if host is not None:
         deadline = time.monotonic() + 60
         while host.scheduler_state() is TrainerState.ABSENT and time.monotonic() < deadline:
             time.sleep(0.01)
     before = trainer.stats()
-    refiner = None
     if ctx["device_type"] == "cuda":
         torch.cuda.reset_peak_memory_stats()
     try:
@@ -406,30 +447,25 @@ def run_mode(mode, args, ctx) -> dict:
             result = {"wall_s": round(wall_s, 2)}
         else:
             if mode == "decode-alone":
-                policy = DecodeAlone(partitioner)
+                policy = FixedLevel(partitioner.select(partitioner.whole_device_index), False,
+                                    make_step_timer(ctx["device_type"]))
             elif mode == "static":
-                policy = StaticSplit(partitioner, host, static_level_index(partitioner.levels))
+                policy = FixedLevel(partitioner.select(static_level_index(partitioner.levels)), True,
+                                    make_step_timer(ctx["device_type"]))
+                host.apply(True, policy.level.trainer_stream)
             else:
-                from harvest.predict.online import OnlineRefiner
-
-                refiner = OnlineRefiner.from_profile(ctx["profile"])
-                qos = QoSController(SchedulerConfig(target_tpot_ms=args.target_tpot_ms), partitioner.levels)
-                control = StepController(partitioner=partitioner, qos=qos, trainer_host=host, predictor=refiner.predictor,
-                                         refiner=refiner, target_tpot_ms=args.target_tpot_ms)
-                refiner.start()
-                policy = HarvestControl(control)
-            served = serve(ctx["requests"], ctx["batch"], policy, make_step_timer(ctx["device_type"]),
-                           args.max_batch_size)
+                policy = HarvestMode(colocation)
+            served = serve(ctx["requests"], ctx["batch"], policy, args.max_batch_size)
             wall_s = served["wall_s"]
             result = summarize(served, args.target_tpot_ms, len(ctx["requests"]))
             ctx["step_log"][mode] = served["steps"]
-            if refiner is not None:
-                result.update(qos=qos.stats().to_dict(), prediction_error=refiner.error,
-                              control_us_per_step=round(policy.control_ns / max(1, control.num_steps) / 1e3, 2))
+            if colocation is not None:
+                result.update(qos=colocation.control.qos.stats().to_dict(), prediction_error=colocation.refiner.error,
+                              control_us_per_step=round(colocation.profiler.summary()["hook_overhead_us_per_step"], 2))
     finally:
-        if refiner is not None:
-            refiner.stop()
-        if host is not None:
+        if colocation is not None:
+            colocation.close(trainer_timeout_s=60.0)
+        elif host is not None:
             host.shutdown()
     after = trainer.stats()
     result.update(trainer_tokens_per_s=None, trainer_steps=0)
@@ -442,6 +478,15 @@ def run_mode(mode, args, ctx) -> dict:
     if ctx["device_type"] == "cuda":
         result["max_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     return result
+
+
+def harvest_config(args):
+    """The harvest.yaml this run stands for: the QoS target and the profile (jobs are
+    built here, not from files)."""
+    from harvest.config import HarvestConfig, QosConfig
+
+    return HarvestConfig(qos=QosConfig(target_tpot_ms=args.target_tpot_ms), profile=args.profile,
+                         allow_profile_mismatch=args.allow_profile_mismatch)
 
 
 def warm_up(batch, trainer, partitioner, on_cuda) -> None:
@@ -510,20 +555,14 @@ def main(argv=None) -> int:
     torch.manual_seed(args.seed)
     if args.torch_threads is not None:
         torch.set_num_threads(args.torch_threads)
+    elif device_type == "cpu":  # as the server does: decode keeps the cores the trainer leaves
+        from harvest.colocate.colocation import leave_cores_to_trainer
+
+        leave_cores_to_trainer(harvest_config(args).trainer.cpu_threads)
     partitioner = create_partitioner(device, levels=args.levels)
-    ctx = {"device_type": device_type, "partitioner": partitioner, "step_log": {}, "profile": None,
+    ctx = {"device_type": device_type, "device": device, "dtype": dtype, "partitioner": partitioner, "step_log": {},
            "alone_stream": torch.cuda.Stream(device) if device_type == "cuda" else None}
     try:
-        if args.profile is not None:
-            from harvest.predict.compat import load_for
-            from harvest.predict.profiler.levels import from_partitioner
-            from harvest.predict.profiler.provenance import running_identity
-
-            identity = running_identity(device, args.model_path, dtype, from_partitioner(partitioner).ladder)
-            try:  # a bad profile fails the harvest mode only
-                ctx["profile"] = load_for(args.profile, identity, allow_mismatch=args.allow_profile_mismatch)
-            except (OSError, ValueError) as exc:
-                ctx["profile_error"] = f"profile {args.profile}: {type(exc).__name__}: {exc}"
         ctx["requests"] = load_requests(args.trace, args.trace_start_s, args.trace_seconds, args.time_scale,
                                         args.max_context, args.max_generated)
         model = load_causal_lm(args.model_path, device, dtype, args.random_weights).requires_grad_(False)
@@ -535,9 +574,7 @@ def main(argv=None) -> int:
         results = {}
         for mode in modes:  # a failed mode is recorded; the others still run
             print(f"colocate_gpu: mode {mode} ...", file=sys.stderr, flush=True)
-            try:
-                if mode == "harvest" and ctx["profile"] is None:
-                    raise RuntimeError(ctx["profile_error"])
+            try:  # a bad profile fails the harvest mode only
                 results[mode] = run_mode(mode, args, ctx)
             except Exception as exc:  # noqa: BLE001
                 traceback.print_exc()

@@ -83,6 +83,7 @@ class StepController:
         self._recent_steps: collections.deque[StepRecord] = collections.deque(maxlen=8192)
         self.level = self.levels[self.whole_index]
         self.num_steps = 0
+        self.last_decision = None  # the QoS decision of the latest before_step
         self._last_decision_step = -1
 
     @property
@@ -116,6 +117,7 @@ class StepController:
         self.level = self.partitioner.select(index)
         if self.trainer is not None:
             self.trainer.apply(run, self.level.trainer_stream)
+        self.last_decision = decision
         self._last_decision_step = decision.step
         self._pending.append(_Pending(decision.step, load, index, phase, predicted_s, run, decision.reason))
         return decision

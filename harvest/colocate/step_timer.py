@@ -19,6 +19,13 @@ class CpuStepTimer:
         self._start = 0
         self._pending: float | None = None
 
+    def time(self, stream, run, *args, **kwargs):
+        """``run(*args, **kwargs)``, timed (``stream`` is None on a CPU)."""
+        self.start(stream)
+        result = run(*args, **kwargs)
+        self.stop(stream)
+        return result
+
     def start(self, stream=None) -> None:
         self._start = time.perf_counter_ns()
 
@@ -41,6 +48,20 @@ class CudaStepTimer:
         self._free = collections.deque(torch.cuda.Event(enable_timing=True) for _ in range(2 * max_pending))
         self._pending: collections.deque = collections.deque()
         self._start_event = None
+
+    def time(self, stream, run, *args, **kwargs):
+        """``run(*args, **kwargs)`` on ``stream`` (None: the thread's current stream),
+        bracketed by events on it; the latency arrives from :meth:`completed` later."""
+        if stream is None:
+            self.start(None)
+            result = run(*args, **kwargs)
+            self.stop(None)
+            return result
+        with self._torch.cuda.stream(stream):
+            self.start(stream)
+            result = run(*args, **kwargs)
+            self.stop(stream)
+        return result
 
     def start(self, stream=None) -> None:
         if not self._free:  # never block the decode step: drop the oldest measurement

@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import sys
 import threading
-import time
 import traceback
 from pathlib import Path
 from typing import Callable
@@ -83,7 +82,7 @@ class TrainerHost:
 
         self.job_paths = list(job_paths)
         self._build = build
-        self._on_fault = on_fault
+        self.on_fault = on_fault
         self.on_unit = on_unit
         self._switch_interval_s = switch_interval_s
         self.cpu_threads = cpu_threads
@@ -169,9 +168,9 @@ class TrainerHost:
                 self._starved_fn = None
                 self._error = f"{type(exc).__name__}: {exc}"
             logger.error("trainer fault (serving continues, trainer stopped): %s\n%s", self._error, traceback.format_exc())
-            if self._on_fault is not None:
+            if self.on_fault is not None:
                 try:
-                    self._on_fault(exc)
+                    self.on_fault(exc)
                 except Exception:  # noqa: BLE001
                     logger.exception("trainer fault handler failed")
         finally:

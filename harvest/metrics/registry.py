@@ -18,7 +18,6 @@ from __future__ import annotations
 STEP_BUCKETS_S = (0.001, 0.002, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.035, 0.04, 0.05, 0.06, 0.08, 0.1, 0.15, 0.2, 0.5, 1.0)
 RECLAIM_BUCKETS_S = (0.0001, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5, 1.0)
 TRAINER_STATES = ("running", "paused", "starved", "stopped")
-KV_CHUNK_STATES = ("mapped", "lent")
 
 
 class HarvestMetrics:
@@ -36,6 +35,7 @@ class HarvestMetrics:
         self.decode_step_seconds = Histogram("harvest_decode_step_seconds", "Measured decode step latency.", registry=r, buckets=STEP_BUCKETS_S)
         self.predicted_step_seconds = gauge("harvest_predicted_step_seconds", "Predicted latency of the last decode step at the chosen SM level.")
         self.prediction_error_ratio = gauge("harvest_prediction_error_ratio", "Rolling mean absolute percentage error of the step-latency predictor (0.05 = 5%).")
+        self.prediction_drift = gauge("harvest_prediction_drift", "1 when a stage's rolling prediction error exceeds the drift threshold (the profile no longer describes this machine), else 0.")
         self.qos_target_seconds = gauge("harvest_qos_target_seconds", "Per-token latency (TPOT) target of decode steps.")
         self.qos_violations_total = Counter("harvest_qos_violations_total", "Decode steps whose measured latency exceeded the QoS target.", registry=r)
         self.decode_sms = gauge("harvest_sm_level_decode_sms", "SMs given to decode at the current level.")
@@ -80,8 +80,9 @@ class HarvestMetrics:
             self.trainer_sms.set(trainer_sms)
             self._last_split = split
 
-    def set_prediction_error(self, mape: float) -> None:
+    def set_prediction_error(self, mape: float, drift: bool) -> None:
         self.prediction_error_ratio.set(mape)
+        self.prediction_drift.set(1.0 if drift else 0.0)
 
     # --- trainer ---------------------------------------------------------------------
     def set_trainer(self, *, state: str, tokens: int, samples: int, steps: int, loss: float | None, window_layers: int, resident_bytes: int) -> None:

@@ -2,11 +2,13 @@
 
 The decode loop reports each measured step with :meth:`OnlineRefiner.observe` (a deque
 append and one prediction: cheap, on the decode thread). Observations go into a rolling
-window per level and stage. A refit — scikit-learn, milliseconds — runs *off* the decode
-path: in :meth:`OnlineRefiner.start`'s background thread, or wherever the caller calls
-:meth:`refit`. It fits each stage again on the window plus the profile's samples, the
-latter rescaled by the median measured/profile-predicted ratio of the window and the
-window weighted to ``online_share`` of the total. A uniform drift (clocks, throttling)
+window per level and stage. A refit — scikit-learn, milliseconds, holding the GIL — runs
+*off* the decode path, where the caller calls :meth:`refit` or :meth:`try_refit` (the
+serving process: between trainer units and when idle; never on a thread of its own,
+which would take the GIL from decode at any moment). It fits each stage again on the
+window plus the profile's samples, the latter rescaled by the median
+measured/profile-predicted ratio of the window and the window weighted to
+``online_share`` of the total. A uniform drift (clocks, throttling)
 thus moves the whole model, while a few clustered observations (one batch size for
 minutes) reshape it where traffic is without tearing it away from the profile elsewhere.
 New coefficients are swapped into the predictor atomically.
@@ -14,7 +16,8 @@ New coefficients are swapped into the predictor atomically.
 Exported for the metrics layer: the windowed mean relative error per stage
 (:attr:`stage1_error`, :attr:`stage2_error`, :attr:`error`) and :attr:`drift`, set when
 a stage's windowed error exceeds ``drift_threshold`` — the profile no longer describes
-this machine (thermal throttling, a driver change, other tenants) and needs a look.
+this machine (thermal throttling, a driver change, other tenants) and needs a look
+(the ``harvest_prediction_drift`` metric and ``/harvest/status``).
 """
 
 from __future__ import annotations
@@ -84,8 +87,6 @@ class OnlineRefiner:
         self.num_rejected = 0  # non-finite or non-positive measurements ignored
         self.num_refits = 0
         self.num_refit_failures = 0
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
 
     @classmethod
     def from_profile(cls, profile, settings: OnlineSettings = OnlineSettings()) -> "OnlineRefiner":
@@ -231,29 +232,16 @@ class OnlineRefiner:
             self._corun_errors.clear()
             self._corun_errors.extend(corun_errors[-self.settings.window:])
 
-    def start(self, poll_interval_s: float = 0.5) -> None:
-        """Refit in a daemon thread whenever ``refit_every`` new observations arrived."""
-        if self._thread is not None:
-            raise RuntimeError("OnlineRefiner.start: already running")
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._loop, args=(poll_interval_s,), name="harvest-predictor-refit", daemon=True)
-        self._thread.start()
-
-    def stop(self, timeout_s: float = 10.0) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout_s)
-            self._thread = None
-
-    def _loop(self, poll_interval_s: float) -> None:
-        while not self._stop.wait(poll_interval_s):
-            if not self.refit_due():
-                continue
-            try:
-                self.refit()
-            except Exception:  # noqa: BLE001 - a failed refit keeps the old model; serving goes on
-                self.num_refit_failures += 1
-                logger.exception("predictor refit failed; keeping the previous coefficients")
+    def try_refit(self) -> bool:
+        """:meth:`refit`, a failure logged and counted instead of raised (the previous
+        coefficients stay): for the serving process, where a refit must never stop decode."""
+        try:
+            self.refit()
+            return True
+        except Exception:  # noqa: BLE001 - a failed refit keeps the old model; serving goes on
+            self.num_refit_failures += 1
+            logger.exception("predictor refit failed; keeping the previous coefficients")
+            return False
 
 
 def _mean(values) -> float:

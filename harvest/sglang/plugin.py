@@ -32,7 +32,6 @@ logger = get_logger(__name__)
 LOADED_MESSAGE = "harvest plugin loaded"
 
 SERVER_ARGS = "sglang.srt.server_args.ServerArgs"
-SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
 
 
 class HarvestStartupError(RuntimeError):
@@ -118,7 +117,7 @@ def load() -> bool:
     if _problems:
         if config_env.harvest_enabled():
             # A subprocess of a launcher that enabled harvest: refuse in Scheduler.__init__.
-            HookRegistry.register(f"{SCHEDULER}.__init__", _refuse_in_scheduler, HookType.BEFORE)
+            HookRegistry.register(f"{hooks.SCHEDULER}.__init__", _refuse_in_scheduler, HookType.BEFORE)
         logger.error("harvest plugin NOT active: %s", "; ".join(_problems))
         return False
     hooks.register(HookRegistry, HookType)

@@ -96,11 +96,6 @@ class SplitCausalLM:
     def layouts(self) -> list[StageLayout]:
         return [StageLayout.build(s, self.stage_names[s], self.frozen_tensors(s)) for s in range(self.num_stages)]
 
-    def buffers_and_trainables(self) -> list[torch.Tensor]:
-        """Tensors that stay resident on the device: trainable parameters and buffers."""
-        resident = [p for p in self.causal_lm.parameters() if p.requires_grad]
-        return resident + list(self.causal_lm.buffers())
-
     def pass_stages(self) -> list[int]:
         """Stage order of one micro-batch pass: forward bottom-up, then backward top-down."""
         return list(range(self.num_stages)) + list(range(self.head_stage, self.first_trainable_stage - 1, -1))

@@ -2,15 +2,13 @@
 and, on a CPU device, decode's share: the cores the trainer leaves.
 
 The trainer runs on a thread of the serving process; its threads and priority are set on
-that thread only, decode's threads on the decode (scheduler) thread.
+that thread only, decode's threads on the decode (scheduler) thread. The measurements
+behind each choice are in docs/measurements.md ("The trainer's share of a CPU").
 
-Threads. Left alone, the trainer's torch CPU operations would use the process's
-intra-op thread count, so it would start an OpenMP team of its own beside decode's. With
-more OpenMP threads than cores, GNU OpenMP stops spinning between parallel regions and
-puts idle team threads to sleep, so every one of decode's small operations pays a futex
-wake-up: measured on a 2-core CPU, decode steps ran 2.4x slower with the trainer *paused*
-(bs 32: 15 ms against 6.3 ms; decode's second thread busy 19 % of the time instead of
-88 %). With the trainer's thread on one intra-op thread, decode is back to its speed.
+Threads. Left alone, the trainer's torch CPU operations would use the process's intra-op
+thread count and start an OpenMP team of their own beside decode's; with more OpenMP
+threads than cores, idle team threads sleep and every one of decode's small operations
+pays a wake-up. So the trainer's thread gets ``cpu_threads`` (default 1).
 
 ``torch.set_num_threads`` sets the calling thread's OpenMP (and MKL) thread count, and
 also the process default that a thread takes when torch first initialises its threads
@@ -19,31 +17,17 @@ count set before it). :func:`limit_trainer_thread` has the trainer thread initia
 first, then sets its count; :func:`restore_process_default` puts the default back, so the
 serving threads are left exactly as they were.
 
-Decode's share. Limiting the trainer is not enough on a CPU with few cores: decode's own
-OpenMP team (one thread per core by default) plus the trainer's thread is still one
-thread more than cores, and an OpenMP team needs all its threads running at once to pass
-its barriers. Co-located steps then mostly run fine but now and then one waits out whole
-OS time slices. ``scripts/bench_cpu_threads.py`` on the 2-core CPU (nice +2): decode on
-2 threads beside the running trainer had 101 and 130 of 3000 steps over 10x their median
-alone, the worst 260 ms; on 1 thread, 1 step, the worst 10-11 ms (its median 2.3-2.6x
-its median alone against 1.3-1.5x, and the trainer at 0.57-0.58x the units per second in
-that tight loop). So on a CPU, decode keeps the cores the trainer does not use
-(:func:`decode_threads_beside_trainer`; the runtime and ``harvest profile`` both apply
-it). Measured in the server (tiny model, 40 ms target, two passes of the bench's trace
-slice): decode on 2 threads, 7 violations in 2326 decode steps and co-located worst
-cases of 25 and 372 ms; decode on 1 thread, none in 3256 and worst cases of 26-30 ms.
-The trainer kept its throughput (1670-2150 tokens/s against 1860-2230) and decode alone
-is no slower (the tiny model's operations are too small to gain from a second thread);
-its co-located median rose (10-11 ms against 6-9): the price of a bounded worst case.
+Decode's share. On a CPU with few cores, decode's own OpenMP team (one thread per core
+by default) plus the trainer's thread is still one thread more than cores, and a team
+needs all its threads running at once to pass its barriers: now and then a co-located
+step waits out whole OS time slices. So on a CPU, decode keeps the cores the trainer
+does not use (:func:`decode_threads_beside_trainer`; the runtime and ``harvest profile``
+both apply it), trading a higher co-located median for a bounded worst case.
 
-Priority. When the trainer runs beside a decode step, decode's threads and the trainer's
-compete for cores; at equal priority the OS hands a core to the trainer for whole time
-slices while a decode thread waits, and decode's OpenMP team stalls at its next barrier:
-co-located steps of 2-3x their predicted time. A small nice increment on the trainer's
-thread (Linux schedules threads individually) lets a waking decode thread take the core
-at once: on the 2-core CPU, co-located steps over a 17 ms target fell from 4-11 to 0-1
-per 250 decode steps at nice +2, the trainer keeping most of its progress (+5: fewer
-still, the trainer at half its progress; +19: it all but stops).
+Priority. At equal priority the OS hands a contended core to the trainer for whole time
+slices while a decode thread waits, and decode's team stalls at its next barrier. A small
+nice increment on the trainer's thread (Linux schedules threads individually) lets a
+waking decode thread take the core at once; larger ones starve the trainer.
 """
 
 from __future__ import annotations

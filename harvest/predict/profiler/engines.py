@@ -60,21 +60,3 @@ def synthetic_token_ids(num_tokens: int, vocab_size: int, salt: int) -> list[int
     """Deterministic in-vocabulary token ids (values do not change a step's cost)."""
     usable = max(vocab_size - 16, 1)
     return [(7 * salt + 13 * j) % usable + 8 for j in range(num_tokens)]
-
-
-def make_engine(name: str, config: EngineConfig) -> BaseDecodeEngine:
-    if name == "sglang":
-        from harvest.predict.profiler.sglang_engine import SglangDecodeEngine
-
-        return SglangDecodeEngine(config)
-    if name == "transformers":
-        from harvest.predict.profiler.hf_engine import TransformersDecodeEngine
-
-        return TransformersDecodeEngine(config)
-    raise EngineError(f"--engine={name!r}: one of sglang, transformers")
-
-
-def sglang_available() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("sglang") is not None

@@ -10,6 +10,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from harvest.compute.device import device_identity
 from harvest.logs import get_logger
 from harvest.predict.buckets import BatchSizeBuckets
 from harvest.predict.calibrate import build_profile, describe_fit
@@ -17,7 +18,7 @@ from harvest.predict.fit import FitError
 from harvest.predict.profiler import levels as levels_mod
 from harvest.predict.profiler import provenance
 from harvest.predict.profiler.corun import CoRunError
-from harvest.predict.profiler.engines import EngineConfig, EngineError, make_engine, sglang_available
+from harvest.predict.profiler.engines import BaseDecodeEngine, EngineConfig, EngineError
 from harvest.predict.profiler.measure import MeasureConfig, MeasurementError, timer_for
 from harvest.predict.profiler.partial import PartialRun, PartialRunError, grid_key, partial_path
 from harvest.predict.profiler.report import write_report
@@ -96,7 +97,7 @@ def profile(args, model_path: str, measure: MeasureConfig) -> int:
     decode_threads = _decode_threads(args, device)
     torch.manual_seed(args.seed)
     finetune_model = args.finetune_model or model_path
-    device_id = provenance.device_identity(device)
+    device_id = device_identity(device)
     model = provenance.model_identity(model_path, dtype, args.random_weights)
     grid = Grid(tuple(args.batch_sizes), tuple(args.context_lengths))
     out = args.out or Path("profiles") / f"{device_id.kind}-{model.name}-{engine_name}.json"
@@ -211,3 +212,22 @@ def _config_hash_or_none(model_path: str) -> str | None:
         return model_config_hash_of_path(model_path)
     except ValueError:
         return None
+
+
+def make_engine(name: str, config: EngineConfig) -> BaseDecodeEngine:
+    """The decode engine named by --engine (each imported only when chosen)."""
+    if name == "sglang":
+        from harvest.predict.profiler.sglang_engine import SglangDecodeEngine
+
+        return SglangDecodeEngine(config)
+    if name == "transformers":
+        from harvest.predict.profiler.hf_engine import TransformersDecodeEngine
+
+        return TransformersDecodeEngine(config)
+    raise EngineError(f"--engine={name!r}: one of sglang, transformers")
+
+
+def sglang_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("sglang") is not None

@@ -1,4 +1,4 @@
-"""HarvestRuntime's idle garbage collection: young generations are collected while the
+"""The idle garbage collection: young generations are collected while the
 scheduler is idle, only when a generation-0 collection happened since the last one."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import types
 
 import pytest
 
-from harvest.sglang.runtime import HarvestRuntime
+from harvest.colocate.colocation import Colocation
 
 
 @pytest.fixture
@@ -24,12 +24,12 @@ def test_idle_collects_generation_one_only_after_a_generation_zero_collection(no
     runtime = types.SimpleNamespace(idle_gc_collections=0)
     gc.collect(1)
     assert gc.get_count()[1] == 0
-    HarvestRuntime._collect_young_garbage(runtime)
+    Colocation._collect_young_garbage(runtime)
     assert runtime.idle_gc_collections == 0  # nothing new since: nothing to do
     gc.collect(0)
     assert gc.get_count()[1] == 1
     cycle = []
     cycle.append(cycle)  # young cyclic garbage
     del cycle
-    HarvestRuntime._collect_young_garbage(runtime)
+    Colocation._collect_young_garbage(runtime)
     assert runtime.idle_gc_collections == 1 and gc.get_count()[:2] == (0, 0)

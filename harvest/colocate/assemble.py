@@ -1,0 +1,210 @@
+"""The composition root: a :class:`~harvest.colocate.colocation.Colocation` from a
+``harvest.yaml`` and the serving engine's adapter.
+
+Every entry point that co-locates (the SGLang runtime, scripts/colocate_gpu.py) builds the
+system here, so that what is measured is what users run: the partitioner, the profile's
+predictor with its online refinement (refit between trainer units and when idle, never on
+a thread of its own), the QoS controller, the trainer host, KV lending, metrics, the step
+timer. Nothing here knows the engine: :class:`EngineAdapter` says what it lends.
+
+Anything wrong raises here, at start-up (a serving engine then refuses to start).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+from typing import Any, Callable
+
+from harvest.logs import get_logger
+
+logger = get_logger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class KvPool:
+    """The engine's KV cache, on harvest's unified allocator.
+
+    ``lending_controller(policy, metrics, trainer_host)`` builds the engine's lending
+    mechanism (it moves whole free chunks out of and back into the engine's free lists)."""
+
+    allocator: Any  # harvest.memory.UnifiedAllocator backing the engine's K/V buffers
+    num_tokens: int  # token slots in the engine's pool
+    max_batch_size: int  # the engine's cap on running requests
+    lending_controller: Callable[..., Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineAdapter:
+    """What the serving engine gives harvest.
+
+    ``build_trainer(job)`` runs on the trainer thread for each of ``jobs`` (default: the
+    config's job files; the default builder takes them through LlamaFactory into lent KV
+    memory, :func:`job_file_builder`). ``kv`` is None when harvest does not manage the
+    engine's KV cache (nothing is lent)."""
+
+    device: str  # "cpu", "cuda:N"
+    model_path: str  # the served checkpoint (the profile must describe this model)
+    model_dtype: str  # "float32", "bfloat16", ...
+    kv: KvPool | None = None
+    build_trainer: Callable[[Any], Any] | None = None
+    jobs: tuple | None = None  # None: config.jobs
+
+    @property
+    def device_type(self) -> str:
+        return "cuda" if self.device.startswith("cuda") else "cpu"
+
+
+def assemble(config, engine: EngineAdapter, *, partitioner=None):
+    """The co-location system for ``engine`` under ``config`` (not started: call
+    ``start()`` once the engine thread is ready). ``partitioner``: an already built SM
+    ladder to use (a harness that runs several modes over one ladder)."""
+    from harvest.colocate.colocation import Colocation, NoKvLending
+    from harvest.colocate.controller import StepController
+    from harvest.colocate.step_timer import make_step_timer
+    from harvest.schedule import QoSController, SchedulerConfig
+
+    jobs = tuple(config.jobs) if engine.jobs is None else tuple(engine.jobs)
+    if engine.jobs is None:
+        _validate_job_files(jobs)
+    metrics = _metrics()
+    if partitioner is None:
+        partitioner = build_partitioner(config, engine.device)
+    refiner = None
+    if config.profile is not None:
+        refiner = _refiner(config, engine, partitioner)
+    qos = QoSController(SchedulerConfig(target_tpot_ms=config.qos.target_tpot_ms, initial_margin=config.qos.margin),
+                        partitioner.levels)
+    trainer_host = None
+    if jobs:
+        from harvest.colocate.trainer_host import TrainerHost
+
+        build = engine.build_trainer
+        if build is None:
+            if engine.kv is None:
+                raise ValueError("assemble: finetune jobs need EngineAdapter.build_trainer, or the engine's KV "
+                                 "pool (kv) to build job files into lent memory")
+            build = job_file_builder(engine.kv.allocator, engine.device)
+        trainer_host = TrainerHost(list(jobs), build=build, cpu_threads=config.trainer.cpu_threads,
+                                   nice=config.trainer.nice)
+    lending = NoKvLending()
+    if engine.kv is not None:
+        lending = engine.kv.lending_controller(lending_policy(config, engine.kv), metrics, trainer_host)
+    control = StepController(partitioner=partitioner, qos=qos, trainer_host=trainer_host,
+                             predictor=None if refiner is None else refiner.predictor, refiner=refiner,
+                             metrics=metrics, target_tpot_ms=config.qos.target_tpot_ms)
+    if refiner is not None:
+        import sklearn.linear_model  # noqa: F401 - pay the ~1 s import at start-up, not in the first refit
+    return Colocation(config=config, partitioner=partitioner, control=control, trainer_host=trainer_host,
+                      lending=lending, timer=make_step_timer(engine.device_type), metrics=metrics, refiner=refiner,
+                      gpu_sampler=_gpu_sampler(engine), device_type=engine.device_type)
+
+
+def build_partitioner(config, device: str):
+    """The SM ladder of ``device`` (green contexts, or the whole-device fallback)."""
+    from harvest.compute import create_partitioner
+
+    levels = {} if config.ladder is None else {"levels": list(config.ladder)}
+    return create_partitioner(device, **levels)
+
+
+def running_identity(engine: EngineAdapter, ladder):
+    """What a profile must match to be used for ``engine`` on ``ladder``."""
+    from harvest.compute.device import device_identity
+    from harvest.predict.compat import RuntimeIdentity, model_config_hash_of_path
+
+    return RuntimeIdentity(device_name=device_identity(engine.device).name, sm_count=ladder.total_sms,
+                           model_config_hash=model_config_hash_of_path(engine.model_path),
+                           model_dtype=engine.model_dtype, ladder=ladder)
+
+
+def _refiner(config, engine: EngineAdapter, partitioner):
+    from harvest.predict.compat import load_for
+    from harvest.predict.online import OnlineRefiner
+    from harvest.predict.profiler.levels import from_partitioner
+
+    identity = running_identity(engine, from_partitioner(partitioner).ladder)
+    profile = load_for(config.profile, identity, allow_mismatch=config.allow_profile_mismatch)
+    return OnlineRefiner.from_profile(profile)
+
+
+def lending_policy(config, kv: KvPool):
+    """When to lend and reclaim the engine's KV chunks (harvest.memory.lending)."""
+    from harvest.memory.lending import LendingPolicy
+    from harvest.memory.reserve import reserve_tokens
+
+    g = kv.allocator.geometry
+    num_chunks = min(g.num_chunks, math.ceil((kv.num_tokens + 1) / g.tokens_per_chunk))
+    reserve = config.memory.reserve_tokens
+    if reserve is None:
+        # Harli §4.4 with T_swap taken as two steps (a trainer layer swaps out within a
+        # unit boundary; units are shorter than a step): reserve = 2 * max_bs tokens,
+        # capped at a quarter of the pool (SGLang's max_running_requests default on a
+        # CPU is 4096, far above any real decode batch there).
+        target_s = config.qos.target_tpot_ms / 1e3
+        reserve = min(reserve_tokens(2 * target_s, target_s, max(1, kv.max_batch_size), g.kv_bytes_per_token),
+                      kv.num_tokens // 4)
+    return LendingPolicy(tokens_per_chunk=g.tokens_per_chunk, num_chunks=num_chunks, reserve_tokens=reserve,
+                         hysteresis_chunks=config.memory.hysteresis_chunks,
+                         max_lend_fraction=config.memory.max_lend_fraction)
+
+
+def job_file_builder(allocator, device: str, weight_source_for: Callable | None = None):
+    """``build(job_path)`` for the trainer thread: the job file through LlamaFactory, its
+    frozen-weight window in lent KV memory. ``weight_source_for(job)`` may return the
+    frozen weights to train on in place (the served model's, when it is the same base);
+    None or a refusal (WeightSourceError) falls back to a host copy."""
+
+    def build(job_path):
+        from harvest.train.arena_window import ArenaWindowAllocator
+        from harvest.train.build import build_trainer
+        from harvest.train.errors import WeightSourceError
+        from harvest.train.job import load_job
+
+        job = load_job(job_path)
+        window = ArenaWindowAllocator(allocator, device)
+        if weight_source_for is not None:
+            try:
+                source = weight_source_for(job)
+                if source is not None:
+                    trainer = build_trainer(job, allocator=window, weight_source=source)
+                    logger.info("job %s trains on the served weights in place (same base model: no second copy)",
+                                job_path)
+                    return trainer
+            except WeightSourceError as exc:
+                logger.warning("job %s: cannot share the served weights (%s); using a host copy", job_path, exc)
+        return build_trainer(job, allocator=window)
+
+    return build
+
+
+def _validate_job_files(jobs: tuple) -> None:
+    """Field-level validation of every job file now, at start-up; they are built later,
+    on the trainer thread."""
+    from harvest.train.job import load_job
+
+    for path in jobs:
+        load_job(Path(path))
+
+
+def _metrics():
+    from harvest.metrics.registry import HarvestMetrics
+
+    try:
+        return HarvestMetrics()
+    except ImportError:  # prometheus-client is the serve extra's; a bare harness runs without metrics
+        logger.info("metrics off: prometheus-client is not installed")
+        return None
+
+
+def _gpu_sampler(engine: EngineAdapter):
+    if engine.device_type != "cuda":
+        return None
+    from harvest.metrics.gpu_telemetry import cuda_device_pci_bus_id, open_sampler
+
+    ordinal = int(engine.device.split(":")[1]) if ":" in engine.device else 0
+    sampler, why_not = open_sampler(ordinal, cuda_device_pci_bus_id(ordinal))
+    if sampler is None:
+        logger.warning("GPU telemetry off: %s", why_not)
+    return sampler

@@ -1,0 +1,189 @@
+"""One co-located decode engine and trainer: the per-step loop and what runs when idle.
+
+Built by :func:`harvest.colocate.assemble.assemble`; the serving engine's adapter (the
+SGLang runtime, the transformers harness of scripts/colocate_gpu.py) calls
+:meth:`Colocation.run_step` around every decode step and :meth:`Colocation.on_idle`
+between them. Everything here runs on the engine's (decode) thread except the two
+callbacks the trainer thread makes (``_after_trainer_unit``, ``_on_trainer_fault``).
+
+A trainer fault stops only the trainer: the scheduler already gives decode every SM once
+it is stopped, and this thread takes every lent KV chunk back at its next step or idle
+tick (the engine's free lists belong to this thread).
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+from typing import Callable
+
+from harvest.colocate.controller import StepLoad
+from harvest.colocate.step_profiler import StepProfiler
+from harvest.logs import get_logger
+
+logger = get_logger(__name__)
+
+
+class NoKvLending:
+    """An engine whose KV cache harvest does not manage: nothing is lent."""
+
+    num_lent = 0
+
+    def after_step(self) -> None:
+        pass
+
+    def maybe_lend(self, force: bool = False) -> None:
+        pass
+
+    def reclaim_all(self) -> None:
+        pass
+
+    def stats(self) -> dict:
+        return {}
+
+
+class Colocation:
+    def __init__(self, *, config, partitioner, control, trainer_host, lending, timer, metrics, refiner,
+                 gpu_sampler=None, device_type: str = "cpu", refit_min_interval_s: float = 2.0):
+        self.config = config
+        self.partitioner = partitioner
+        self.control = control
+        self.trainer_host = trainer_host
+        self.lending = lending
+        self.timer = timer
+        self.metrics = metrics
+        self.refiner = refiner
+        self.gpu_sampler = gpu_sampler
+        self.device_type = device_type
+        self.refit_min_interval_s = refit_min_interval_s
+        self.profiler = StepProfiler()
+        self.idle_gc_collections = 0
+        self.decode_cpu_threads: int | None = None  # the engine thread's torch threads, once started
+        # Called on this thread when attention is requested; each returns whether it wants
+        # to be called again (a stop signal waits for the trainer's checkpoint).
+        self.attention_handlers: list[Callable[[], bool]] = []
+        self._attention = False  # a trainer fault or a stop signal to handle on this thread
+        self._fault_pending = False
+        self._refit_lock = threading.Lock()
+        self._last_refit = 0.0
+        self._closed = False
+        if trainer_host is not None:
+            trainer_host.on_unit = self._after_trainer_unit
+            trainer_host.on_fault = self._on_trainer_fault
+
+    # -- the decode step ----------------------------------------------------------------
+    def run_step(self, load: StepLoad, run, *args, **kwargs):
+        """decide -> run the engine's step on the chosen level -> feedback -> lend."""
+        with self.profiler as lap:
+            if self._attention:
+                self._attend()
+            self._feed_back()  # a late timer's (CUDA events) earlier steps: before this decision
+            self.control.before_step(load)
+            lap("decide")
+            result = self.timer.time(self.control.decode_stream, run, *args, **kwargs)
+            lap("engine")
+            self._feed_back()
+            lap("feedback")
+            self.lending.after_step()  # under the reserve: reclaim now
+            self.lending.maybe_lend()  # at most every lend interval: a busy server lends too
+            lap("lending")
+        return result
+
+    def _feed_back(self) -> None:
+        for measured_s in self.timer.completed():
+            self.control.after_step(measured_s)
+
+    # -- between steps ------------------------------------------------------------------
+    def on_idle(self) -> None:
+        if self._attention:
+            self._attend()
+        self.control.on_idle()
+        self.lending.maybe_lend()
+        self.maybe_refit()
+        self._collect_young_garbage()
+
+    # Young-generation garbage collection when idle: a collection of generation 1 can hold
+    # the GIL for milliseconds, which a decode step meeting it waits out; collected while
+    # idle instead, whenever a generation-0 collection happened since the last one. A
+    # server that is never idle collects as before (docs/measurements.md).
+    def _collect_young_garbage(self) -> None:
+        if gc.get_count()[1]:
+            gc.collect(1)
+            self.idle_gc_collections += 1
+
+    def maybe_refit(self) -> None:
+        """Refit the predictor when enough new steps were seen: from the trainer thread
+        between units, or from the engine thread when idle; never inside a decode step.
+        (A scikit-learn refit holds the GIL for tens of ms; a thread of its own would take
+        it from decode at any moment, measured as QoS violations.)"""
+        now = time.monotonic()
+        if self.refiner is None or not self.refiner.refit_due() or now - self._last_refit < self.refit_min_interval_s:
+            return
+        if not self._refit_lock.acquire(blocking=False):
+            return  # the other thread is refitting
+        try:
+            self._last_refit = now
+            self.refiner.try_refit()
+        finally:
+            self._refit_lock.release()
+
+    def _after_trainer_unit(self, record) -> None:
+        self.maybe_refit()
+
+    # -- faults and signals ---------------------------------------------------------------
+    def _on_trainer_fault(self, exc: BaseException) -> None:
+        """Trainer thread: flag the fault for the engine thread (``_attend``)."""
+        self._fault_pending = True
+        self._attention = True
+
+    def request_attention(self) -> None:
+        """Any thread or a signal handler: run the attention handlers at the next step or idle tick."""
+        self._attention = True
+
+    def _attend(self) -> None:
+        self._attention = False
+        if self._fault_pending:
+            self._fault_pending = False
+            if self.metrics is not None:
+                self.metrics.trainer_fault()
+            self.lending.reclaim_all()
+            logger.info("trainer fault handled: %d KV chunks lent now, decode has every SM", self.lending.num_lent)
+        for handler in self.attention_handlers:
+            if handler():
+                self._attention = True
+
+    # -- lifecycle ------------------------------------------------------------------------
+    def start(self) -> None:
+        """On the engine thread: settle its CPU threads beside the trainer's, then start
+        the trainer thread."""
+        if self.trainer_host is not None:
+            if self.device_type == "cpu":
+                leave_cores_to_trainer(self.config.trainer.cpu_threads)
+            self.trainer_host.start()
+        import torch
+
+        self.decode_cpu_threads = torch.get_num_threads()
+
+    def close(self, trainer_timeout_s: float = 10.0) -> None:
+        """Stop the trainer (it checkpoints first); idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.trainer_host is not None:
+            self.trainer_host.shutdown(timeout_s=trainer_timeout_s)
+
+
+def leave_cores_to_trainer(trainer_cpu_threads: int) -> None:
+    """On a CPU device, decode's OpenMP team and the trainer's threads must fit the cores
+    together: an oversubscribed team stalls decode steps (harvest.train.trainer_cpu)."""
+    from harvest.train import trainer_cpu
+
+    before, after = trainer_cpu.leave_cores_to_trainer(trainer_cpu_threads)
+    cores = trainer_cpu.usable_cores()
+    problem = trainer_cpu.oversubscription(trainer_cpu_threads, after, cores)
+    if problem is not None:
+        logger.warning("%s", problem)
+    elif after != before:
+        logger.info("decode's torch threads %d -> %d: the trainer's %d thread(s) take the other core(s) of %d",
+                    before, after, trainer_cpu_threads, cores)

@@ -1,0 +1,83 @@
+"""What a running :class:`~harvest.colocate.colocation.Colocation` reports: its Prometheus
+gauges (published when idle, at most every ``interval_s``, and whenever they are read)
+and the ``/harvest/status`` document. Read-only: nothing here changes the system."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+
+class StatusReporter:
+    def __init__(self, colocation, interval_s: float = 0.5):
+        self.colocation = colocation
+        self.interval_s = interval_s
+        self._last_publish = 0.0
+
+    def maybe_publish(self) -> None:
+        """At most every ``interval_s``: the engine's idle hook runs in a tight loop."""
+        now = time.monotonic()
+        if now - self._last_publish >= self.interval_s:
+            self._last_publish = now
+            self.publish()
+
+    def publish(self) -> None:
+        """The gauges that are not updated per step: trainer, KV chunks, predictor, GPU."""
+        colo = self.colocation
+        metrics = colo.metrics
+        if metrics is None:
+            return
+        host = colo.trainer_host
+        if host is not None:
+            status = host.status()
+            stats = status.stats or {}
+            state = {"running": "running", "paused": "paused", "building": "paused"}.get(status.state, "stopped")
+            if state == "running" and host.scheduler_state().value == "starved":
+                state = "starved"
+            metrics.set_trainer(state=state, tokens=stats.get("tokens_seen", 0), samples=stats.get("samples_seen", 0),
+                                steps=stats.get("global_step", 0), loss=stats.get("loss"),
+                                window_layers=stats.get("window_stages", 0), resident_bytes=stats.get("resident_bytes", 0))
+        kv = colo.lending.stats()
+        if kv:
+            lent = colo.lending.num_lent
+            metrics.set_kv_chunks(mapped=kv["chunks_total"] - lent, lent=lent, fragmentation_bytes=kv["fragmentation_bytes"])
+        if colo.refiner is not None:
+            metrics.set_prediction_error(colo.refiner.error, colo.refiner.drift)
+        if colo.gpu_sampler is not None:
+            sample = colo.gpu_sampler.sample()
+            metrics.set_gpu(sm_utilization=sample.sm_utilization,
+                            memory_bandwidth_utilization=sample.memory_bandwidth_utilization,
+                            memory_used_bytes=sample.memory_used_bytes)
+
+    def status(self) -> dict:
+        """The ``/harvest/status`` document (queued step bookkeeping done first)."""
+        colo = self.colocation
+        control = colo.control
+        control.record_steps()
+        self.publish()
+        host = colo.trainer_host
+        config = colo.config
+        return {
+            "trainer": dataclasses.asdict(host.status()) if host is not None else None,
+            "level": {"index": control.level.index, "decode_sms": control.level.decode_sms,
+                      "trainer_sms": control.level.trainer_sms, "partitioner": colo.partitioner.description},
+            "kv": colo.lending.stats(),
+            "qos": {"target_tpot_ms": config.qos.target_tpot_ms, **control.qos.stats().to_dict()},
+            "steps": colo.profiler.num_steps,
+            **colo.profiler.summary(),
+            "prediction_error": colo.refiner.error if colo.refiner is not None else None,
+            "prediction_drift": colo.refiner.drift if colo.refiner is not None else None,
+            "trainer_cpu_threads": config.trainer.cpu_threads,
+            "decode_cpu_threads": colo.decode_cpu_threads,
+            "trainer_nice": config.trainer.nice,
+            "idle_gc_collections": colo.idle_gc_collections,
+        }
+
+    def recent_steps(self) -> list:
+        return [list(record) for record in list(self.colocation.control.recent_steps)]
+
+    def metrics_exposition(self) -> bytes:
+        self.colocation.control.record_steps()
+        self.publish()
+        metrics = self.colocation.metrics
+        return metrics.exposition() if metrics is not None else b""
