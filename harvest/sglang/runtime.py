@@ -101,7 +101,7 @@ class HarvestRuntime:
         from harvest.predict.online import OnlineRefiner
         from harvest.predict.profiler.levels import from_partitioner
         from harvest.predict.profiler.provenance import running_identity
-        from harvest.schedule import QoSController, SchedulerConfig
+        from harvest.schedule import QoSController
         from harvest.sglang.kv_backing import allocator_of
         from harvest.sglang.kv_lending import KvLendingController
 
@@ -130,10 +130,7 @@ class HarvestRuntime:
             refiner = OnlineRefiner.from_profile(profile)
             predictor = refiner.predictor
 
-        qos = QoSController(
-            SchedulerConfig(target_tpot_ms=config.qos.target_tpot_ms, initial_margin=config.qos.margin),
-            partitioner.levels,
-        )
+        qos = QoSController(config.qos, partitioner.levels)
 
         from harvest.train.job import load_job
 
