@@ -26,12 +26,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from collections import abc
 import json
-import math
-import re
+from collections import abc
 from pathlib import Path
 from typing import Any, Iterator, Mapping
+
+from harvest.setting_kinds import Boolean, FilePath, Integer, Kind, ListOf, Mismatch, Number, Text
+
+__all__ = ["Boolean", "FilePath", "Integer", "ListOf", "Number", "Text", "SettingError", "argument", "from_mapping",
+           "invalid", "json_schema", "section", "setting", "setting_of", "setting_paths", "to_mapping", "validate"]
 
 JSON_SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
 
@@ -58,194 +61,13 @@ class SettingError(ValueError):
         return SettingError.bad_value(_join(parent, self.path), self.value, self.expected, where)
 
 
-class _Mismatch(Exception):
-    """Raised by a kind: the value is not acceptable. ``expected`` replaces the kind's own
-    phrase where the failure needs more (a missing file's resolved path); ``index`` names
-    the list item at fault."""
-
-    def __init__(self, expected: str | None = None, index: int | None = None, value: Any = None):
-        super().__init__(expected)
-        self.expected, self.index, self.value = expected, index, value
-
-
-# -- kinds: what values a setting takes ----------------------------------------------------
-def _interval(minimum, maximum, exclusive_minimum: bool, exclusive_maximum: bool) -> str:
-    if minimum is not None and maximum is not None:
-        return f" in {'(' if exclusive_minimum else '['}{minimum!r}, {maximum!r}{')' if exclusive_maximum else ']'}"
-    if minimum is not None:
-        return f" {'>' if exclusive_minimum else '>='} {minimum!r}"
-    if maximum is not None:
-        return f" {'<' if exclusive_maximum else '<='} {maximum!r}"
-    return ""
-
-
-def _bounds_schema(minimum, maximum, exclusive_minimum: bool, exclusive_maximum: bool) -> dict:
-    schema = {}
-    if minimum is not None:
-        schema["exclusiveMinimum" if exclusive_minimum else "minimum"] = minimum
-    if maximum is not None:
-        schema["exclusiveMaximum" if exclusive_maximum else "maximum"] = maximum
-    return schema
-
-
-def _outside(value, minimum, maximum, exclusive_minimum: bool, exclusive_maximum: bool) -> bool:
-    if minimum is not None and (value <= minimum if exclusive_minimum else value < minimum):
-        return True
-    return maximum is not None and (value >= maximum if exclusive_maximum else value > maximum)
-
-
-@dataclasses.dataclass(frozen=True)
-class Number:
-    """A finite number (an integer is taken as a float)."""
-
-    minimum: float | None = None
-    maximum: float | None = None
-    exclusive_minimum: bool = False
-    exclusive_maximum: bool = False
-
-    @property
-    def expected(self) -> str:
-        return "a finite number" + _interval(self.minimum, self.maximum, self.exclusive_minimum, self.exclusive_maximum)
-
-    def convert(self, value: Any, base_dir: Path | None) -> float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise _Mismatch()
-        if _outside(value, self.minimum, self.maximum, self.exclusive_minimum, self.exclusive_maximum):
-            raise _Mismatch()
-        return float(value)
-
-    def parse_text(self, text: str) -> float:
-        return float(text)
-
-    def schema(self) -> dict:
-        return {"type": "number", **_bounds_schema(self.minimum, self.maximum, self.exclusive_minimum, self.exclusive_maximum)}
-
-
-@dataclasses.dataclass(frozen=True)
-class Integer:
-    """An integer within inclusive bounds (``True`` and ``2.0`` are not integers here)."""
-
-    minimum: int | None = None
-    maximum: int | None = None
-
-    @property
-    def expected(self) -> str:
-        return "an integer" + _interval(self.minimum, self.maximum, False, False)
-
-    def convert(self, value: Any, base_dir: Path | None) -> int:
-        if isinstance(value, bool) or not isinstance(value, int) or _outside(value, self.minimum, self.maximum, False, False):
-            raise _Mismatch()
-        return value
-
-    def parse_text(self, text: str) -> int:
-        return int(text)
-
-    def schema(self) -> dict:
-        return {"type": "integer", **_bounds_schema(self.minimum, self.maximum, False, False)}
-
-
-@dataclasses.dataclass(frozen=True)
-class Boolean:
-    expected = "true or false"
-
-    def convert(self, value: Any, base_dir: Path | None) -> bool:
-        if not isinstance(value, bool):
-            raise _Mismatch()
-        return value
-
-    def schema(self) -> dict:
-        return {"type": "boolean"}
-
-
-@dataclasses.dataclass(frozen=True)
-class Text:
-    """A string matching ``pattern`` (a full match); ``expected`` says it for people."""
-
-    pattern: str
-    expected: str
-
-    def convert(self, value: Any, base_dir: Path | None) -> str:
-        if not isinstance(value, str) or re.fullmatch(self.pattern, value) is None:
-            raise _Mismatch()
-        return value
-
-    def parse_text(self, text: str) -> str:
-        return text
-
-    def schema(self) -> dict:
-        return {"type": "string", "pattern": f"^(?:{self.pattern})$"}
-
-
-@dataclasses.dataclass(frozen=True)
-class FilePath:
-    """A path; a relative one is taken from ``base_dir`` (the YAML file's directory) when
-    loading, else from the working directory. ``must_exist``: refused if nothing is there."""
-
-    must_exist: bool = True
-    expected = "a path string"
-
-    def convert(self, value: Any, base_dir: Path | None) -> Path:
-        if not isinstance(value, (str, Path)) or not str(value):
-            raise _Mismatch()
-        path = Path(value).expanduser()
-        if base_dir is not None and not path.is_absolute():
-            path = base_dir / path
-        if self.must_exist and not path.exists():
-            raise _Mismatch(f"an existing file; not found: {path}")
-        return path
-
-    def schema(self) -> dict:
-        return {"type": "string", "minLength": 1}
-
-
-@dataclasses.dataclass(frozen=True)
-class ListOf:
-    """A list of ``item`` values, kept as a tuple. ``one_as_list``: a single item is taken as
-    a list of one; ``descending``: kept sorted largest first."""
-
-    item: Any
-    non_empty: bool = False
-    distinct: bool = False
-    descending: bool = False
-    one_as_list: bool = False
-
-    @property
-    def expected(self) -> str:
-        listed = ("a non-empty list" if self.non_empty else "a list") + (" of distinct items" if self.distinct else "")
-        listed += f", each {self.item.expected}"
-        return f"{self.item.expected} or {listed}" if self.one_as_list else listed
-
-    def convert(self, value: Any, base_dir: Path | None) -> tuple:
-        if self.one_as_list and not isinstance(value, (list, tuple, abc.Mapping)):
-            value = [value]  # a single item: ``jobs: a.yaml``
-        if not isinstance(value, (list, tuple)) or (self.non_empty and not value):
-            raise _Mismatch()
-        items = []
-        for index, item in enumerate(value):
-            try:
-                items.append(self.item.convert(item, base_dir))
-            except _Mismatch as mismatch:
-                raise _Mismatch(mismatch.expected or self.item.expected, index, item) from None
-        if self.distinct and len(set(items)) != len(items):
-            raise _Mismatch()
-        return tuple(sorted(items, reverse=True)) if self.descending else tuple(items)
-
-    def schema(self) -> dict:
-        array = {"type": "array", "items": self.item.schema()}
-        if self.non_empty:
-            array["minItems"] = 1
-        if self.distinct:
-            array["uniqueItems"] = True
-        return {"anyOf": [self.item.schema(), array]} if self.one_as_list else array
-
-
 # -- declaring settings --------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class Setting:
     """The metadata of one setting field (see :func:`setting`)."""
 
     description: str
-    kind: Any
+    kind: Kind
     words: Mapping[str, Any]
     nullable: bool
 
@@ -280,7 +102,7 @@ def _to_yaml(value: Any) -> Any:
     return value
 
 
-def setting(default: Any, description: str, kind: Any, *, words: Mapping[str, Any] | None = None,
+def setting(default: Any, description: str, kind: Kind, *, words: Mapping[str, Any] | None = None,
             nullable: bool = False) -> Any:
     """A dataclass field declaring one setting: its default, one line saying what it is,
     its kind, the YAML words standing for a value (``{"auto": None}``), and whether YAML's
@@ -327,7 +149,7 @@ def _convert(field: dataclasses.Field, value: Any, base_dir: Path | None, path: 
     spec: Setting = field.metadata[_SETTING]
     try:
         return spec.convert(value, base_dir)
-    except _Mismatch as mismatch:
+    except Mismatch as mismatch:
         if mismatch.index is not None:
             path, value = f"{path}[{mismatch.index}]", mismatch.value
         expected = mismatch.expected or spec.expected
@@ -448,7 +270,7 @@ def argument(settings_class: type, name: str, *, yaml_path: str) -> dict[str, An
     def parse(text: str) -> Any:
         try:
             return spec.convert(spec.kind.parse_text(text), None)
-        except (ValueError, _Mismatch):
+        except (ValueError, Mismatch):
             raise argparse.ArgumentTypeError(f"{text!r}: expected {spec.expected}") from None
 
     return {"type": parse, "default": field.default,
