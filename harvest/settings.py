@@ -43,8 +43,9 @@ _SECTION = "harvest.section"
 
 
 class SettingError(ValueError):
-    """A bad setting. For a bad value, ``path``/``value``/``expected`` say which, what was
-    given and what is accepted; ``where`` prefixes the message (``"harvest config: "``)."""
+    """A bad setting. For a bad value, ``path``/``value``/``expected`` say which (dotted,
+    from the document's root), what was given and what is accepted; the message may carry
+    a prefix saying where (``"harvest config: "``)."""
 
     def __init__(self, message: str, *, path: str = "", value: Any = None, expected: str = ""):
         super().__init__(message)
@@ -122,13 +123,13 @@ def setting_of(settings_class: type, name: str) -> Setting:
     raise KeyError(f"{settings_class.__name__}.{name} is not a declared setting")
 
 
-def setting_paths(settings_class: type, parent: str = "") -> Iterator[tuple[str, dataclasses.Field]]:
-    """Every setting reachable from ``settings_class``, as (dotted path, field), depth first."""
+def setting_paths(settings_class: type, parent: str = "") -> Iterator[tuple[str, Setting]]:
+    """Every setting reachable from ``settings_class``, as (dotted path, its metadata), depth first."""
     for field in dataclasses.fields(settings_class):
         if _SECTION in field.metadata:
             yield from setting_paths(field.metadata[_SECTION][0], _join(parent, field.name))
         elif _SETTING in field.metadata:
-            yield _join(parent, field.name), field
+            yield _join(parent, field.name), field.metadata[_SETTING]
 
 
 def _join(parent: str, name: str) -> str:

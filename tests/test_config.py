@@ -166,10 +166,9 @@ def test_every_setting_is_reachable_from_yaml(tmp_path):
     assert len(paths) == len(set(paths)) > 30
     assert set(_leaf_paths(document)) == set(paths)
     defaults = HarvestConfig()
-    for path, field in setting_paths(HarvestConfig):
+    for path, spec in setting_paths(HarvestConfig):
         loaded, written = _lookup(config, path), _lookup(document, path)
         assert loaded != _lookup(defaults, path), path
-        spec = field.metadata["harvest.setting"]
         if path in ("profile", "jobs"):  # relative to the file's directory
             written = str(tmp_path / written) if path == "profile" else [str(tmp_path / j) for j in written]
         elif path == "ladder":
@@ -191,8 +190,8 @@ def test_sections_are_the_policy_objects_themselves(tmp_path):
 
 
 def test_every_setting_has_a_one_line_description():
-    for path, field in setting_paths(HarvestConfig):
-        description = field.metadata["harvest.setting"].description
+    for path, spec in setting_paths(HarvestConfig):
+        description = spec.description
         assert description and "\n" not in description and len(description) < 160, path
 
 
@@ -207,11 +206,11 @@ def test_schema_file_is_what_the_command_prints(capsys):
 def test_schema_describes_every_setting_with_its_default():
     document = schema()
     assert document["$schema"] == "https://json-schema.org/draft/2020-12/schema"
-    for path, field in setting_paths(HarvestConfig):
+    for path, spec in setting_paths(HarvestConfig):
         node = document
         for name in path.split("."):
             node = node["properties"][name]
-        assert node["description"] == field.metadata["harvest.setting"].description, path
+        assert node["description"] == spec.description, path
         assert node["default"] == _lookup(to_mapping(HarvestConfig()), path), path
 
 

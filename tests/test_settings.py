@@ -10,10 +10,10 @@ import pytest
 
 from harvest.config import HarvestConfig, MemoryConfig, TrainerConfig
 from harvest.predict.online import OnlineSettings
-from harvest.settings import (FilePath, Integer, ListOf, Number, SettingError, Text, argument, from_mapping, json_schema,
-                              invalid, section, setting, setting_of, to_mapping, validate)
-from harvest.train.job import HarvestOptions
+from harvest.settings import (FilePath, Integer, ListOf, Number, SettingError, Text, argument, from_mapping, invalid,
+                              json_schema, section, setting, setting_of, setting_paths, to_mapping, validate)
 from harvest.train.errors import JobError
+from harvest.train.job import HarvestOptions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,3 +121,14 @@ def test_sections_validate_their_new_settings():
         MemoryConfig(lend_interval_s=-1)
     with pytest.raises(SettingError, match=r"^OnlineSettings\.refit_min_interval_s=nan: "):
         OnlineSettings(refit_min_interval_s=float("nan"))
+
+
+def test_every_job_harvest_option_is_reachable_from_yaml():
+    written = {"micro_batch_size": 4, "unit_target_ms": 20, "window_stages": 3, "memory_budget_mb": 512,
+               "microbatches_per_pass": 2, "device": "cpu"}
+    assert {path for path, _ in setting_paths(HarvestOptions)} == set(written)
+    options = HarvestOptions.from_mapping(written)
+    for name, value in written.items():
+        assert getattr(options, name) == value != getattr(HarvestOptions(), name), name
+    assert to_mapping(HarvestOptions()) == {"micro_batch_size": "auto", "unit_target_ms": 10.0, "window_stages": "all",
+                                            "memory_budget_mb": None, "microbatches_per_pass": 1, "device": "auto"}
