@@ -66,7 +66,8 @@ class TrainerConfig:
 class MemoryConfig:
     reserve_tokens: int | None = setting(None, "free KV slots kept mapped for decode; auto: Harli's reserve formula",
                                          Integer(minimum=0), words={"auto": None})
-    hysteresis_chunks: int = setting(1, "free slots kept above the reserve, in chunks, before anything is lent (hysteresis)", Integer(minimum=0))
+    hysteresis_chunks: int = setting(1, "free slots kept above the reserve, in chunks, before anything is lent "
+                                     "(hysteresis)", Integer(minimum=0))
     max_lend_fraction: float = setting(0.8, "never lend more than this share of the KV pool",
                                        Number(minimum=0.0, maximum=1.0))
     lend_interval_s: float = setting(0.05, "least time between two lending passes, in seconds (a busy server lends too)",
