@@ -21,6 +21,7 @@ COMMANDS = {
     "profile": "harvest.predict.profiler.command",
     "launch": "harvest.sglang.launch",
     "replay": "harvest.replay.command",
+    "config-schema": "harvest.config_schema",
 }
 
 

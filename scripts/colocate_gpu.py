@@ -483,9 +483,10 @@ def run_mode(mode, args, ctx) -> dict:
 def harvest_config(args):
     """The harvest.yaml this run stands for: the QoS target and the profile (jobs are
     built here, not from files)."""
-    from harvest.config import HarvestConfig, QosConfig
+    from harvest.config import HarvestConfig
+    from harvest.schedule import SchedulerConfig
 
-    return HarvestConfig(qos=QosConfig(target_tpot_ms=args.target_tpot_ms), profile=args.profile,
+    return HarvestConfig(qos=SchedulerConfig(target_tpot_ms=args.target_tpot_ms), profile=args.profile,
                          allow_profile_mismatch=args.allow_profile_mismatch)
 
 

@@ -41,7 +41,7 @@ def test_bad_config_refuses_to_start_naming_the_field(tiny_llama_path, tmp_path)
     bad.write_text("qos:\n  target_tpot_ms: -5\n")
     out = _launch_server(["--model-path", str(tiny_llama_path), "--device", "cpu", "--enable-harvest", "--harvest-config", str(bad)])
     assert out.returncode != 0
-    assert "qos.target_tpot_ms=-5: expected a number > 0" in out.stderr
+    assert "qos.target_tpot_ms=-5: expected a finite number > 0.0; " in out.stderr
 
 
 def test_config_without_enable_flag_is_refused(tiny_llama_path, tmp_path):

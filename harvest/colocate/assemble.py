@@ -26,8 +26,9 @@ logger = get_logger(__name__)
 class KvPool:
     """The engine's KV cache, on harvest's unified allocator.
 
-    ``lending_controller(policy, metrics, trainer_host)`` builds the engine's lending
-    mechanism (it moves whole free chunks out of and back into the engine's free lists)."""
+    ``lending_controller(policy, metrics, trainer_host, lend_interval_s)`` builds the
+    engine's lending mechanism (it moves whole free chunks out of and back into the
+    engine's free lists)."""
 
     allocator: Any  # harvest.memory.UnifiedAllocator backing the engine's K/V buffers
     num_tokens: int  # token slots in the engine's pool
@@ -63,7 +64,7 @@ def assemble(config, engine: EngineAdapter, *, partitioner=None):
     from harvest.colocate.colocation import Colocation, NoKvLending
     from harvest.colocate.controller import StepController
     from harvest.colocate.step_timer import make_step_timer
-    from harvest.schedule import QoSController, SchedulerConfig
+    from harvest.schedule import QoSController
 
     jobs = tuple(config.jobs) if engine.jobs is None else tuple(engine.jobs)
     if engine.jobs is None:
@@ -74,8 +75,7 @@ def assemble(config, engine: EngineAdapter, *, partitioner=None):
     refiner = None
     if config.profile is not None:
         refiner = _refiner(config, engine, partitioner)
-    qos = QoSController(SchedulerConfig(target_tpot_ms=config.qos.target_tpot_ms, initial_margin=config.qos.margin),
-                        partitioner.levels)
+    qos = QoSController(config.qos, partitioner.levels)
     trainer_host = None
     if jobs:
         from harvest.colocate.trainer_host import TrainerHost
@@ -90,7 +90,8 @@ def assemble(config, engine: EngineAdapter, *, partitioner=None):
                                    nice=config.trainer.nice)
     lending = NoKvLending()
     if engine.kv is not None:
-        lending = engine.kv.lending_controller(lending_policy(config, engine.kv), metrics, trainer_host)
+        lending = engine.kv.lending_controller(lending_policy(config, engine.kv), metrics, trainer_host,
+                                               config.memory.lend_interval_s)
     control = StepController(partitioner=partitioner, qos=qos, trainer_host=trainer_host,
                              predictor=None if refiner is None else refiner.predictor, refiner=refiner,
                              metrics=metrics, target_tpot_ms=config.qos.target_tpot_ms)
@@ -98,7 +99,8 @@ def assemble(config, engine: EngineAdapter, *, partitioner=None):
         import sklearn.linear_model  # noqa: F401 - pay the ~1 s import at start-up, not in the first refit
     return Colocation(config=config, partitioner=partitioner, control=control, trainer_host=trainer_host,
                       lending=lending, timer=make_step_timer(engine.device_type), metrics=metrics, refiner=refiner,
-                      gpu_sampler=_gpu_sampler(engine), device_type=engine.device_type)
+                      gpu_sampler=_gpu_sampler(engine), device_type=engine.device_type,
+                      refit_min_interval_s=config.online.refit_min_interval_s)
 
 
 def build_partitioner(config, device: str):
@@ -126,7 +128,7 @@ def _refiner(config, engine: EngineAdapter, partitioner):
 
     identity = running_identity(engine, from_partitioner(partitioner).ladder)
     profile = load_for(config.profile, identity, allow_mismatch=config.allow_profile_mismatch)
-    return OnlineRefiner.from_profile(profile)
+    return OnlineRefiner.from_profile(profile, config.online)
 
 
 def lending_policy(config, kv: KvPool):

@@ -32,23 +32,31 @@ from typing import Sequence
 from harvest.logs import get_logger
 from harvest.predict.fit import FitError, LatencySample, fit_corun, fit_solo
 from harvest.predict.model import LatencyPredictor
+from harvest.settings import Integer, Number, setting, validate
 
 logger = get_logger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
 class OnlineSettings:
-    window: int = 512  # observations kept per level and stage
-    refit_every: int = 128  # new observations between refits (the first: min_observations)
-    min_observations: int = 32  # before the error is trusted for the drift flag
-    drift_threshold: float = 0.10  # windowed mean relative error that raises the flag
-    online_share: float = 0.5  # weight of the window vs the profile's samples in a refit
+    """How the online refiner keeps and refits its windows: harvest.yaml's ``online`` section."""
+
+    window: int = setting(512, "observations kept per level and stage", Integer(minimum=8))
+    refit_every: int = setting(128, "new observations between refits (the first refit: after min_observations)",
+                               Integer(minimum=1))
+    min_observations: int = setting(32, "observations before the windowed error is trusted (drift flag, first refit)",
+                                    Integer(minimum=1))
+    drift_threshold: float = setting(0.10, "windowed mean relative error that raises the drift flag",
+                                     Number(minimum=0.0, exclusive_minimum=True))
+    online_share: float = setting(0.5, "weight of the window against the profile's samples in a refit",
+                                  Number(minimum=0.0, maximum=1.0, exclusive_minimum=True, exclusive_maximum=True))
+    # The server refits between trainer units or when idle, and a scikit-learn refit holds
+    # the GIL ~30 ms; this bounds how often decode can be kept waiting by one.
+    refit_min_interval_s: float = setting(2.0, "least time between two refits by the server, in seconds",
+                                          Number(minimum=0.0))
 
     def __post_init__(self) -> None:
-        if self.window < 8 or self.refit_every < 1 or self.min_observations < 1:
-            raise ValueError(f"OnlineSettings {self}: window >= 8, refit_every >= 1, min_observations >= 1")
-        if not (0.0 < self.drift_threshold and 0.0 < self.online_share < 1.0):
-            raise ValueError(f"OnlineSettings {self}: drift_threshold > 0 and 0 < online_share < 1")
+        validate(self)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,6 +1,8 @@
 """The QoS scheduler's configuration: one frozen object, validated once at the boundary.
 
-A bad value raises ``ValueError`` naming the field, the value and the fix, so a
+Each knob is declared once, with its bounds and a one-line description
+(:mod:`harvest.settings`); harvest.yaml's ``qos`` section is this object. A bad value
+raises ``SettingError`` (a ``ValueError``) naming the field, the value and the fix, so a
 misconfigured server refuses to start instead of misbehaving mid-serving. The defaults
 are argued field by field below; all latencies are milliseconds, all margins fractions
 of the TPOT target.
@@ -9,8 +11,9 @@ of the TPOT target.
 from __future__ import annotations
 
 import dataclasses
-import math
-from typing import Any, Mapping
+from typing import Any, ClassVar, Mapping
+
+from harvest.settings import Integer, Number, from_mapping, invalid, setting, validate
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,87 +58,48 @@ class SchedulerConfig:
     - ``ring_size``: how many recent decisions are kept for inspection.
     """
 
-    target_tpot_ms: float = 40.0
-    initial_margin: float = 0.05
-    max_margin: float = 0.5
-    margin_growth: float = 0.05
-    margin_decay: float = 0.00025
-    hysteresis_steps: int = 3
-    hysteresis_gain: float | None = 0.25
-    floor_after_paused_steps: int | None = 20
-    floor_margin: float = 0.0
-    backoff_steps: int | None = 32
-    max_backoff_steps: int = 1024
-    ring_size: int = 1024
+    # Set in harvest.yaml as ``qos.initial_margin``; an old file's ``qos.margin`` is refused
+    # naming it rather than ignored.
+    RENAMED_SETTINGS: ClassVar[Mapping[str, str]] = {"margin": "initial_margin"}
+
+    target_tpot_ms: float = setting(40.0, "per-token latency target of every decode step, in ms",
+                                    Number(minimum=0.0, exclusive_minimum=True))
+    initial_margin: float = setting(0.05, "share of the target kept as headroom: decisions aim under "
+                                    "target x (1 - margin); the margin's lower bound", Number(minimum=0.0, maximum=1.0,
+                                                                                             exclusive_maximum=True))
+    max_margin: float = setting(0.5, "the feedback margin's upper bound (>= initial_margin)",
+                                Number(minimum=0.0, maximum=1.0, exclusive_maximum=True))
+    margin_growth: float = setting(0.05, "margin added after each co-located step over the target (0: fixed margin)",
+                                   Number(minimum=0.0))
+    margin_decay: float = setting(0.00025, "margin removed after each co-located step within the target (0: fixed margin)",
+                                  Number(minimum=0.0))
+    hysteresis_steps: int = setting(3, "steps a better level must stay available before an optional level change "
+                                    "(1: no hysteresis)", Integer(minimum=1))
+    hysteresis_gain: float | None = setting(0.25, "an optional change skips the wait when it gains at least this share "
+                                            "of the target (null: always wait)",
+                                            Number(minimum=0.0, maximum=1.0, exclusive_minimum=True), nullable=True)
+    floor_after_paused_steps: int | None = setting(20, "after this many steps with the trainer paused, run it one step on "
+                                                   "the safest level predicting under the floor budget (null: no floor)",
+                                                   Integer(minimum=1), nullable=True)
+    floor_margin: float = setting(0.0, "the margin the floor keeps instead of initial_margin (<= initial_margin)",
+                                  Number(minimum=0.0, maximum=1.0, exclusive_maximum=True))
+    backoff_steps: int | None = setting(32, "decisions the trainer stays paused after a violation at the maximum "
+                                        "margin, doubling while they repeat (null: no backoff)",
+                                        Integer(minimum=1), nullable=True)
+    max_backoff_steps: int = setting(1024, "the longest backoff in decisions (>= backoff_steps)", Integer(minimum=1))
+    ring_size: int = setting(1024, "recent decisions kept for /harvest/steps", Integer(minimum=1))
 
     def __post_init__(self) -> None:
-        self._set_float("target_tpot_ms", low=0.0, low_open=True, fix="the per-token decode target in ms, e.g. 40")
-        self._set_float("initial_margin", low=0.0, high=1.0, fix="a fraction of the target kept as headroom, e.g. 0.05")
-        self._set_float(
-            "max_margin",
-            low=self.initial_margin,
-            high=1.0,
-            fix=f"raise it to at least initial_margin={self.initial_margin!r} (and under 1), or lower initial_margin",
-        )
-        self._set_float("margin_growth", low=0.0, fix="the margin added per measured violation, e.g. 0.05 (0: fixed)")
-        self._set_float("margin_decay", low=0.0, fix="the margin removed per step on target, e.g. 0.00025 (0: fixed)")
-        self._check_int("hysteresis_steps", low=1, fix="steps an optional level change waits, e.g. 3 (1: none)")
-        if self.hysteresis_gain is not None:
-            self._set_float(
-                "hysteresis_gain",
-                low=0.0,
-                low_open=True,
-                high=1.0,
-                high_open=False,
-                fix="a fraction of the target in (0, 1], e.g. 0.25, or null to always wait hysteresis_steps",
-            )
-        if self.floor_after_paused_steps is not None:
-            self._check_int("floor_after_paused_steps", low=1, fix="a step count, e.g. 20, or null for no floor")
-        self._set_float(
-            "floor_margin",
-            low=0.0,
-            high=self.initial_margin,
-            high_open=False,
-            fix=f"a fraction in [0, initial_margin={self.initial_margin!r}]: the floor relaxes the margin, "
-            "a larger one would never fire",
-        )
-        if self.backoff_steps is not None:
-            self._check_int("backoff_steps", low=1, fix="decisions the trainer waits after a violation at the maximum "
-                            "margin, e.g. 32, or null for no backoff")
-        self._check_int("max_backoff_steps", low=self.backoff_steps or 1,
-                        fix=f"the longest backoff in decisions, at least backoff_steps={self.backoff_steps!r}, e.g. 1024")
-        self._check_int("ring_size", low=1, fix="the number of recent decisions kept, e.g. 1024")
-
-    # -- validation helpers --------------------------------------------------------------
-    def _reject(self, name: str, value: Any, fix: str) -> ValueError:
-        return ValueError(f"SchedulerConfig.{name}={value!r}: {fix}")
-
-    def _set_float(
-        self,
-        name: str,
-        *,
-        fix: str,
-        low: float,
-        low_open: bool = False,
-        high: float | None = None,
-        high_open: bool = True,
-    ) -> None:
-        value = getattr(self, name)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise self._reject(name, value, f"must be a finite number; {fix}")
-        too_low = value <= low if low_open else value < low
-        too_high = high is not None and (value >= high if high_open else value > high)
-        if too_low or too_high:
-            upper = "" if high is None else f", {high!r}{')' if high_open else ']'}"
-            lower = f"{'(' if low_open else '['}{low!r}"
-            interval = f"{lower}{upper}" if high is not None else f"{'>' if low_open else '>='} {low!r}"
-            raise self._reject(name, value, f"must be in {interval}; {fix}")
-        object.__setattr__(self, name, float(value))
-
-    def _check_int(self, name: str, *, low: int, fix: str) -> None:
-        value = getattr(self, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise self._reject(name, value, f"must be an integer >= {low}; {fix}")
+        validate(self)
+        if self.max_margin < self.initial_margin:
+            raise invalid(self, "max_margin", f"a number >= initial_margin={self.initial_margin!r}; "
+                          "raise max_margin or lower initial_margin")
+        if self.floor_margin > self.initial_margin:
+            raise invalid(self, "floor_margin", f"a number <= initial_margin={self.initial_margin!r}; "
+                          "the floor relaxes the margin, a larger one would never fire")
+        if self.backoff_steps is not None and self.max_backoff_steps < self.backoff_steps:
+            raise invalid(self, "max_backoff_steps", f"an integer >= backoff_steps={self.backoff_steps!r}; "
+                          "the longest backoff in decisions, e.g. 1024")
 
     # -- derived values and (de)serialisation ---------------------------------------------
     def budget_ms(self, margin: float) -> float:
@@ -149,13 +113,4 @@ class SchedulerConfig:
     def from_mapping(cls, data: Mapping[str, Any], where: str = "scheduler") -> "SchedulerConfig":
         """Build from a parsed config section; unknown keys are refused, not dropped
         (a typo must not silently fall back to a default). ``where`` prefixes messages."""
-        if not isinstance(data, Mapping):
-            raise ValueError(f"{where}: expected a mapping of scheduler settings, got {type(data).__name__}")
-        known = [field.name for field in dataclasses.fields(cls)]
-        unknown = sorted(str(key) for key in data if key not in known)
-        if unknown:
-            raise ValueError(f"{where}: unknown key(s) {', '.join(unknown)} (known: {', '.join(known)})")
-        try:
-            return cls(**data)
-        except ValueError as error:
-            raise ValueError(f"{where}: {error}") from None
+        return from_mapping(cls, data, where=f"{where}: ")

@@ -44,12 +44,10 @@ class HarvestRuntime:
         from harvest.colocate.status import StatusReporter
 
         self.colocation = colocation
-        self.reporter = StatusReporter(colocation, interval_s=self.PUBLISH_INTERVAL_S)
+        self.reporter = StatusReporter(colocation, interval_s=colocation.config.metrics.publish_interval_s)
         self.control_server = None
         self.shutdown_signals = None
         self._passthrough_modes, self._decode_modes = forward_mode_sets()
-
-    PUBLISH_INTERVAL_S = 0.5
 
     # -- start-up ---------------------------------------------------------------------
     @classmethod
@@ -152,8 +150,9 @@ def sglang_engine(scheduler, config):
     device = str(pool.device)
     model_path = scheduler.server_args.model_path
 
-    def lending_controller(policy, metrics, trainer_host):
-        lending = KvLendingController(token_allocator, allocator, policy, trainer_host=trainer_host, metrics=metrics)
+    def lending_controller(policy, metrics, trainer_host, lend_interval_s):
+        lending = KvLendingController(token_allocator, allocator, policy, trainer_host=trainer_host, metrics=metrics,
+                                      lend_interval_s=lend_interval_s)
         register_lending(token_allocator, lending)
         return lending
 

@@ -24,11 +24,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 from pathlib import Path
 from typing import Any, Mapping
 
+from harvest.settings import Integer, Number, SettingError, Text, from_mapping, setting, validate
 from harvest.train.errors import JobError
 
 HARVEST_SECTION = "harvest"
@@ -47,37 +47,30 @@ _SUPPORTED_OPTIMIZERS = ("adamw_torch", "adamw_torch_fused")
 
 @dataclasses.dataclass(frozen=True)
 class HarvestOptions:
-    """The `harvest:` section of a job, validated."""
+    """The `harvest:` section of a job, validated (each option declared once, with
+    :mod:`harvest.settings`)."""
 
-    micro_batch_size: int | None = None  # None: chosen from a measurement
-    unit_target_ms: float = 10.0
-    window_stages: int | None = None  # None: all stages resident
-    memory_budget_mb: float | None = None  # None: unlimited
-    microbatches_per_pass: int = 1
-    device: str = "auto"
+    micro_batch_size: int | None = setting(None, "sequences per unit; auto: measured so a unit takes about "
+                                           "unit_target_ms", Integer(minimum=1), words={"auto": None})
+    unit_target_ms: float = setting(10.0, "target duration of one (stage, micro-batch, forward or backward) unit, in ms",
+                                    Number(minimum=0.0, exclusive_minimum=True))
+    window_stages: int | None = setting(None, "frozen-weight window W in stages (embed, each layer, head); all: every "
+                                        "stage resident", Integer(minimum=1), words={"all": None})
+    memory_budget_mb: float | None = setting(None, "device memory the trainer may hold, in MiB (null: no limit)",
+                                             Number(minimum=0.0, exclusive_minimum=True), nullable=True)
+    microbatches_per_pass: int = setting(1, "micro-batches that share one pass over the layers", Integer(minimum=1))
+    device: str = setting("auto", "the trainer's device (auto: cuda when available, else cpu)",
+                          Text(r"auto|cpu|cuda|cuda:[0-9]+", "auto, cpu, cuda or cuda:N"))
+
+    def __post_init__(self) -> None:
+        validate(self)
 
     @classmethod
     def from_mapping(cls, raw: Mapping[str, Any] | None) -> "HarvestOptions":
-        raw = dict(raw or {})
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(raw) - known)
-        if unknown:
-            raise JobError(f"{HARVEST_SECTION}.{unknown[0]}: unknown harvest key (known: {', '.join(sorted(known))})")
-        values: dict[str, Any] = {}
-        if "micro_batch_size" in raw:
-            values["micro_batch_size"] = _auto_or_positive_int("micro_batch_size", raw["micro_batch_size"], "auto")
-        if "window_stages" in raw:
-            values["window_stages"] = _auto_or_positive_int("window_stages", raw["window_stages"], "all")
-        if "unit_target_ms" in raw:
-            values["unit_target_ms"] = _positive_float("unit_target_ms", raw["unit_target_ms"])
-        if raw.get("memory_budget_mb") is not None:
-            values["memory_budget_mb"] = _positive_float("memory_budget_mb", raw["memory_budget_mb"])
-        if "microbatches_per_pass" in raw:
-            value = _auto_or_positive_int("microbatches_per_pass", raw["microbatches_per_pass"], None)
-            values["microbatches_per_pass"] = value
-        if "device" in raw:
-            values["device"] = _device("device", raw["device"])
-        return cls(**values)
+        try:
+            return from_mapping(cls, raw, path=HARVEST_SECTION)
+        except SettingError as error:
+            raise JobError(str(error)) from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -249,29 +242,6 @@ def _quiet_transformers() -> None:
         import transformers
 
         transformers.utils.logging.set_verbosity_warning()
-
-
-def _auto_or_positive_int(field: str, value: Any, auto_word: str | None) -> int | None:
-    if auto_word is not None and value == auto_word:
-        return None
-    if _is_int(value) and value >= 1:
-        return int(value)
-    expected = f"'{auto_word}' or an integer >= 1" if auto_word else "an integer >= 1"
-    raise JobError(f"{HARVEST_SECTION}.{field}: expected {expected}, got {value!r}")
-
-
-def _positive_float(field: str, value: Any) -> float:
-    number = _as_number(value)
-    if number is not None and number > 0 and math.isfinite(number):
-        return number
-    raise JobError(f"{HARVEST_SECTION}.{field}: expected a number > 0, got {value!r}")
-
-
-def _device(field: str, value: Any) -> str:
-    text = str(value)
-    if text in ("auto", "cpu", "cuda") or (text.startswith("cuda:") and text[5:].isdigit()):
-        return text
-    raise JobError(f"{HARVEST_SECTION}.{field}: expected auto, cpu, cuda or cuda:N, got {value!r}")
 
 
 def _is_int(value: Any) -> bool:

@@ -36,10 +36,12 @@ BAD_JOBS = [
     ({"disable_gradient_checkpointing": False}, r"^disable_gradient_checkpointing: false is not supported"),
     ({"val_size": 0.1}, r"^do_eval / val_size / eval_dataset: the harvest trainer does not evaluate"),
     ({"bogus_key": 1}, r"^bogus_key: not a LlamaFactory training argument"),
-    ({"harvest": {"bogus": 1}}, r"^harvest.bogus: unknown harvest key"),
-    ({"harvest": {"micro_batch_size": 0}}, r"^harvest.micro_batch_size: expected 'auto' or an integer >= 1, got 0"),
-    ({"harvest": {"window_stages": "some"}}, r"^harvest.window_stages: expected 'all' or an integer >= 1"),
-    ({"harvest": {"device": "tpu"}}, r"^harvest.device: expected auto, cpu, cuda or cuda:N"),
+    ({"harvest": {"bogus": 1}}, r"^unknown key\(s\) harvest\.bogus \(known: micro_batch_size, unit_target_ms, "),
+    ({"harvest": {"micro_batch_size": 0}}, r"^harvest\.micro_batch_size=0: expected 'auto' or an integer >= 1; "),
+    ({"harvest": {"window_stages": "some"}}, r"^harvest\.window_stages='some': expected 'all' or an integer >= 1; "),
+    ({"harvest": {"device": "tpu"}}, r"^harvest\.device='tpu': expected auto, cpu, cuda or cuda:N; "),
+    ({"harvest": {"unit_target_ms": 0}}, r"^harvest\.unit_target_ms=0: expected a finite number > 0\.0; "),
+    ({"harvest": {"microbatches_per_pass": "auto"}}, r"^harvest\.microbatches_per_pass='auto': expected an integer >= 1; "),
     ({"harvest": {"memory_budget_mb": 0.05}}, r"^harvest.memory_budget_mb: 0.05 MiB cannot hold the trainer's"),
 ]
 

@@ -12,7 +12,8 @@ import math
 import sys
 from pathlib import Path
 
-from harvest.train.trainer_cpu import DEFAULT_TRAINER_CPU_THREADS, DEFAULT_TRAINER_NICE, MAX_NICE
+from harvest.config import TrainerConfig
+from harvest.settings import argument
 
 HELP = "measure decode latencies per SM level (alone and beside the trainer) and fit the latency predictor"
 
@@ -51,10 +52,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--trainer-alone-s", type=float, default=3.0, help="seconds the finetune workload runs alone per trainer level and phase, after the grid (default 3; re-measured on resume)")
     parser.add_argument("--switch-interval-ms", type=float, default=None, help="Python GIL switch interval during the run (default: unchanged)")
     parser.add_argument("--torch-threads", type=int, default=None, help="decode's torch intra-op threads (default on a CPU: the cores the co-run trainer leaves, as the server runs decode beside a job; on a GPU: torch's)")
-    parser.add_argument("--trainer-cpu-threads", type=int, default=DEFAULT_TRAINER_CPU_THREADS,
-                        help=f"torch CPU threads of the co-run workload's thread; match harvest.yaml trainer.cpu_threads (default {DEFAULT_TRAINER_CPU_THREADS})")
-    parser.add_argument("--trainer-nice", type=int, default=DEFAULT_TRAINER_NICE,
-                        help=f"nice increment of the co-run workload's thread; match harvest.yaml trainer.nice (default {DEFAULT_TRAINER_NICE})")
+    # The co-run trainer's thread gets the CPU share the server will give it: the same
+    # setting, declared once in harvest.config (default, bounds, help).
+    parser.add_argument("--trainer-cpu-threads", **argument(TrainerConfig, "cpu_threads", yaml_path="trainer.cpu_threads"))
+    parser.add_argument("--trainer-nice", **argument(TrainerConfig, "nice", yaml_path="trainer.nice"))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None, help="profile JSON (default profiles/<device>-<model>-<engine>.json)")
     parser.add_argument("--report", type=Path, default=None, help="PNG report (default: the profile path with .png)")
@@ -81,10 +82,6 @@ def run(args) -> int:
         return _fail(f"--trainer-alone-s={args.trainer_alone_s}: must be a finite number of seconds > 0")
     if args.torch_threads is not None and args.torch_threads <= 0:
         return _fail(f"--torch-threads={args.torch_threads}: must be > 0")
-    if args.trainer_cpu_threads <= 0:
-        return _fail(f"--trainer-cpu-threads={args.trainer_cpu_threads}: must be > 0")
-    if not 0 <= args.trainer_nice <= MAX_NICE:
-        return _fail(f"--trainer-nice={args.trainer_nice}: must be 0..{MAX_NICE}")
     model_path = _resolve_model(args.model_path)
     if not (Path(model_path) / "config.json").is_file():
         return _fail(f"--model-path {args.model_path}: no config.json there")
