@@ -229,7 +229,8 @@ def build_shared_trainer(decode_model, device, *, lora_rank=16, seq_len=512, sam
 # -- what each mode does around a decode step ------------------------------------------------
 class DecodeAlone:
     def __init__(self, partitioner):
-        self.level = partitioner.select(partitioner.whole_device_index)
+        self.level_index = partitioner.ladder.whole_device_index
+        self.level = partitioner.select(self.level_index)
 
     def before_step(self, load):
         return self.level, False
@@ -243,6 +244,7 @@ class DecodeAlone:
 
 class StaticSplit(DecodeAlone):
     def __init__(self, partitioner, host, level_index):
+        self.level_index = level_index
         self.level = partitioner.select(level_index)
         host.apply(True, self.level.trainer_stream)
 
@@ -261,6 +263,10 @@ class HarvestControl:
     def level(self):
         return self.control.level
 
+    @property
+    def level_index(self):
+        return self.control.partitioner.current_index
+
     def before_step(self, load):
         started = time.perf_counter_ns()
         decision = self.control.before_step(load)
@@ -276,10 +282,10 @@ class HarvestControl:
         self.control.on_idle()
 
 
-def static_level_index(levels) -> int:
+def static_level_index(ladder) -> int:
     """The partial level nearest STATIC_DECODE_FRACTION decode SMs (the only level when shared)."""
-    partial = [lv for lv in levels if lv.trainer_sms > 0] or list(levels)
-    return min(partial, key=lambda lv: abs(lv.decode_sms / lv.total_sms - STATIC_DECODE_FRACTION)).index
+    partial = list(ladder.trainer_levels) or list(range(ladder.num_levels))
+    return min(partial, key=lambda i: abs(ladder.decode_fraction(i) - STATIC_DECODE_FRACTION))
 
 
 def serve(requests, batch, policy, timer, max_batch_size) -> dict:
@@ -326,7 +332,7 @@ def serve(requests, batch, policy, timer, max_batch_size) -> dict:
         for measured in timer.completed():
             policy.after_step(measured)
             steps.append((step_start, measured, step_end - last_token, load.batch_size, real_sum, load.sum_context,
-                          level.index, trainer_ran))
+                          policy.level_index, trainer_ran))
         last_token = step_end
         done = []
         for rid in batch.request_ids:
@@ -408,12 +414,12 @@ def run_mode(mode, args, ctx) -> dict:
             if mode == "decode-alone":
                 policy = DecodeAlone(partitioner)
             elif mode == "static":
-                policy = StaticSplit(partitioner, host, static_level_index(partitioner.levels))
+                policy = StaticSplit(partitioner, host, static_level_index(partitioner.ladder))
             else:
                 from harvest.predict.online import OnlineRefiner
 
                 refiner = OnlineRefiner.from_profile(ctx["profile"])
-                qos = QoSController(SchedulerConfig(target_tpot_ms=args.target_tpot_ms), partitioner.levels)
+                qos = QoSController(SchedulerConfig(target_tpot_ms=args.target_tpot_ms), partitioner.ladder)
                 control = StepController(partitioner=partitioner, qos=qos, trainer_host=host, predictor=refiner.predictor,
                                          refiner=refiner, target_tpot_ms=args.target_tpot_ms)
                 refiner.start()
@@ -449,7 +455,7 @@ def warm_up(batch, trainer, partitioner, on_cuda) -> None:
     of the timed modes."""
     import torch
 
-    for level in partitioner.levels:
+    for level in partitioner.ladder.levels:
         with on_stream(level.decode_stream):
             batch.join([-1, -2], [16, 32])
             for _ in range(3):
@@ -516,10 +522,9 @@ def main(argv=None) -> int:
     try:
         if args.profile is not None:
             from harvest.predict.compat import load_for
-            from harvest.predict.profiler.levels import from_partitioner
             from harvest.predict.profiler.provenance import running_identity
 
-            identity = running_identity(device, args.model_path, dtype, from_partitioner(partitioner).ladder)
+            identity = running_identity(device, args.model_path, dtype, partitioner.ladder)
             try:  # a bad profile fails the harvest mode only
                 ctx["profile"] = load_for(args.profile, identity, allow_mismatch=args.allow_profile_mismatch)
             except (OSError, ValueError) as exc:
@@ -552,8 +557,8 @@ def main(argv=None) -> int:
     summary = {
         "device": torch.cuda.get_device_name(device) if device_type == "cuda" else "cpu",
         "model": Path(args.model_path).name, "dtype": dtype, "engine": "transformers", "target_tpot_ms": args.target_tpot_ms,
-        "ladder": [(lv.decode_sms, lv.trainer_sms) for lv in partitioner.levels], "partitioner": partitioner.description,
-        "static_level": static_level_index(partitioner.levels), "profile": str(args.profile) if args.profile else None,
+        "ladder": [(lv.decode_sms, lv.trainer_sms) for lv in partitioner.ladder.levels], "partitioner": partitioner.description,
+        "static_level": static_level_index(partitioner.ladder), "profile": str(args.profile) if args.profile else None,
         "trace": {"path": str(args.trace) if args.trace else "bundled sample", "start_s": args.trace_start_s,
                   "seconds": args.trace_seconds, "time_scale": args.time_scale, "requests": len(ctx["requests"]),
                   "max_context": args.max_context, "max_generated": args.max_generated},

@@ -99,7 +99,6 @@ class HarvestRuntime:
         from harvest.metrics.registry import HarvestMetrics
         from harvest.predict.compat import load_for
         from harvest.predict.online import OnlineRefiner
-        from harvest.predict.profiler.levels import from_partitioner
         from harvest.predict.profiler.provenance import running_identity
         from harvest.schedule import QoSController, SchedulerConfig
         from harvest.sglang.kv_backing import allocator_of
@@ -124,15 +123,14 @@ class HarvestRuntime:
 
         predictor = refiner = None
         if config.profile is not None:
-            ladder = from_partitioner(partitioner).ladder
-            identity = running_identity(device, server_args.model_path, str(scheduler.model_config.dtype).replace("torch.", ""), ladder)
+            identity = running_identity(device, server_args.model_path, str(scheduler.model_config.dtype).replace("torch.", ""), partitioner.ladder)
             profile = load_for(config.profile, identity, allow_mismatch=config.allow_profile_mismatch)
             refiner = OnlineRefiner.from_profile(profile)
             predictor = refiner.predictor
 
         qos = QoSController(
             SchedulerConfig(target_tpot_ms=config.qos.target_tpot_ms, initial_margin=config.qos.margin),
-            partitioner.levels,
+            partitioner.ladder,
         )
 
         from harvest.train.job import load_job
@@ -386,7 +384,7 @@ class HarvestRuntime:
         trainer = dataclasses.asdict(self.trainer_host.status()) if self.trainer_host is not None else None
         return {
             "trainer": trainer,
-            "level": {"index": self.control.level.index, "decode_sms": self.control.level.decode_sms,
+            "level": {"index": self.partitioner.current_index, "decode_sms": self.control.level.decode_sms,
                       "trainer_sms": self.control.level.trainer_sms, "partitioner": self.partitioner.description},
             "kv": self.lending.stats(),
             "qos": {"target_tpot_ms": self.config.qos.target_tpot_ms, **self.control.qos.stats().to_dict()},

@@ -27,7 +27,7 @@ def _spin(seconds: float) -> None:
 
 class _Control:
     decode_stream = None
-    level = types.SimpleNamespace(index=0, decode_sms=1, trainer_sms=1)
+    level = types.SimpleNamespace(decode_sms=1, trainer_sms=1)
     qos = types.SimpleNamespace(stats=lambda: types.SimpleNamespace(to_dict=dict))
 
     def __init__(self):
@@ -64,7 +64,7 @@ def _runtime():
     config = types.SimpleNamespace(qos=types.SimpleNamespace(target_tpot_ms=40.0),
                                    trainer=types.SimpleNamespace(cpu_threads=1, nice=2))
     runtime = HarvestRuntime(config=config, control=_Control(), lending=_Lending(), trainer_host=None,
-                             timer=CpuStepTimer(), metrics=metrics, partitioner=types.SimpleNamespace(description="cpu"),
+                             timer=CpuStepTimer(), metrics=metrics, partitioner=types.SimpleNamespace(description="cpu", current_index=0),
                              refiner=None, device_type="cpu")
     runtime.ACCOUNT_EVERY = 1  # account every step (7 on a server)
     return runtime

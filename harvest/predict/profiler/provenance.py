@@ -18,7 +18,7 @@ from pathlib import Path
 
 import harvest
 from harvest.predict.compat import RuntimeIdentity, model_config_hash_of_path
-from harvest.predict.ladder import LadderSpec
+from harvest.ladder import Ladder
 from harvest.predict.schema import FinetuneIdentity, MeasurementSettings, ModelIdentity, Provenance
 
 
@@ -60,7 +60,7 @@ def device_identity(device: str) -> DeviceIdentity:
     return DeviceIdentity("cuda", props.name, f"{props.major}.{props.minor}", driver)
 
 
-def running_identity(device: str, model_path: str, model_dtype: str, ladder: LadderSpec) -> RuntimeIdentity:
+def running_identity(device: str, model_path: str, model_dtype: str, ladder: Ladder) -> RuntimeIdentity:
     """What a profile must match to be used on this device with this model and ladder."""
     return RuntimeIdentity(
         device_name=device_identity(device).name,
@@ -80,7 +80,7 @@ def _version(distribution: str) -> str | None:
 
 def collect(
     device: DeviceIdentity,
-    ladder: LadderSpec,
+    ladder: Ladder,
     engine: str,
     model: ModelIdentity,
     finetune: FinetuneIdentity,
