@@ -29,7 +29,6 @@ from harvest.schedule import QoSController, SchedulerConfig, SchedulerInput, Tra
 
 DECODE_ONLY, SEPARATE, STATIC, HARVEST = "decode-only", "separate", "static", "harvest"
 ALL_POLICIES = (HARVEST, SEPARATE, STATIC, DECODE_ONLY)
-NEEDS_STAGE2 = frozenset({HARVEST, STATIC})
 STATIC_DECODE_FRACTION = 0.6  # Harli §8.1: 60 % of the SMs and of the memory to inference
 MIN_NOISE_FACTOR = 0.1
 

@@ -57,7 +57,6 @@ _REASON_WHEN_TRAINER_CANNOT_RUN = {
     TrainerState.STOPPED: DecisionReason.TRAINER_STOPPED,
     TrainerState.ABSENT: DecisionReason.NO_TRAINER,
 }
-TRAINER_CANNOT_RUN_REASONS = frozenset(_REASON_WHEN_TRAINER_CANNOT_RUN.values())
 
 
 def closest_under(ladder: Ladder, colo_ms: tuple[float, ...], budget_ms: float) -> int | None:
