@@ -3,8 +3,9 @@ and the scheduler's own state between steps.
 
 The ladder (harvest.ladder.Ladder) is fixed at start-up (DESIGN.md §4: the green-context
 ladder is created once) and validated then; the per-step :class:`SchedulerInput` carries
-only what changes every step — one predicted latency per level and the trainer's state. Building it costs one small tuple per step, where a
-dataclass per level would cost ~0.6 µs each (measured, CPython 3.11).
+only what changes every step — one predicted latency per level and the trainer's state.
+Building it costs one small tuple per step, where a dataclass per level would cost
+~0.6 µs each (measured, CPython 3.11).
 
 The three records built every step (input, decision, state) are NamedTuples: immutable
 like a frozen dataclass, but built in ~0.25 µs instead of ~0.8-0.9 µs (a frozen
@@ -20,6 +21,7 @@ from __future__ import annotations
 import enum
 import math
 from typing import Any, NamedTuple
+
 
 class TrainerState(str, enum.Enum):
     """The trainer as the runtime sees it before a decode step, independent of this
