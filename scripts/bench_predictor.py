@@ -74,11 +74,11 @@ def held_out_mape(profile, folds: int, seed: int) -> tuple[float, float, int]:
 
 
 def eight_level_predictor(profile):
-    from harvest.predict.ladder import LadderSpec, LevelSpec
+    from harvest.ladder import GREEN_CONTEXTS, Ladder, Level
     from harvest.predict.model import LatencyPredictor, SoloCoefficients
 
     base = profile.predictor()
-    ladder = LadderSpec(132, tuple(LevelSpec(d, 132 - d) for d in (24, 40, 56, 72, 88, 104, 120)) + (LevelSpec(132, 0),), "green-context")
+    ladder = Ladder(132, tuple(Level(d, 132 - d) for d in (24, 40, 56, 72, 88, 104, 120)) + (Level(132, 0),), GREEN_CONTEXTS)
     s = base.solo_coefficients[0]
     solo = [SoloCoefficients(s.b0 * 132 / lv.decode_sms, s.c0 * 132 / lv.decode_sms, s.k0 * 132 / lv.decode_sms) for lv in ladder.levels]
     corun = base.corun_coefficients

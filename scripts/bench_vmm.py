@@ -221,9 +221,9 @@ def measure_fragmentation(backend: str, seed: int) -> tuple[dict, int]:
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.backend == "cuda":
-        from harvest import doctor
+        from harvest.compute import device
 
-        gpus, reason, _ = doctor.probe_gpus()
+        gpus, reason, _ = device.probe_gpus()
         if not gpus:
             print(f"bench_vmm: --backend cuda needs an NVIDIA GPU: {reason}", file=sys.stderr)
             return 2

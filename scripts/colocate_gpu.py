@@ -233,8 +233,9 @@ class FixedLevel:
     """decode-alone (the whole-device level, no trainer) and static (one partial level,
     trainer always on): the step on that level's decode stream, timed."""
 
-    def __init__(self, level, trainer_runs: bool, timer):
-        self.level, self.trainer_runs, self.timer = level, trainer_runs, timer
+    def __init__(self, partitioner, level_index: int, trainer_runs: bool, timer):
+        self.level_index, self.trainer_runs, self.timer = level_index, trainer_runs, timer
+        self.level = partitioner.select(level_index)
 
     def run_step(self, load, step) -> None:
         self.timer.time(self.level.decode_stream, step)
@@ -245,7 +246,7 @@ class FixedLevel:
     flush = completed
 
     def last_step(self) -> tuple[int, bool]:
-        return self.level.index, self.trainer_runs
+        return self.level_index, self.trainer_runs
 
     def idle(self) -> None:
         pass
@@ -296,16 +297,16 @@ class HarvestMode:
 
     def last_step(self) -> tuple[int, bool]:
         decision = self.colocation.control.last_decision
-        return self.colocation.control.level.index, decision.trainer_action is self._run
+        return decision.level_index, decision.trainer_action is self._run
 
     def idle(self) -> None:
         self.colocation.on_idle()
 
 
-def static_level_index(levels) -> int:
+def static_level_index(ladder) -> int:
     """The partial level nearest STATIC_DECODE_FRACTION decode SMs (the only level when shared)."""
-    partial = [lv for lv in levels if lv.trainer_sms > 0] or list(levels)
-    return min(partial, key=lambda lv: abs(lv.decode_sms / lv.total_sms - STATIC_DECODE_FRACTION)).index
+    partial = list(ladder.trainer_levels) or list(range(ladder.num_levels))
+    return min(partial, key=lambda i: abs(ladder.decode_fraction(i) - STATIC_DECODE_FRACTION))
 
 
 def serve(requests, batch, policy, max_batch_size) -> dict:
@@ -447,10 +448,10 @@ def run_mode(mode, args, ctx) -> dict:
             result = {"wall_s": round(wall_s, 2)}
         else:
             if mode == "decode-alone":
-                policy = FixedLevel(partitioner.select(partitioner.whole_device_index), False,
+                policy = FixedLevel(partitioner, partitioner.ladder.whole_device_index, False,
                                     make_step_timer(ctx["device_type"]))
             elif mode == "static":
-                policy = FixedLevel(partitioner.select(static_level_index(partitioner.levels)), True,
+                policy = FixedLevel(partitioner, static_level_index(partitioner.ladder), True,
                                     make_step_timer(ctx["device_type"]))
                 host.apply(True, policy.level.trainer_stream)
             else:
@@ -495,7 +496,7 @@ def warm_up(batch, trainer, partitioner, on_cuda) -> None:
     of the timed modes."""
     import torch
 
-    for level in partitioner.levels:
+    for level in partitioner.ladder.levels:
         with on_stream(level.decode_stream):
             batch.join([-1, -2], [16, 32])
             for _ in range(3):
@@ -590,8 +591,8 @@ def main(argv=None) -> int:
     summary = {
         "device": torch.cuda.get_device_name(device) if device_type == "cuda" else "cpu",
         "model": Path(args.model_path).name, "dtype": dtype, "engine": "transformers", "target_tpot_ms": args.target_tpot_ms,
-        "ladder": [(lv.decode_sms, lv.trainer_sms) for lv in partitioner.levels], "partitioner": partitioner.description,
-        "static_level": static_level_index(partitioner.levels), "profile": str(args.profile) if args.profile else None,
+        "ladder": [(lv.decode_sms, lv.trainer_sms) for lv in partitioner.ladder.levels], "partitioner": partitioner.description,
+        "static_level": static_level_index(partitioner.ladder), "profile": str(args.profile) if args.profile else None,
         "trace": {"path": str(args.trace) if args.trace else "bundled sample", "start_s": args.trace_start_s,
                   "seconds": args.trace_seconds, "time_scale": args.time_scale, "requests": len(ctx["requests"]),
                   "max_context": args.max_context, "max_generated": args.max_generated},

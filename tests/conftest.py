@@ -18,9 +18,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 @functools.lru_cache(maxsize=1)
 def gpu_unavailable_reason() -> str | None:
-    from harvest import doctor
+    from harvest.compute import device
 
-    gpus, reason, _ = doctor.probe_gpus()
+    gpus, reason, _ = device.probe_gpus()
     return None if gpus else reason
 
 

@@ -10,6 +10,7 @@ import yaml
 
 from harvest import cli
 from harvest.config import ConfigError, HarvestConfig, _yaml_loader, load, parse, schema
+from harvest.ladder import GREEN_CONTEXTS, Ladder, Level
 from harvest.predict.online import OnlineSettings
 from harvest.schedule import QoSController, SchedulerConfig
 from harvest.settings import setting_paths, to_mapping
@@ -186,7 +187,8 @@ def test_yaml_form_round_trips(tmp_path):
 def test_sections_are_the_policy_objects_themselves(tmp_path):
     config = load(_write_non_default(tmp_path))
     assert isinstance(config.qos, SchedulerConfig) and isinstance(config.online, OnlineSettings)
-    QoSController(config.qos, [(100, 32), (64, 68)])  # passed straight through, as the runtime does
+    # Passed straight through, as the composition root does.
+    QoSController(config.qos, Ladder(132, (Level(100, 32), Level(132, 0)), GREEN_CONTEXTS))
 
 
 def test_every_setting_has_a_one_line_description():

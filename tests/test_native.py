@@ -6,7 +6,8 @@ import ctypes
 
 import pytest
 
-from harvest import doctor, native
+from harvest import native
+from harvest.compute import device
 from tests.conftest import gpu_unavailable_reason
 
 
@@ -41,13 +42,13 @@ def test_native_dir_env_must_exist(monkeypatch, tmp_path):
 
 @pytest.mark.skipif(gpu_unavailable_reason() is None, reason="a GPU is present")
 def test_no_driver_is_reported_not_raised():
-    gpus, reason, driver_version = doctor.probe_gpus()
+    gpus, reason, driver_version = device.probe_gpus()
     assert gpus == []
     assert reason  # e.g. "libcuda.so.1 not found (no NVIDIA driver): ..."
     hvmm = native.load("vmm")
-    probe = native.bind(hvmm, "hvmm_cuda_probe", ctypes.c_int, ctypes.c_int, ctypes.POINTER(doctor._VmmProbe))
+    probe = native.bind(hvmm, "hvmm_cuda_probe", ctypes.c_int, ctypes.c_int, ctypes.POINTER(device._VmmProbe))
     last_error = native.bind(hvmm, "hvmm_last_error", ctypes.c_char_p)
-    out = doctor._VmmProbe()
+    out = device._VmmProbe()
     status = probe(0, ctypes.byref(out))
     if driver_version is None:
         assert status == 2  # HVMM_ERR_NO_DRIVER
@@ -64,7 +65,7 @@ def test_null_out_pointer_is_an_error_not_a_crash():
 
 @pytest.mark.gpu
 def test_gpu_probe_reports_a_real_device():
-    gpus, reason, driver_version = doctor.probe_gpus()
+    gpus, reason, driver_version = device.probe_gpus()
     assert gpus, reason
     assert driver_version and driver_version >= 12000
     assert gpus[0].sm_count > 0

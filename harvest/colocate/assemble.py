@@ -75,7 +75,7 @@ def assemble(config, engine: EngineAdapter, *, partitioner=None):
     refiner = None
     if config.profile is not None:
         refiner = _refiner(config, engine, partitioner)
-    qos = QoSController(config.qos, partitioner.levels)
+    qos = QoSController(config.qos, partitioner.ladder)
     trainer_host = None
     if jobs:
         from harvest.colocate.trainer_host import TrainerHost
@@ -124,9 +124,8 @@ def running_identity(engine: EngineAdapter, ladder):
 def _refiner(config, engine: EngineAdapter, partitioner):
     from harvest.predict.compat import load_for
     from harvest.predict.online import OnlineRefiner
-    from harvest.predict.profiler.levels import from_partitioner
 
-    identity = running_identity(engine, from_partitioner(partitioner).ladder)
+    identity = running_identity(engine, partitioner.ladder)
     profile = load_for(config.profile, identity, allow_mismatch=config.allow_profile_mismatch)
     return OnlineRefiner.from_profile(profile, config.online)
 

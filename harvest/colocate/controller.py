@@ -25,7 +25,6 @@ from typing import NamedTuple
 
 from harvest.logs import get_logger
 from harvest.schedule import QoSController, SchedulerInput, TrainerAction, TrainerState
-from harvest.schedule.snapshots import WHOLE_GPU
 
 logger = get_logger(__name__)
 
@@ -67,8 +66,8 @@ class StepController:
         self.refiner = refiner
         self.metrics = metrics
         self.target_s = target_tpot_ms / 1e3
-        self.levels = partitioner.levels
-        self.whole_index = partitioner.whole_device_index
+        self.levels = partitioner.ladder.levels
+        self.whole_index = partitioner.ladder.whole_device_index
         num_levels = len(self.levels)
         self._solo_ms = [math.nan] * num_levels
         self._colo_ms = [math.nan] * num_levels
@@ -102,7 +101,7 @@ class StepController:
             colo_ms = tuple(self._colo_ms)
             whole_ms = self._solo_ms[self.whole_index]
         decision = self.qos.decide(SchedulerInput(colo_ms, trainer_state, whole_ms))
-        index = self.whole_index if decision.level_index == WHOLE_GPU else decision.level_index
+        index = decision.level_index
         run = decision.trainer_action is TrainerAction.RUN
         phase = None
         if run:

@@ -59,7 +59,7 @@ class StatusReporter:
         config = colo.config
         return {
             "trainer": dataclasses.asdict(host.status()) if host is not None else None,
-            "level": {"index": control.level.index, "decode_sms": control.level.decode_sms,
+            "level": {"index": colo.partitioner.current_index, "decode_sms": control.level.decode_sms,
                       "trainer_sms": control.level.trainer_sms, "partitioner": colo.partitioner.description},
             "kv": colo.lending.stats(),
             "qos": {"target_tpot_ms": config.qos.target_tpot_ms, **control.qos.stats().to_dict()},

@@ -1,9 +1,9 @@
 """SM partitioning between decode and the finetune trainer (DESIGN.md §4).
 
-``ladder`` plans the levels (pure Python), ``greenctx_lib`` binds csrc/greenctx,
-``partitioner`` defines the interface and the whole-device fallback,
-``green_partitioner`` builds the ladder with CUDA green contexts, and ``factory`` picks
-one. Nothing here imports torch at module level.
+``ladder`` plans the levels (pure Python, returning harvest.ladder's types),
+``greenctx_lib`` binds csrc/greenctx, ``partitioner`` defines the interface and the
+whole-device fallback, ``green_partitioner`` builds the ladder with CUDA green contexts,
+and ``factory`` picks one. Nothing here imports torch at module level.
 """
 
 from harvest.compute.factory import create_partitioner
@@ -11,15 +11,11 @@ from harvest.compute.greenctx_lib import GreenContextError, GreenContextsUnavail
 from harvest.compute.ladder import (
     DEFAULT_NUM_LEVELS,
     MAX_LEVELS,
-    LadderError,
-    LadderPlan,
-    LevelPlan,
-    PartitionConstraints,
     arch_constraints,
     device_constraints,
     plan_ladder,
 )
-from harvest.compute.partitioner import BasePartitioner, Level, WholeDevicePartitioner
+from harvest.compute.partitioner import BasePartitioner, WholeDevicePartitioner
 
 __all__ = [
     "DEFAULT_NUM_LEVELS",
@@ -27,11 +23,6 @@ __all__ = [
     "BasePartitioner",
     "GreenContextError",
     "GreenContextsUnavailable",
-    "LadderError",
-    "LadderPlan",
-    "Level",
-    "LevelPlan",
-    "PartitionConstraints",
     "WholeDevicePartitioner",
     "arch_constraints",
     "create_partitioner",

@@ -8,12 +8,14 @@ caught here; they surface as the exceptions they are.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
 from harvest.compute.greenctx_lib import GreenContextError
-from harvest.compute.ladder import DEFAULT_NUM_LEVELS, LadderError
+from harvest.compute.ladder import DEFAULT_NUM_LEVELS
 from harvest.compute.partitioner import BasePartitioner, WholeDevicePartitioner, _parse_device
+from harvest.ladder import Ladder, LadderError
 from harvest.logs import get_logger
 
 logger = get_logger(__name__)
@@ -54,22 +56,34 @@ def ladder_report(device: Any = "cuda", levels: int | Sequence[int] = DEFAULT_NU
     (the driver's dry-run split gives the realised SM counts). For ``harvest doctor``."""
     from harvest.compute import greenctx_lib
     from harvest.compute.green_partitioner import plan_for_device, preview_ladder
-    from harvest.compute.ladder import whole_device_plan
     from harvest.compute.partitioner import CPU_UNITS
 
     device_type, ordinal = _parse_device(device)
     if device_type == "cpu":
-        return {"partitioner": "WholeDevicePartitioner", **whole_device_plan(CPU_UNITS, "CPU device").as_dict()}
+        return _report("WholeDevicePartitioner", Ladder.whole_device(CPU_UNITS, "CPU device"))
     total_sms = CPU_UNITS  # until the device is known: no driver means nothing CUDA runs
     try:
         props = greenctx_lib.query_device(ordinal)
         total_sms = props.sm_count
-        previewed = preview_ladder(ordinal, plan_for_device(props, levels))
+        planned = plan_for_device(props, levels)
+        realised, _, notes = preview_ladder(ordinal, planned)
     except (GreenContextError, LadderError) as exc:
-        return {"partitioner": "WholeDevicePartitioner", **whole_device_plan(total_sms, str(exc)).as_dict()}
+        return _report("WholeDevicePartitioner", Ladder.whole_device(total_sms, str(exc)))
     return {
-        "partitioner": "GreenContextPartitioner",
-        **previewed.realised.as_dict(),
-        "planned_decode_sms": [level.decode_sms for level in previewed.planned.levels],
-        "preview_notes": list(previewed.notes),
+        **_report("GreenContextPartitioner", realised),
+        "planned_decode_sms": [level.decode_sms for level in planned.levels],
+        "preview_notes": list(notes),
+    }
+
+
+def _report(partitioner: str, ladder: Ladder) -> dict:
+    """The doctor's JSON form of a ladder: the profile's fields and how it was planned."""
+    constraints = None if ladder.constraints is None else dataclasses.asdict(ladder.constraints)
+    return {
+        "partitioner": partitioner,
+        "spatial": ladder.spatial,
+        "total_sms": ladder.total_sms,
+        "constraints": constraints,
+        "levels": ladder.to_dict()["levels"],
+        "note": ladder.note,
     }

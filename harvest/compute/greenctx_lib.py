@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from types import SimpleNamespace
 
 from harvest import native
+from harvest.ladder import GREEN_CONTEXTS, Ladder, Level
 
 HGC_OK, HGC_ERR_INVALID, HGC_ERR_NO_DRIVER, HGC_ERR_DRIVER, HGC_ERR_UNSUPPORTED = range(5)
 HGC_MAX_LEVELS = 8  # hgc.h
@@ -89,14 +90,6 @@ class DeviceProperties:
     sm_coscheduled_alignment: int  # 0: not reported by the driver
 
 
-@dataclasses.dataclass(frozen=True)
-class BuiltLevel:
-    decode_sms: int
-    trainer_sms: int
-    decode_stream: int  # CUstream handle
-    trainer_stream: int  # 0 when trainer_sms == 0
-
-
 @functools.lru_cache(maxsize=1)
 def _api() -> SimpleNamespace:
     try:
@@ -165,9 +158,11 @@ def _destroy(handle: ctypes.c_void_p) -> None:
         handle.value = None
 
 
-class NativeLadder:
+class LadderHandle:
     """Owns one hgc_ladder: every green context and stream of a built ladder.
 
+    ``ladder`` is the ladder as the driver provisioned it; its levels carry their raw
+    ``CUstream`` handles (integers; the trainer's is None where it has no SMs).
     ``close()`` (or garbage collection, as a last resort) drains and destroys it; any
     ExternalStream wrapping its streams must not be used afterwards.
     """
@@ -181,14 +176,13 @@ class NativeLadder:
         self._finalizer = weakref.finalize(self, _destroy, handle)
         info = LadderInfoStruct()
         _check("hgc_ladder_get_info", _api().ladder_get_info(handle, ctypes.byref(info)))
-        self.total_sms = info.total_sms
         self.green_stream_api = bool(info.green_stream_api)
         levels = []
         for index in range(info.num_levels):
             level = LevelInfoStruct()
             _check(f"hgc_ladder_get_level({index})", _api().ladder_get_level(handle, index, ctypes.byref(level)))
-            levels.append(BuiltLevel(level.decode_sms, level.trainer_sms, level.decode_stream, level.trainer_stream))
-        self.levels = tuple(levels)
+            levels.append(Level(level.decode_sms, level.trainer_sms, level.decode_stream, level.trainer_stream or None))
+        self.ladder = Ladder(info.total_sms, tuple(levels), GREEN_CONTEXTS)
 
     def close(self) -> None:
         """Drain and destroy everything; raises GreenContextError if a stream failed to

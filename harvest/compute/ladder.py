@@ -1,6 +1,6 @@
 """Planning the SM ladder: which (decode SMs, trainer SMs) levels to build. Pure Python.
 
-A *level* splits the GPU's streaming multiprocessors (SMs) between decode and the
+The functions here return the shared types of :mod:`harvest.ladder`. A *level* splits the GPU's streaming multiprocessors (SMs) between decode and the
 finetune trainer. The ladder is built once at start-up (csrc/greenctx, Note [SM ladder])
 and the scheduler picks one level per decode step, so the ladder must be short (at most
 ``MAX_LEVELS``: decode may keep one CUDA graph set per level) and every level must be
@@ -15,7 +15,7 @@ granularity, so a decode count ``d`` is realised exactly when
 ``min_decode_sms``/``step_sms`` are what the driver reports (CUDA 13:
 ``minSmPartitionSize``, ``smCoscheduledAlignment``) or else the architecture rules below.
 The whole-device level (decode ``total``, trainer 0: trainer paused) is always present.
-On a GPU the driver's own split is the final word: ``greenctx.preview_ladder`` replaces
+On a GPU the driver's own split is the final word: ``green_partitioner.preview_ladder`` replaces
 planned counts with the ones a dry-run split yields.
 
 This module imports nothing outside the standard library (policy imports no torch).
@@ -23,8 +23,9 @@ This module imports nothing outside the standard library (policy imports no torc
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
+
+from harvest.ladder import GREEN_CONTEXTS, Ladder, LadderError, Level, PartitionConstraints
 
 MAX_LEVELS = 8  # same bound as HGC_MAX_LEVELS in csrc/greenctx/hgc.h
 DEFAULT_NUM_LEVELS = 6
@@ -37,88 +38,6 @@ MIN_GREEN_CONTEXT_DRIVER = 12040  # cuGreenCtxCreate and the split API: driver 1
 # that can build the ladder reports its own numbers on 13.0+.
 _ARCH_RULES: dict[int, tuple[int, int]] = {6: (1, 1), 7: (2, 2), 8: (4, 2)}
 _HOPPER_AND_NEWER = (8, 8)
-
-
-class LadderError(ValueError):
-    """A ladder request that cannot be met; the message names the constraint and a fix."""
-
-
-@dataclasses.dataclass(frozen=True)
-class PartitionConstraints:
-    """What makes a split realisable on one device.
-
-    ``min_decode_sms``: smallest group the split can make; ``step_sms``: group sizes are
-    multiples of it; ``min_trainer_sms``: smallest remainder harvest accepts for the
-    trainer; ``source``: where the numbers came from (for error messages and doctor).
-    """
-
-    min_decode_sms: int
-    step_sms: int
-    min_trainer_sms: int
-    source: str
-
-    def __post_init__(self) -> None:
-        for field in ("min_decode_sms", "step_sms", "min_trainer_sms"):
-            value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise LadderError(f"PartitionConstraints.{field}={value!r}: must be an integer >= 1")
-
-    @property
-    def smallest_decode_sms(self) -> int:
-        """The smallest decode count a split can realise exactly."""
-        return _round_up(self.min_decode_sms, self.step_sms)
-
-
-@dataclasses.dataclass(frozen=True)
-class LevelPlan:
-    """One level. ``shared``: no spatial partitioning, decode and trainer both run on the
-    whole device (``decode_sms == trainer_sms == total``); otherwise the two counts are
-    disjoint and ``trainer_sms == 0`` means the trainer is paused."""
-
-    decode_sms: int
-    trainer_sms: int
-    shared: bool = False
-
-
-@dataclasses.dataclass(frozen=True)
-class LadderPlan:
-    """Levels in ascending decode SMs; the last one gives decode the whole device.
-
-    ``constraints`` is None for a device without spatial partitioning, and ``note`` then
-    says why (CPU, driver too old, ...).
-    """
-
-    total_sms: int
-    constraints: PartitionConstraints | None
-    levels: tuple[LevelPlan, ...]
-    note: str = ""
-
-    @property
-    def spatial(self) -> bool:
-        return not any(level.shared for level in self.levels)
-
-    @property
-    def whole_device_index(self) -> int:
-        return len(self.levels) - 1
-
-    def describe(self) -> str:
-        if not self.spatial:
-            return f"1 level, no spatial partitioning: decode and trainer share the device ({self.note})"
-        pairs = ", ".join(f"{level.decode_sms}/{level.trainer_sms}" for level in self.levels)
-        return f"{len(self.levels)} levels of {self.total_sms} SMs (decode/trainer): {pairs}"
-
-    def as_dict(self) -> dict:
-        return {
-            "spatial": self.spatial,
-            "total_sms": self.total_sms,
-            "constraints": None if self.constraints is None else dataclasses.asdict(self.constraints),
-            "levels": [dataclasses.asdict(level) for level in self.levels],
-            "note": self.note,
-        }
-
-
-def _round_up(value: int, step: int) -> int:
-    return -(-value // step) * step
 
 
 def _parse_compute_capability(compute_capability) -> tuple[int, int]:
@@ -231,7 +150,7 @@ def plan_ladder(
     compute_capability,
     levels: int | Sequence[int] = DEFAULT_NUM_LEVELS,
     constraints: PartitionConstraints | None = None,
-) -> LadderPlan:
+) -> Ladder:
     """Choose the ladder's levels.
 
     ``levels``: an int N (2..MAX_LEVELS) asks for N levels: decode gets the realisable
@@ -279,15 +198,6 @@ def plan_ladder(
     else:
         raise LadderError(f"levels={levels!r}: give a number of levels or a list of decode SM counts")
 
-    plans = [LevelPlan(decode_sms=d, trainer_sms=total_sms - d) for d in partial]
-    plans.append(LevelPlan(decode_sms=total_sms, trainer_sms=0))
-    return LadderPlan(total_sms=total_sms, constraints=c, levels=tuple(plans))
-
-
-def whole_device_plan(total_sms: int, reason: str) -> LadderPlan:
-    """The one-level ladder of a device without spatial partitioning (CPU, old driver):
-    decode and trainer share all ``total_sms`` SMs."""
-    if isinstance(total_sms, bool) or not isinstance(total_sms, int) or total_sms < 1:
-        raise LadderError(f"total_sms={total_sms!r}: must be a positive integer")
-    level = LevelPlan(decode_sms=total_sms, trainer_sms=total_sms, shared=True)
-    return LadderPlan(total_sms=total_sms, constraints=None, levels=(level,), note=reason)
+    levels = [Level(decode_sms=d, trainer_sms=total_sms - d) for d in partial]
+    levels.append(Level(decode_sms=total_sms, trainer_sms=0))
+    return Ladder(total_sms, tuple(levels), GREEN_CONTEXTS, constraints=c)

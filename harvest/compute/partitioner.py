@@ -2,7 +2,8 @@
 
 Decode and the trainer run in one process on two threads. PyTorch keeps the current CUDA
 stream per thread, so each thread launches its work on its side's stream of the selected
-level (``with torch.cuda.stream(level.decode_stream): ...``). A stream of ``None`` means
+level (``with torch.cuda.stream(level.decode_stream): ...``); the levels are
+harvest.ladder's, carrying those streams. A stream of ``None`` means
 "the thread's current stream" (CPU, where ``torch.cuda.stream(None)`` is a no-op).
 
 Two implementations: ``GreenContextPartitioner`` (harvest.compute.green_partitioner)
@@ -13,73 +14,49 @@ so this module, like the rest of harvest.compute, imports without torch.
 from __future__ import annotations
 
 import abc
-import dataclasses
 from typing import Any
 
-from harvest.compute.ladder import LadderPlan, whole_device_plan
+from harvest.ladder import Ladder, Level
 
 CPU_UNITS = 1
-
-
-@dataclasses.dataclass(frozen=True)
-class Level:
-    """One built level. ``spatial``: decode and trainer run on disjoint SM sets of the
-    given sizes; otherwise both share the whole device. ``trainer_stream`` is None when
-    the trainer has no SMs at this level (it must stay paused)."""
-
-    index: int
-    decode_sms: int
-    trainer_sms: int
-    total_sms: int
-    spatial: bool
-    decode_stream: Any = None  # torch.cuda.Stream / ExternalStream, or None
-    trainer_stream: Any = None
-
-    @property
-    def decode_fraction(self) -> float:
-        """Share of the device's SMs decode may use (1.0 when shared or whole device)."""
-        return 1.0 if not self.spatial else self.decode_sms / self.total_sms
-
-    @property
-    def trainer_fraction(self) -> float:
-        if not self.spatial:
-            return 1.0
-        return self.trainer_sms / self.total_sms
 
 
 class BasePartitioner(abc.ABC):
     """A ladder of levels built once, and the level selected now.
 
     Contract:
-    - ``levels`` is fixed at construction, in ascending decode SMs; the last level
-      (``whole_device_index``) gives decode the whole device. ``plan`` is the same ladder
-      as pure data (what the scheduler reasons about).
-    - ``select(index)`` is O(1) and allocates nothing: it stores a pre-built Level. It is
-      one attribute store, so another thread reading ``current`` sees the old or the new
-      level, never a torn one. A selection applies to work launched after it.
+    - ``ladder`` is fixed at construction (harvest.ladder.Ladder: the whole-device level
+      last, ``ladder.whole_device_index``); its levels carry their decode and trainer
+      streams.
+    - ``select(index)`` is O(1) and allocates nothing: it stores a pre-built
+      (index, Level) pair. It is one attribute store, so another thread reading
+      ``current``/``current_index`` sees the old or the new level, never a torn one. A
+      selection applies to work launched after it.
     - ``close()`` synchronises and releases everything the partitioner created; it is
       idempotent. Streams of a closed partitioner must not be used; ``select`` refuses.
     """
 
-    spatial: bool
     description: str
 
-    def __init__(self, plan: LadderPlan, levels: tuple[Level, ...]) -> None:
-        if not levels:
-            raise ValueError("a partitioner needs at least one level")
-        self.plan = plan
-        self.levels = levels
-        self._num_levels = len(levels)
-        self._current = levels[-1]
+    def __init__(self, ladder: Ladder) -> None:
+        self.ladder = ladder
+        # (index, level) pairs made once, so that select() stores one of them as it is.
+        self._selectable = tuple(enumerate(ladder.levels))
+        self._num_levels = len(self._selectable)
+        self._selected = self._selectable[ladder.whole_device_index]
         self._closed = False
 
     @property
-    def whole_device_index(self) -> int:
-        return self._num_levels - 1
+    def spatial(self) -> bool:
+        return self.ladder.spatial
 
     @property
     def current(self) -> Level:
-        return self._current
+        return self._selected[1]
+
+    @property
+    def current_index(self) -> int:
+        return self._selected[0]
 
     @property
     def closed(self) -> bool:
@@ -90,8 +67,9 @@ class BasePartitioner(abc.ABC):
             raise RuntimeError(f"{type(self).__name__} is closed: build a new one to select levels")
         if not 0 <= index < self._num_levels:
             raise IndexError(f"level index {index} out of range (0..{self._num_levels - 1})")
-        self._current = self.levels[index]
-        return self._current
+        selected = self._selectable[index]
+        self._selected = selected
+        return selected[1]
 
     def close(self) -> None:
         if self._closed:
@@ -122,12 +100,10 @@ class WholeDevicePartitioner(BasePartitioner):
     prefers it; elsewhere both streams are None.
     """
 
-    spatial = False
-
     def __init__(self, device: Any = "cpu", reason: str = "CPU device") -> None:
         device_type, device_index = _parse_device(device)
         # A CPU has no SMs; it counts as one unit so that shares (1.0 / 1.0) and the
-        # predictor's ladder (harvest.predict.ladder, total_sms > 0) stay well defined.
+        # ladder (harvest.ladder, total_sms > 0) stay well defined.
         total_sms, decode_stream, trainer_stream = CPU_UNITS, None, None
         if device_type == "cuda":
             import torch
@@ -141,20 +117,11 @@ class WholeDevicePartitioner(BasePartitioner):
         self.device = f"{device_type}:{device_index}" if device_type == "cuda" else device_type
         self.reason = reason
         self.description = f"no spatial partitioning on {self.device}: decode and trainer share the device ({reason})"
-        plan = whole_device_plan(total_sms, reason)
-        level = Level(
-            index=0,
-            decode_sms=total_sms,
-            trainer_sms=total_sms,
-            total_sms=total_sms,
-            spatial=False,
-            decode_stream=decode_stream,
-            trainer_stream=trainer_stream,
-        )
-        super().__init__(plan, (level,))
+        super().__init__(Ladder.whole_device(total_sms, reason, decode_stream, trainer_stream))
 
     def _release(self) -> None:
-        for stream in (self.levels[0].decode_stream, self.levels[0].trainer_stream):
+        level = self.ladder.levels[0]
+        for stream in (level.decode_stream, level.trainer_stream):
             if stream is not None:
                 stream.synchronize()
 

@@ -11,7 +11,7 @@ from typing import Sequence
 
 from harvest.predict.buckets import BatchSizeBuckets
 from harvest.predict.fit import CoRunFit, FitError, fit_models
-from harvest.predict.ladder import LadderSpec
+from harvest.ladder import Ladder
 from harvest.predict.model import ProfiledRange
 from harvest.predict.schema import (
     SCHEMA_NAME,
@@ -45,7 +45,7 @@ def _stage2_fit(fit: CoRunFit) -> Stage2Fit:
 
 def build_profile(
     provenance: Provenance,
-    ladder: LadderSpec,
+    ladder: Ladder,
     buckets: BatchSizeBuckets,
     grid: Grid,
     records: Sequence[GridPointRecord],

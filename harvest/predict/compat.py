@@ -19,7 +19,7 @@ import json
 import warnings
 from pathlib import Path
 
-from harvest.predict.ladder import LadderSpec
+from harvest.ladder import Ladder
 from harvest.predict.schema import Profile
 
 LATENCY_CONFIG_KEYS = (
@@ -69,7 +69,7 @@ class RuntimeIdentity:
     sm_count: int
     model_config_hash: str
     model_dtype: str
-    ladder: LadderSpec
+    ladder: Ladder
 
 
 def mismatches(profile: Profile, running: RuntimeIdentity) -> list[str]:

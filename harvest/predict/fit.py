@@ -24,7 +24,7 @@ import math
 from typing import Sequence
 
 from harvest.predict.buckets import BatchSizeBuckets
-from harvest.predict.ladder import LadderSpec
+from harvest.ladder import Ladder
 from harvest.predict.model import COMBINED_PHASE, CoRunCoefficients, SoloCoefficients
 
 MIN_SOLO_SAMPLES = 3
@@ -177,7 +177,7 @@ def fit_solo(
     return coefficients, _quality(model.predict(X), y, cv)
 
 
-def corun_features(samples, ladder: LadderSpec, buckets: BatchSizeBuckets, solo: Sequence[SoloCoefficients]):
+def corun_features(samples, ladder: Ladder, buckets: BatchSizeBuckets, solo: Sequence[SoloCoefficients]):
     """Stage-2 design matrix rows ``[SM_infer·L_solo, SM_ft·L_solo]`` for ``samples``."""
     import numpy as np
 
@@ -192,7 +192,7 @@ def corun_features(samples, ladder: LadderSpec, buckets: BatchSizeBuckets, solo:
 
 def fit_corun(
     samples: Sequence[LatencySample],
-    ladder: LadderSpec,
+    ladder: Ladder,
     buckets: BatchSizeBuckets,
     solo: Sequence[SoloCoefficients],
     weights: Sequence[float] | None = None,
@@ -219,7 +219,7 @@ def fit_corun(
 def fit_models(
     solo_samples: Sequence[LatencySample],
     corun_samples: Sequence[LatencySample],
-    ladder: LadderSpec,
+    ladder: Ladder,
     buckets: BatchSizeBuckets,
 ) -> FittedModels:
     """Stage 1 for every level, stage 2 combined, and per-phase stage-2 models when the

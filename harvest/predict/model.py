@@ -26,7 +26,7 @@ import math
 from typing import Mapping, Sequence
 
 from harvest.predict.buckets import BatchSizeBuckets
-from harvest.predict.ladder import LadderSpec
+from harvest.ladder import Ladder
 
 COMBINED_PHASE = "combined"
 
@@ -107,7 +107,7 @@ class LatencyPredictor:
 
     def __init__(
         self,
-        ladder: LadderSpec,
+        ladder: Ladder,
         buckets: BatchSizeBuckets,
         solo: Sequence[SoloCoefficients],
         corun: CoRunCoefficients,

@@ -23,7 +23,7 @@ from pathlib import Path
 from harvest.predict import strict_json
 from harvest.predict.buckets import BatchSizeBuckets
 from harvest.predict.fit import FitQuality, LatencySample
-from harvest.predict.ladder import LadderSpec
+from harvest.ladder import Ladder
 from harvest.predict.model import CoRunCoefficients, LatencyPredictor, ProfiledRange, SoloCoefficients
 
 SCHEMA_NAME = "harvest-latency-profile"
@@ -187,7 +187,7 @@ class Profile:
     schema: str
     schema_version: int
     provenance: Provenance
-    ladder: LadderSpec
+    ladder: Ladder
     batch_size_buckets: tuple[int, ...]
     grid: Grid
     profiled_range: ProfiledRange
@@ -289,8 +289,8 @@ def _check_consistency(p: Profile) -> None:
         raise ProfileError(f"profile: schema {p.schema!r} version {p.schema_version}, expected {SCHEMA_NAME!r} {READABLE_VERSIONS}")
     if p.trainer is not None:
         _check_trainer(p)
-    if not isinstance(p.ladder, LadderSpec):
-        raise ProfileError("profile.ladder: expected a LadderSpec")
+    if not isinstance(p.ladder, Ladder):
+        raise ProfileError("profile.ladder: expected a Ladder")
     try:
         BatchSizeBuckets(p.batch_size_buckets)
     except ValueError as exc:

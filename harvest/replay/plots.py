@@ -15,7 +15,6 @@ import numpy as np
 from harvest.replay.comparison import Comparison
 from harvest.replay.policies import DECODE_ONLY, SEPARATE
 from harvest.replay.profile_source import ReplayProfile
-from harvest.schedule import WHOLE_GPU
 
 NUM_BINS = 400
 CDF_POINTS = 2000
@@ -95,7 +94,7 @@ def latency_cdf_plot(comparison: Comparison, target_ms: float, path: Path) -> No
 
 def sm_split_plot(comparison: Comparison, profile: ReplayProfile, path: Path) -> None:
     ladder = profile.ladder
-    decode_fraction = np.array([ladder.decode_fraction(i) for i in range(ladder.num_levels)] + [1.0])
+    decode_fraction = np.array([ladder.decode_fraction(i) for i in range(ladder.num_levels)])
     edges, width = _bins(comparison.horizon_s)
     figure = _figure(9.0, 6.0)
     top, bottom = figure.subplots(2, 1, sharex=True)
@@ -104,9 +103,8 @@ def sm_split_plot(comparison: Comparison, profile: ReplayProfile, path: Path) ->
             continue
         run = result.run
         busy = _binned(run, np.ones(run.num_steps), edges, width)
-        level = np.where(run.step_level == WHOLE_GPU, ladder.num_levels, run.step_level)
         with np.errstate(invalid="ignore", divide="ignore"):
-            decode = _binned(run, decode_fraction[level], edges, width) / busy
+            decode = _binned(run, decode_fraction[run.step_level], edges, width) / busy
         trainer = _binned(run, run.step_trainer_share, edges, width) + result.metrics["trainer_idle_share"] * np.clip(1.0 - busy, 0.0, 1.0)
         top.plot(edges[:-1], 100 * decode, label=name, lw=1)
         bottom.plot(edges[:-1], 100 * trainer, label=name, lw=1)

@@ -25,11 +25,10 @@ import random
 
 from harvest.replay.profile_source import ReplayProfile
 from harvest.replay.trainer_model import TrainerModel
-from harvest.schedule import WHOLE_GPU, QoSController, SchedulerConfig, SchedulerInput, TrainerState
+from harvest.schedule import QoSController, SchedulerConfig, SchedulerInput, TrainerState
 
 DECODE_ONLY, SEPARATE, STATIC, HARVEST = "decode-only", "separate", "static", "harvest"
 ALL_POLICIES = (HARVEST, SEPARATE, STATIC, DECODE_ONLY)
-NEEDS_STAGE2 = frozenset({HARVEST, STATIC})
 STATIC_DECODE_FRACTION = 0.6  # Harli §8.1: 60 % of the SMs and of the memory to inference
 MIN_NOISE_FACTOR = 0.1
 
@@ -57,8 +56,8 @@ class LatencyErrors:
 
 
 class BasePolicy(abc.ABC):
-    """Contract: ``step(batch_size, sum_context)`` returns ``(true latency s, level index
-    or WHOLE_GPU, trainer share during the step)``; ``idle_share`` is the trainer's rate
+    """Contract: ``step(batch_size, sum_context)`` returns ``(true latency s, level index,
+    trainer share during the step)``; ``idle_share`` is the trainer's rate
     while no decode step runs; ``dedicated_trainer_gpus`` GPUs train alone throughout."""
 
     name: str
@@ -87,7 +86,7 @@ class DecodeOnlyPolicy(BasePolicy):
 
     def __init__(self, profile: ReplayProfile, trainer: TrainerModel, errors: LatencyErrors):
         super().__init__(profile, trainer, errors)
-        self.level = profile.whole_gpu_level()
+        self.level = profile.ladder.whole_device_index
         self._solo = profile.solo[self.level]
         self._padded = profile.buckets.padded
 
@@ -157,11 +156,11 @@ class HarvestPolicy(BasePolicy):
         if profile.predictor is None:
             raise PolicyRefused(f"harvest needs the co-location (stage-2) model: {profile.stage2_missing}")
         try:
-            self.controller = QoSController(config, profile.ladder.levels)
+            self.controller = QoSController(config, profile.ladder)
         except ValueError as exc:
             raise PolicyRefused(f"harvest: {exc}") from exc
         self.predictor = profile.predictor
-        self.whole_level = profile.whole_gpu_level()
+        self.whole_level = profile.ladder.whole_device_index
         levels = profile.ladder.levels
         self.idle_share = max(trainer.idle_share[i] for i in range(len(levels)) if levels[i].trainer_sms > 0)
         self._num_levels = len(levels)
@@ -178,7 +177,7 @@ class HarvestPolicy(BasePolicy):
             SchedulerInput(tuple([c * 1e3 for c in colo]), TrainerState.RUNNING, whole_s * 1e3)
         )
         level = decision.level_index
-        if level == WHOLE_GPU:
+        if not decision.runs_trainer:
             latency, share = whole_s * errors.noise_factor(), 0.0
         else:
             expected = self.predictor.predict_colo(level, batch_size, sum_context)  # combined model

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from harvest.predict import strict_json
 from harvest.predict.buckets import BatchSizeBuckets
-from harvest.predict.ladder import LadderSpec
+from harvest.ladder import Ladder
 from harvest.predict.model import CoRunCoefficients, LatencyPredictor, ProfiledRange, SoloCoefficients
 from harvest.predict.schema import (
     READABLE_VERSIONS,
@@ -69,7 +69,7 @@ class ReplayProfile:
     description: str  # device, model, engine: one line for reports
     synthetic: bool
     device_kind: str
-    ladder: LadderSpec
+    ladder: Ladder
     buckets: BatchSizeBuckets
     profiled_range: ProfiledRange
     solo: tuple[SoloCoefficients, ...]
@@ -83,12 +83,6 @@ class ReplayProfile:
     @property
     def has_stage2(self) -> bool:
         return self.predictor is not None
-
-    def whole_gpu_level(self) -> int:
-        """The level decode runs on with the trainer paused: the one giving decode the
-        whole device (trainer-less if there are two), else the most decode SMs."""
-        levels = self.ladder.levels
-        return max(range(len(levels)), key=lambda i: (levels[i].decode_sms, levels[i].trainer_sms == 0, -i))
 
 
 def from_profile(profile: Profile, label: str) -> ReplayProfile:
@@ -155,7 +149,7 @@ def _stage1_only(data: dict, path: Path, reason: str) -> ReplayProfile:
     as ``Profile`` would read those fields."""
     where = str(path)
     try:
-        ladder = strict_json.from_jsonable(LadderSpec, _field(data, "ladder", where), f"{where}: profile.ladder")
+        ladder = strict_json.from_jsonable(Ladder, _field(data, "ladder", where), f"{where}: profile.ladder")
         stage1 = strict_json.from_jsonable(tuple[Stage1Fit, ...], _field(data, "stage1", where), f"{where}: profile.stage1")
         buckets = BatchSizeBuckets(strict_json.from_jsonable(tuple[int, ...], _field(data, "batch_size_buckets", where), "buckets"))
         profiled_range = strict_json.from_jsonable(ProfiledRange, _field(data, "profiled_range", where), f"{where}: profile.profiled_range")

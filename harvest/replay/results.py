@@ -30,7 +30,6 @@ import numpy as np
 from harvest.replay.policies import SEPARATE, STATIC, BasePolicy
 from harvest.replay.profile_source import ReplayProfile
 from harvest.replay.simulator import DecodeRun
-from harvest.schedule import WHOLE_GPU
 
 BASELINES = (SEPARATE, STATIC)
 
@@ -134,7 +133,7 @@ def summarise(
         "kv_capacity_gib": run.kv_capacity_tokens * kv_bytes_per_token / 2**30,
         "kv_held_mean_gib": held_time / horizon_s * kv_bytes_per_token / 2**30 if horizon_s > 0 else 0.0,
         "kv_held_peak_gib": (int(run.step_sum_context.max()) if run.num_steps else 0) * kv_bytes_per_token / 2**30,
-        "steps_by_level": {("whole_gpu" if lv == WHOLE_GPU else str(int(lv))): int(c) for lv, c in zip(levels, counts)},
+        "steps_by_level": {str(int(lv)): int(c) for lv, c in zip(levels, counts)},
         "extrapolated_step_fraction": float(1.0 - inside.mean()) if run.num_steps else 0.0,
         "trainer_idle_share": policy.idle_share,
         "end_s": run.end_s,

@@ -64,7 +64,7 @@ class DecodeRun:
     step_batch_size: np.ndarray
     step_sum_context: np.ndarray  # tokens held in KV during the step
     step_reserved_tokens: np.ndarray
-    step_level: np.ndarray  # level index, WHOLE_GPU (-1) when harvest paused the trainer
+    step_level: np.ndarray  # ladder level index (the whole-device level when harvest paused the trainer)
     step_trainer_share: np.ndarray
     arrival_s: np.ndarray
     admitted_s: np.ndarray

@@ -19,7 +19,7 @@ from typing import Sequence
 
 from harvest.predict.buckets import BatchSizeBuckets
 from harvest.predict.fit import FitQuality
-from harvest.predict.ladder import LadderSpec, LevelSpec
+from harvest.ladder import GREEN_CONTEXTS, Ladder, Level
 from harvest.predict.model import CoRunCoefficients, ProfiledRange, SoloCoefficients
 from harvest.predict.schema import (
     SCHEMA_NAME,
@@ -39,10 +39,10 @@ from harvest.predict.schema import (
 SYNTHETIC = "synthetic"
 # What harvest.compute.plan_ladder builds on a 108-SM A100 (compute capability 8.0,
 # 6 levels): decode near i/6 of the device, trainer the remainder, then the whole device.
-A100_LADDER = LadderSpec(
+A100_LADDER = Ladder(
     108,
-    (LevelSpec(18, 90), LevelSpec(36, 72), LevelSpec(54, 54), LevelSpec(72, 36), LevelSpec(90, 18), LevelSpec(108, 0)),
-    "green-context",
+    (Level(18, 90), Level(36, 72), Level(54, 54), Level(72, 36), Level(90, 18), Level(108, 0)),
+    GREEN_CONTEXTS,
 )
 # SGLang's default CUDA-graph capture sizes on a large GPU (1, 2, 4, 8, then every 8 to 256).
 SGLANG_BUCKETS = BatchSizeBuckets((1, 2, 4, 8) + tuple(range(16, 257, 8)))
@@ -50,7 +50,7 @@ HARLI_GRID = Grid((4, 16, 64), (64, 128, 256, 512))  # Harli §8.8: batch sizes 
 _EXACT = FitQuality(num_samples=1, mape=0.0, max_error=0.0, cv_mape=None)
 
 
-def harli_a100_solo(ladder: LadderSpec = A100_LADDER) -> list[SoloCoefficients]:
+def harli_a100_solo(ladder: Ladder = A100_LADDER) -> list[SoloCoefficients]:
     """Stage 1 per level: whole-GPU coefficients times ``(total / decode SMs) ** 0.6``
     (memory-bound decode slows sublinearly as it loses SMs, Harli fig. 9)."""
     coefficients = []
@@ -64,7 +64,7 @@ HARLI_A100_CORUN = CoRunCoefficients(b1=1.0, k1=1.3)  # a disjoint split slows d
 
 
 def build_profile(
-    ladder: LadderSpec,
+    ladder: Ladder,
     solo: Sequence[SoloCoefficients],
     corun: CoRunCoefficients,
     *,
@@ -128,7 +128,7 @@ def without_stage2(profile: Profile) -> dict:
     return data
 
 
-def _provenance(ladder: LadderSpec, device_name: str, model_name: str, description: str) -> Provenance:
+def _provenance(ladder: Ladder, device_name: str, model_name: str, description: str) -> Provenance:
     return Provenance(
         device_kind="cuda",
         device_name=device_name,

@@ -7,24 +7,20 @@ from harvest.schedule.controller import QoSController, SchedulerStats
 from harvest.schedule.margin import backoff_after, is_violation, margin_after
 from harvest.schedule.rule import advance, choose, closest_under, safest_under
 from harvest.schedule.snapshots import (
-    WHOLE_GPU,
     Decision,
     DecisionReason,
     SchedulerInput,
-    SchedulerLadder,
     SchedulerState,
     TrainerAction,
     TrainerState,
 )
 
 __all__ = [
-    "WHOLE_GPU",
     "Decision",
     "DecisionReason",
     "QoSController",
     "SchedulerConfig",
     "SchedulerInput",
-    "SchedulerLadder",
     "SchedulerState",
     "SchedulerStats",
     "TrainerAction",

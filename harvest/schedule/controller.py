@@ -2,7 +2,7 @@
 it decided. The policy itself lives in the pure functions of ``rule.py`` and
 ``margin.py``; this class only commits their results, so the per-step loop reads
 
-    decision = controller.decide(SchedulerInput(colo_ms, trainer_state, whole_gpu_ms))
+    decision = controller.decide(SchedulerInput(colo_ms, trainer_state, whole_device_ms))
     apply(decision); measured_ms = run_step()
     controller.observe_measurement(measured_ms)
 
@@ -17,8 +17,9 @@ import collections
 import dataclasses
 import logging
 import math
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
+from harvest.ladder import Ladder
 from harvest.logs import get_logger
 from harvest.schedule.config import SchedulerConfig
 from harvest.schedule.margin import backoff_after, margin_after
@@ -27,7 +28,6 @@ from harvest.schedule.snapshots import (
     Decision,
     DecisionReason,
     SchedulerInput,
-    SchedulerLadder,
     SchedulerState,
     TrainerAction,
 )
@@ -37,8 +37,8 @@ log = get_logger(__name__)
 
 @dataclasses.dataclass(frozen=True)
 class SchedulerStats:
-    """Counters since start. ``decisions_by_level`` is keyed by level index, WHOLE_GPU
-    (-1) included; ``num_colocated_violations`` counts violations with the trainer running
+    """Counters since start. ``decisions_by_level`` is keyed by level index (pauses count
+    on the whole-device level); ``num_colocated_violations`` counts violations with the trainer running
     (the ones the margin reacts to); ``num_backoffs`` the backoffs started."""
 
     num_decisions: int
@@ -71,21 +71,27 @@ class SchedulerStats:
 class QoSController:
     """Decides, before every decode step, the SM level and whether the trainer runs.
 
-    ``ladder`` is a :class:`SchedulerLadder` or anything
-    :meth:`SchedulerLadder.from_levels` accepts (e.g. the predictor's ``LadderSpec.levels``).
+    ``ladder`` is the device's harvest.ladder.Ladder, indexed as the predictor's levels;
+    at least one level must give the trainer SMs, else it could never run.
     """
 
-    def __init__(self, config: SchedulerConfig, ladder: SchedulerLadder | Sequence[Any]):
+    def __init__(self, config: SchedulerConfig, ladder: Ladder):
         if not isinstance(config, SchedulerConfig):
             raise ValueError(f"QoSController: config={config!r} must be a SchedulerConfig")
+        if not isinstance(ladder, Ladder):
+            raise ValueError(f"QoSController: ladder={ladder!r} must be a harvest.ladder.Ladder")
+        if not ladder.trainer_levels:
+            raise ValueError(
+                f"QoSController: no level of the {ladder.describe()} gives the trainer SMs, so it could never run; "
+                "add a level with trainer_sms > 0 (on a single shared device: decode_sms == trainer_sms == all SMs)"
+            )
         self.config = config
-        self.ladder = ladder if isinstance(ladder, SchedulerLadder) else SchedulerLadder.from_levels(ladder)
+        self.ladder = ladder
         self._state = SchedulerState.initial(config.initial_margin)
         self._ring: collections.deque[Decision] = collections.deque(maxlen=config.ring_size)
         self._awaiting_measurement: Decision | None = None
         self._reason_counts = {reason: 0 for reason in DecisionReason}
-        # Index level + 1, so WHOLE_GPU (-1) is slot 0 and no key lookup is needed.
-        self._level_counts = [0] * (self.ladder.num_levels + 1)
+        self._level_counts = [0] * ladder.num_levels  # a list: no key lookup per decision
         self._num_measurements = 0
         self._num_violations = 0
         self._num_colocated_violations = 0
@@ -115,7 +121,7 @@ class QoSController:
         return SchedulerStats(
             num_decisions=self._state.step,
             decisions_by_reason=reasons,
-            decisions_by_level={index - 1: count for index, count in enumerate(levels)},
+            decisions_by_level=dict(enumerate(levels)),
             num_measurements=self._num_measurements,
             num_violations=self._num_violations,
             num_colocated_violations=self._num_colocated_violations,
@@ -143,7 +149,7 @@ class QoSController:
         self._state = advance(self._state, decision)
         self._ring.append(decision)
         self._reason_counts[decision.reason] += 1
-        self._level_counts[decision.level_index + 1] += 1
+        self._level_counts[decision.level_index] += 1
         self._awaiting_measurement = decision
         return decision
 

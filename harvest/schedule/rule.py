@@ -4,7 +4,7 @@ policy can be replayed and tested step by step (STYLE: query first, mutate secon
 
 Harli's rule (§6.2): predict each SM level's co-located decode latency and run the level
 closest to, but under, the QoS target; if none fits, pause the trainer and give decode
-the whole GPU; if the trainer is starved waiting on a swap-in, give decode every SM for
+the whole device (the ladder's last level); if the trainer is starved waiting on a swap-in, give decode every SM for
 that step. "Closest under" is the throughput choice: finetune throughput is highest when
 decode runs just under its target, because decode then leaves the most memory bandwidth
 to the trainer (§5.2.3). harvest adds (DESIGN.md, "Beyond Harli"):
@@ -32,13 +32,12 @@ from __future__ import annotations
 
 import math
 
+from harvest.ladder import Ladder
 from harvest.schedule.config import SchedulerConfig
 from harvest.schedule.snapshots import (
-    WHOLE_GPU,
     Decision,
     DecisionReason,
     SchedulerInput,
-    SchedulerLadder,
     SchedulerState,
     TrainerAction,
     TrainerState,
@@ -58,15 +57,14 @@ _REASON_WHEN_TRAINER_CANNOT_RUN = {
     TrainerState.STOPPED: DecisionReason.TRAINER_STOPPED,
     TrainerState.ABSENT: DecisionReason.NO_TRAINER,
 }
-TRAINER_CANNOT_RUN_REASONS = frozenset(_REASON_WHEN_TRAINER_CANNOT_RUN.values())
 
 
-def closest_under(ladder: SchedulerLadder, colo_ms: tuple[float, ...], budget_ms: float) -> int:
+def closest_under(ladder: Ladder, colo_ms: tuple[float, ...], budget_ms: float) -> int | None:
     """Harli's choice: the trainer level with the highest predicted latency ≤ ``budget_ms``,
-    or WHOLE_GPU if none. Ties go to more trainer SMs, then the lower index. Predictions
+    or None if none fits. Ties go to more trainer SMs, then the lower index. Predictions
     that are NaN, ±inf or ≤ 0 never fit (the chained comparison is False for them)."""
     trainer_sms = ladder.trainer_sms
-    best, best_ms, best_sms = WHOLE_GPU, -math.inf, -1
+    best, best_ms, best_sms = None, -math.inf, -1
     for level in ladder.trainer_levels:
         ms = colo_ms[level]
         if 0.0 < ms <= budget_ms and (ms > best_ms or (ms == best_ms and trainer_sms[level] > best_sms)):
@@ -74,11 +72,11 @@ def closest_under(ladder: SchedulerLadder, colo_ms: tuple[float, ...], budget_ms
     return best
 
 
-def safest_under(ladder: SchedulerLadder, colo_ms: tuple[float, ...], budget_ms: float) -> int:
+def safest_under(ladder: Ladder, colo_ms: tuple[float, ...], budget_ms: float) -> int | None:
     """The floor's choice: the trainer level with the lowest predicted latency ≤
-    ``budget_ms`` (the least QoS risk), or WHOLE_GPU. Ties as in :func:`closest_under`."""
+    ``budget_ms`` (the least QoS risk), or None. Ties as in :func:`closest_under`."""
     trainer_sms = ladder.trainer_sms
-    best, best_ms, best_sms = WHOLE_GPU, math.inf, -1
+    best, best_ms, best_sms = None, math.inf, -1
     for level in ladder.trainer_levels:
         ms = colo_ms[level]
         if 0.0 < ms <= budget_ms and (ms < best_ms or (ms == best_ms and trainer_sms[level] > best_sms)):
@@ -97,10 +95,11 @@ def floor_budget_ms(config: SchedulerConfig, margin: float) -> float:
 
 
 def choose(
-    config: SchedulerConfig, ladder: SchedulerLadder, state: SchedulerState, snapshot: SchedulerInput
+    config: SchedulerConfig, ladder: Ladder, state: SchedulerState, snapshot: SchedulerInput
 ) -> Decision:
     """The decision for the next decode step. Pure: raises ValueError on a snapshot that
-    does not match the ladder, and changes nothing either way."""
+    does not match the ladder, and changes nothing either way. A pause decision's level
+    is the ladder's whole-device level."""
     colo = snapshot.predicted_colo_ms
     if len(colo) != len(ladder.trainer_sms):
         raise ValueError(
@@ -120,7 +119,9 @@ def choose(
                 f"SchedulerInput.trainer_state={trainer_state!r}: must be a TrainerState "
                 f"({', '.join(s.name for s in TrainerState)})"
             )
-        return Decision(state.step, WHOLE_GPU, _PAUSE, reason, margin, budget, snapshot.predicted_whole_gpu_ms)
+        return Decision(
+            state.step, ladder.whole_device_index, _PAUSE, reason, margin, budget, snapshot.predicted_whole_device_ms
+        )
     try:
         best = closest_under(ladder, colo, budget)
     except TypeError:
@@ -130,13 +131,15 @@ def choose(
         ) from None
 
     if state.step < state.backoff_until:
-        return Decision(state.step, WHOLE_GPU, _PAUSE, _BACKOFF, margin, budget, snapshot.predicted_whole_gpu_ms)
-    if best == WHOLE_GPU:
+        return Decision(
+            state.step, ladder.whole_device_index, _PAUSE, _BACKOFF, margin, budget, snapshot.predicted_whole_device_ms
+        )
+    if best is None:
         return _floor_or_pause(config, ladder, state, snapshot, budget, _NONE_FITS)
     reference = state.reference_level
     if best == reference:
         return Decision(state.step, best, _RUN, _FITS, margin, budget, colo[best])
-    if reference == WHOLE_GPU:
+    if reference is None:
         # Resuming after a QoS pause: wait out the hysteresis, so a load hovering at the
         # threshold does not pause and resume the trainer on alternate steps.
         if state.hold_streak + 1 >= config.hysteresis_steps:
@@ -156,7 +159,7 @@ def choose(
 
 def _floor_or_pause(
     config: SchedulerConfig,
-    ladder: SchedulerLadder,
+    ladder: Ladder,
     state: SchedulerState,
     snapshot: SchedulerInput,
     budget: float,
@@ -168,11 +171,13 @@ def _floor_or_pause(
     if after is not None and state.paused_steps >= after:
         floor_budget = floor_budget_ms(config, state.margin)
         level = safest_under(ladder, snapshot.predicted_colo_ms, floor_budget)
-        if level != WHOLE_GPU:
+        if level is not None:
             return Decision(
                 state.step, level, _RUN, _FLOOR, state.margin, floor_budget, snapshot.predicted_colo_ms[level]
             )
-    return Decision(state.step, WHOLE_GPU, _PAUSE, reason, state.margin, budget, snapshot.predicted_whole_gpu_ms)
+    return Decision(
+        state.step, ladder.whole_device_index, _PAUSE, reason, state.margin, budget, snapshot.predicted_whole_device_ms
+    )
 
 
 def advance(state: SchedulerState, decision: Decision) -> SchedulerState:
@@ -183,14 +188,14 @@ def advance(state: SchedulerState, decision: Decision) -> SchedulerState:
     if reason is _FITS or reason is _FLOOR:
         return SchedulerState(step, decision.level_index, 0, 0, margin, until, length)
     if reason is _HOLD:
-        paused_steps = state.paused_steps + 1 if decision.level_index == WHOLE_GPU else 0
+        paused_steps = state.paused_steps + 1 if decision.trainer_action is _PAUSE else 0
         return SchedulerState(step, state.reference_level, state.hold_streak + 1, paused_steps, margin, until, length)
     if reason is _NONE_FITS:
-        return SchedulerState(step, WHOLE_GPU, 0, state.paused_steps + 1, margin, until, length)
+        return SchedulerState(step, None, 0, state.paused_steps + 1, margin, until, length)
     if reason is _BACKOFF:
         # Like a QoS pause, but the floor's count starts afresh when the backoff ends: the
         # floor's steps are the riskiest, the last thing to run right after one.
-        return SchedulerState(step, WHOLE_GPU, 0, 0, margin, until, length)
+        return SchedulerState(step, None, 0, 0, margin, until, length)
     # The trainer could not run: neither a QoS pause nor progress, so the hysteresis and
     # floor counters stand still and the trainer returns to its level when it can.
     return SchedulerState(step, state.reference_level, state.hold_streak, state.paused_steps, margin, until, length)

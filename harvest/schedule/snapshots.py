@@ -1,11 +1,11 @@
-"""What the QoS scheduler reads and returns: the static ladder, the per-step input
-snapshot, the decision, and the scheduler's own state between steps.
+"""What the QoS scheduler reads and returns: the per-step input snapshot, the decision,
+and the scheduler's own state between steps.
 
-The ladder's SM counts are fixed at start-up (DESIGN.md §4: the green-context ladder is
-created once), so they are validated once in :class:`SchedulerLadder`; the per-step
-:class:`SchedulerInput` carries only what changes every step — one predicted latency per
-level and the trainer's state. Building it costs one small tuple per step, where a
-dataclass per level would cost ~0.6 µs each (measured, CPython 3.11).
+The ladder (harvest.ladder.Ladder) is fixed at start-up (DESIGN.md §4: the green-context
+ladder is created once) and validated then; the per-step :class:`SchedulerInput` carries
+only what changes every step — one predicted latency per level and the trainer's state.
+Building it costs one small tuple per step, where a dataclass per level would cost
+~0.6 µs each (measured, CPython 3.11).
 
 The three records built every step (input, decision, state) are NamedTuples: immutable
 like a frozen dataclass, but built in ~0.25 µs instead of ~0.8-0.9 µs (a frozen
@@ -18,14 +18,9 @@ milliseconds) into a :class:`SchedulerInput`, so either side can change alone.
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import math
-from typing import Any, NamedTuple, Sequence
-
-WHOLE_GPU = -1
-"""``Decision.level_index`` when decode gets every SM and the trainer is paused. It is not
-a ladder level: the runtime runs decode on its full-device stream."""
+from typing import Any, NamedTuple
 
 
 class TrainerState(str, enum.Enum):
@@ -41,7 +36,7 @@ class TrainerState(str, enum.Enum):
 
 class TrainerAction(str, enum.Enum):
     RUN = "run"  # the trainer runs on the chosen level's trainer stream
-    PAUSE = "pause"  # the trainer waits at its next unit boundary; decode has the whole GPU
+    PAUSE = "pause"  # the trainer waits at its next unit boundary; decode runs on the whole-device level
 
 
 class DecisionReason(str, enum.Enum):
@@ -56,66 +51,6 @@ class DecisionReason(str, enum.Enum):
     NO_TRAINER = "no_trainer"
 
 
-@dataclasses.dataclass(frozen=True)
-class SchedulerLadder:
-    """The SM ladder as the scheduler needs it: ``decode_sms[i]`` and ``trainer_sms[i]``
-    of level ``i``, indexed exactly as the predictor's levels.
-
-    Levels giving the trainer no SMs cannot run it and are never chosen; at least one
-    level must give the trainer SMs. On a CPU or a GPU without green contexts the ladder
-    is one level where both share the whole device (``decode_sms == trainer_sms``).
-    """
-
-    decode_sms: tuple[int, ...]
-    trainer_sms: tuple[int, ...]
-    trainer_levels: tuple[int, ...] = dataclasses.field(init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        decode, trainer = tuple(self.decode_sms), tuple(self.trainer_sms)
-        if not decode:
-            raise ValueError("SchedulerLadder: the ladder is empty; give at least one (decode_sms, trainer_sms) level")
-        if len(decode) != len(trainer):
-            raise ValueError(
-                f"SchedulerLadder: {len(decode)} decode_sms but {len(trainer)} trainer_sms; give one of each per level"
-            )
-        for index, (d, t) in enumerate(zip(decode, trainer)):
-            if isinstance(d, bool) or not isinstance(d, int) or d < 1:
-                raise ValueError(
-                    f"SchedulerLadder.decode_sms[{index}]={d!r}: must be an integer >= 1 (decode needs SMs)"
-                )
-            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
-                raise ValueError(f"SchedulerLadder.trainer_sms[{index}]={t!r}: must be an integer >= 0")
-        trainer_levels = tuple(i for i, t in enumerate(trainer) if t > 0)
-        if not trainer_levels:
-            raise ValueError(
-                f"SchedulerLadder.trainer_sms={trainer!r}: no level gives the trainer SMs, so it could never run; "
-                "add a level with trainer_sms > 0 (on a single shared device: decode_sms == trainer_sms == all SMs)"
-            )
-        object.__setattr__(self, "decode_sms", decode)
-        object.__setattr__(self, "trainer_sms", trainer)
-        object.__setattr__(self, "trainer_levels", trainer_levels)
-
-    @classmethod
-    def from_levels(cls, levels: Sequence[Any]) -> "SchedulerLadder":
-        """From objects with ``decode_sms`` and ``trainer_sms`` attributes (such as the
-        predictor's ``LadderSpec.levels``) or ``(decode_sms, trainer_sms)`` pairs."""
-        decode, trainer = [], []
-        for index, level in enumerate(levels):
-            if hasattr(level, "decode_sms") and hasattr(level, "trainer_sms"):
-                decode.append(level.decode_sms)
-                trainer.append(level.trainer_sms)
-            elif isinstance(level, (tuple, list)) and len(level) == 2:
-                decode.append(level[0])
-                trainer.append(level[1])
-            else:
-                raise ValueError(f"SchedulerLadder levels[{index}]={level!r}: expected (decode_sms, trainer_sms)")
-        return cls(tuple(decode), tuple(trainer))
-
-    @property
-    def num_levels(self) -> int:
-        return len(self.decode_sms)
-
-
 class SchedulerInput(NamedTuple):
     """One decode step as the scheduler sees it (checked by ``choose``, not here).
 
@@ -125,13 +60,13 @@ class SchedulerInput(NamedTuple):
       fit: pass NaN for a batch the profile does not cover (e.g. prefill or mixed batches
       on a non-disaggregated server) and the trainer is paused for it.
     - ``trainer_state``: see :class:`TrainerState`.
-    - ``predicted_whole_gpu_ms``: predicted latency with the trainer paused and decode on
-      every SM; reported in whole-GPU decisions only (NaN if unknown).
+    - ``predicted_whole_device_ms``: predicted latency with the trainer paused and decode
+      on the whole-device level; reported in pause decisions only (NaN if unknown).
     """
 
     predicted_colo_ms: tuple[float, ...]
     trainer_state: TrainerState
-    predicted_whole_gpu_ms: float = math.nan
+    predicted_whole_device_ms: float = math.nan
 
 
 def _json_float(value: float) -> float | None:
@@ -141,11 +76,13 @@ def _json_float(value: float) -> float | None:
 class Decision(NamedTuple):
     """What to do for one decode step.
 
-    Invariant: ``level_index == WHOLE_GPU`` exactly when ``trainer_action`` is PAUSE.
+    ``level_index`` is always a level of the ladder. Invariant: when ``trainer_action`` is
+    PAUSE it is the ladder's ``whole_device_index`` (decode alone on every SM); when RUN
+    it is a level giving the trainer SMs (on a one-level shared ladder, that same level).
     ``margin`` is the feedback margin in force; ``budget_ms`` the latency the chosen level
     was checked against (``target × (1 − margin)``, or the floor's relaxed target for
     FLOOR); ``predicted_ms`` the predicted latency of the step as decided (the level's
-    co-located prediction, or the whole-GPU prediction when paused, possibly NaN).
+    co-located prediction, or the whole-device prediction when paused, possibly NaN).
     """
 
     step: int
@@ -178,9 +115,11 @@ class SchedulerState(NamedTuple):
 
     - ``step``: decisions made so far (the next decision's ``step``).
     - ``reference_level``: the level in force for hysteresis — the last level chosen for
-      a runnable trainer, or WHOLE_GPU after a QoS pause (and at start). Steps in which
-      the trainer could not run (starved, paused by the operator, ...) leave it alone,
-      so a starved trainer returns to its level without waiting out the hysteresis.
+      a runnable trainer, or None after a QoS pause (and at start): no trainer level is
+      in force. (Not the whole-device index: on a one-level shared ladder that level is
+      also the trainer's, and resuming there must still wait out the hysteresis.) Steps
+      in which the trainer could not run (starved, paused by the operator, ...) leave it
+      alone, so a starved trainer returns to its level without waiting out the hysteresis.
     - ``hold_streak``: consecutive hysteresis holds (a better level existed).
     - ``paused_steps``: consecutive steps in which a runnable trainer was kept paused.
     - ``margin``: the feedback margin in force.
@@ -189,7 +128,7 @@ class SchedulerState(NamedTuple):
     """
 
     step: int
-    reference_level: int
+    reference_level: int | None
     hold_streak: int
     paused_steps: int
     margin: float
@@ -200,4 +139,4 @@ class SchedulerState(NamedTuple):
     def initial(cls, initial_margin: float) -> "SchedulerState":
         """Start as if resuming from a pause: the trainer first runs once a level has fit
         for ``hysteresis_steps`` consecutive steps."""
-        return cls(0, WHOLE_GPU, 0, 0, initial_margin, 0, 0)
+        return cls(0, None, 0, 0, initial_margin, 0, 0)

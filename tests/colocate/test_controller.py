@@ -10,7 +10,7 @@ import pytest
 from harvest.colocate import StepController, StepLoad
 from harvest.compute import create_partitioner
 from harvest.predict.buckets import BatchSizeBuckets
-from harvest.predict.ladder import LadderSpec
+from harvest.ladder import Ladder
 from harvest.predict.model import CoRunCoefficients, LatencyPredictor, ProfiledRange, SoloCoefficients
 from harvest.schedule import DecisionReason, QoSController, SchedulerConfig, TrainerAction, TrainerState
 
@@ -36,11 +36,11 @@ class ScriptedHost:
 
 def controller(target_ms, host, phases=True, margin=0.05):
     partitioner = create_partitioner("cpu")
-    ladder = LadderSpec.whole_device(1)
+    ladder = Ladder.whole_device(1)
     by_phase = {"forward": CoRunCoefficients(1.0, 1.0), "backward": CoRunCoefficients(0.6, 0.6)} if phases else None
     predictor = LatencyPredictor(ladder, BatchSizeBuckets(), [SOLO], CoRunCoefficients(0.8, 0.8),
                                  ProfiledRange(1, 64, 0.0, 1e6), corun_by_phase=by_phase)
-    qos = QoSController(SchedulerConfig(target_tpot_ms=target_ms, initial_margin=margin, hysteresis_steps=1), partitioner.levels)
+    qos = QoSController(SchedulerConfig(target_tpot_ms=target_ms, initial_margin=margin, hysteresis_steps=1), partitioner.ladder)
     return StepController(partitioner=partitioner, qos=qos, trainer_host=host, predictor=predictor, target_tpot_ms=target_ms)
 
 

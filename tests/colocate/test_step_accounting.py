@@ -60,8 +60,9 @@ class _Lending:
 def _colocation(every: int = 1) -> Colocation:
     config = types.SimpleNamespace(qos=types.SimpleNamespace(target_tpot_ms=40.0),
                                    trainer=types.SimpleNamespace(cpu_threads=1, nice=2))
-    colocation = Colocation(config=config, partitioner=types.SimpleNamespace(description="cpu"), control=_Control(),
-                            trainer_host=None, lending=_Lending(), timer=CpuStepTimer(), metrics=None, refiner=None)
+    colocation = Colocation(config=config, partitioner=types.SimpleNamespace(description="cpu", current_index=0),
+                            control=_Control(), trainer_host=None, lending=_Lending(), timer=CpuStepTimer(), metrics=None,
+                            refiner=None)
     colocation.profiler.every = every  # account every step (7 on a server)
     return colocation
 

@@ -62,12 +62,13 @@ def assert_everything_released(lines: list[str]) -> None:
 
 
 BUILD_AND_CLOSE = """
-ladder = g.NativeLadder(0, [24, 60, 132])
-levels = [(lv.decode_sms, lv.trainer_sms, bool(lv.decode_stream), bool(lv.trainer_stream)) for lv in ladder.levels]
+handle = g.LadderHandle(0, [24, 60, 132])
+levels = [(lv.decode_sms, lv.trainer_sms, bool(lv.decode_stream), bool(lv.trainer_stream)) for lv in handle.ladder.levels]
 current = ctypes.CDLL("libcuda.so.1").fake_current_context_id()
-g.launch_spin_kernel(ladder.levels[1].decode_stream, 10, 5)
-ladder.close()
-print(json.dumps({"levels": levels, "green_stream_api": ladder.green_stream_api, "current_after_build": current}))
+g.launch_spin_kernel(handle.ladder.levels[1].decode_stream, 10, 5)
+handle.close()
+print(json.dumps({"levels": levels, "green_stream_api": handle.green_stream_api, "current_after_build": current,
+                  "total_sms": handle.ladder.total_sms, "whole_device_index": handle.ladder.whole_device_index}))
 """
 
 
@@ -76,6 +77,7 @@ def test_ladder_is_built_from_one_split_per_level_and_torn_down_in_order(fake_dr
     # 60 is rounded up to the fake's granularity of 8: the reported counts are realised ones.
     assert result["levels"] == [[24, 108, True, True], [64, 68, True, True], [132, 0, True, False]]
     assert result["green_stream_api"] and result["current_after_build"] == -1
+    assert (result["total_sms"], result["whole_device_index"]) == (132, 2)
     assert [line for line in lines if line.startswith("split")] == [
         "split asked=24 group=24 remainder=108",
         "split asked=60 group=64 remainder=68",
@@ -113,7 +115,7 @@ def test_driver_12_4_streams_fall_back_to_the_converted_context(fake_driver_dir,
 def test_failure_half_way_releases_everything_and_names_the_call(fake_driver_dir, tmp_path):
     script = """
     try:
-        g.NativeLadder(0, [24, 64, 132])
+        g.LadderHandle(0, [24, 64, 132])
     except g.GreenContextError as error:
         print(json.dumps({"status": error.status, "message": str(error)}))
     """
@@ -129,7 +131,7 @@ def test_a_driver_older_than_12_4_is_refused_naming_the_version(fake_driver_dir,
     script = """
     info = g.query_device(0)
     errors = []
-    for call in (lambda: g.NativeLadder(0, [64, 132]), lambda: g.split_preview(0, 64)):
+    for call in (lambda: g.LadderHandle(0, [64, 132]), lambda: g.split_preview(0, 64)):
         try:
             call()
         except g.GreenContextsUnavailable as error:
@@ -147,9 +149,9 @@ def test_a_driver_older_than_12_4_is_refused_naming_the_version(fake_driver_dir,
 def test_bad_requests_reach_the_driver_check_and_are_refused(fake_driver_dir, tmp_path):
     script = """
     out = {}
-    for name, call in (("too_many", lambda: g.NativeLadder(0, [64, 200])),
+    for name, call in (("too_many", lambda: g.LadderHandle(0, [64, 200])),
                        ("no_device", lambda: g.split_preview(3, 64)),
-                       ("nothing_left", lambda: g.NativeLadder(0, [130, 132]))):
+                       ("nothing_left", lambda: g.LadderHandle(0, [130, 132]))):
         try:
             call()
         except g.GreenContextError as error:
@@ -204,8 +206,8 @@ def test_partitioner_start_up_failure_after_the_build_releases_the_real_ladder(f
 def test_a_ladder_dropped_without_close_is_released_by_the_finalizer(fake_driver_dir, tmp_path):
     script = """
     import gc, os
-    ladder = g.NativeLadder(0, [64, 132])
-    del ladder
+    handle = g.LadderHandle(0, [64, 132])
+    del handle
     gc.collect()
     with open(os.environ["FAKE_CUDA_LOG"], "a") as log:
         print("python: collected", file=log)

@@ -53,11 +53,11 @@ class Spin:
     """The calibration kernel sized for this GPU: `blocks` blocks of `iterations`."""
 
     def __init__(self, partitioner):
-        self.total_sms = partitioner.levels[-1].decode_sms
+        self.total_sms = partitioner.ladder.levels[-1].decode_sms
         self.blocks = self.total_sms * RESIDENT_BLOCKS_PER_SM * WAVES_ON_WHOLE_GPU
         self.iterations = 1000
-        whole = partitioner.levels[-1].decode_stream
-        for level in partitioner.levels:  # first launch in each context loads the kernel
+        whole = partitioner.ladder.levels[-1].decode_stream
+        for level in partitioner.ladder.levels:  # first launch in each context loads the kernel
             for stream in (level.decode_stream, level.trainer_stream):
                 if stream is not None:
                     self.run(stream, blocks=1, iterations=1)
@@ -94,7 +94,7 @@ def test_ladder_is_built_as_planned(partitioner):
     props = greenctx_lib.query_device(0)
     planned = plan_for_device(props, 6)
     constraints = planned.constraints
-    levels = partitioner.levels
+    levels = partitioner.ladder.levels
     total = props.sm_count
     assert partitioner.spatial and 2 <= len(levels) <= 8
     assert (levels[-1].decode_sms, levels[-1].trainer_sms, levels[-1].trainer_stream) == (total, 0, None)
@@ -102,7 +102,7 @@ def test_ladder_is_built_as_planned(partitioner):
     assert decodes == sorted(set(decodes))
     handles = set()
     for level in levels[:-1]:
-        assert level.spatial and level.decode_sms + level.trainer_sms == total, level
+        assert level.decode_sms + level.trainer_sms == total, level
         assert level.decode_sms >= constraints.min_decode_sms and level.trainer_sms >= constraints.min_trainer_sms
         handles |= {level.decode_stream.cuda_stream, level.trainer_stream.cuda_stream}
     handles.add(levels[-1].decode_stream.cuda_stream)
@@ -124,7 +124,7 @@ def test_ladder_is_built_as_planned(partitioner):
 def test_each_stream_runs_kernels(partitioner, torch_cuda):
     torch = torch_cuda
     n = 1 << 20
-    for level in partitioner.levels:
+    for level in partitioner.ladder.levels:
         for stream in (level.decode_stream, level.trainer_stream):
             if stream is None:
                 continue
@@ -138,7 +138,7 @@ def test_each_stream_runs_kernels(partitioner, torch_cuda):
 
 def test_compute_bound_kernel_slows_by_total_over_k(partitioner, spin):
     rows = []
-    for level in partitioner.levels[:-1]:
+    for level in partitioner.ladder.levels[:-1]:
         for side, sms, stream in (("decode", level.decode_sms, level.decode_stream),
                                   ("trainer", level.trainer_sms, level.trainer_stream)):
             ratio = spin.time(stream) / spin.whole_gpu_seconds
@@ -150,7 +150,7 @@ def test_compute_bound_kernel_slows_by_total_over_k(partitioner, spin):
 
 
 def test_decode_partition_is_not_slowed_by_a_trainer_kernel(partitioner, spin):
-    level = partitioner.levels[len(partitioner.levels) // 2 - 1]
+    level = partitioner.ladder.levels[len(partitioner.ladder.levels) // 2 - 1]
     solo = spin.time(level.decode_stream)
     # Start a trainer kernel that outlasts the decode one, then time decode alone.
     long_trainer = max(1, int(spin.iterations * 3 * solo / spin.time(level.trainer_stream)))
@@ -169,7 +169,7 @@ def test_decode_partition_is_not_slowed_by_a_trainer_kernel(partitioner, spin):
 
 def test_cuda_graph_captured_on_a_level_stays_within_it(partitioner, spin, torch_cuda):
     torch = torch_cuda
-    level = partitioner.levels[len(partitioner.levels) // 2 - 1]
+    level = partitioner.ladder.levels[len(partitioner.ladder.levels) // 2 - 1]
     stream = level.decode_stream
     eager = spin.time(stream)
     graph = torch.cuda.CUDAGraph()
@@ -197,7 +197,7 @@ def test_factory_builds_green_contexts_and_ladders_can_be_rebuilt(torch_cuda):
     for _ in range(2):  # close releases everything: a second ladder builds the same
         partitioner = create_partitioner("cuda:0", levels=4)
         assert isinstance(partitioner, GreenContextPartitioner), partitioner.description
-        counts = [(lv.decode_sms, lv.trainer_sms) for lv in partitioner.levels]
+        counts = [(lv.decode_sms, lv.trainer_sms) for lv in partitioner.ladder.levels]
         partitioner.close()
         partitioner.close()
     assert len(counts) == 4
@@ -207,8 +207,9 @@ def test_whole_device_fallback_runs_on_the_gpu(torch_cuda):
     from harvest.compute import WholeDevicePartitioner
 
     with WholeDevicePartitioner("cuda:0", reason="test") as partitioner:
-        (level,) = partitioner.levels
-        assert level.total_sms == torch_cuda.cuda.get_device_properties(0).multi_processor_count
+        (level,) = partitioner.ladder.levels
+        assert partitioner.ladder.total_sms == torch_cuda.cuda.get_device_properties(0).multi_processor_count
+        assert level.decode_sms == level.trainer_sms == partitioner.ladder.total_sms
         for stream in (level.decode_stream, level.trainer_stream):
             greenctx_lib.launch_spin_kernel(stream.cuda_stream, 64, 100)
             stream.synchronize()

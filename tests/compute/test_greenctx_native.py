@@ -35,7 +35,7 @@ def test_device_query_reports_no_driver_through_python():
     "call",
     [
         lambda: greenctx_lib.split_preview(0, 64),
-        lambda: greenctx_lib.NativeLadder(0, [64, 132]),
+        lambda: greenctx_lib.LadderHandle(0, [64, 132]),
         lambda: greenctx_lib.launch_spin_kernel(0x1234, 132, 10),
     ],
     ids=["split_preview", "ladder_create", "spin_kernel"],
@@ -59,7 +59,7 @@ def test_valid_calls_without_a_driver_say_no_driver(call):
 )
 def test_ladder_arguments_are_checked_before_the_driver(decode_sms, message):
     with pytest.raises(GreenContextError, match=message) as info:
-        greenctx_lib.NativeLadder(0, decode_sms)
+        greenctx_lib.LadderHandle(0, decode_sms)
     assert info.value.status == greenctx_lib.HGC_ERR_INVALID
 
 

@@ -17,15 +17,13 @@ import pytest
 
 from harvest.compute.ladder import (
     MAX_LEVELS,
-    LadderError,
-    PartitionConstraints,
     arch_constraints,
     check_driver_version,
     device_constraints,
     plan_ladder,
     realisable_decode_counts,
-    whole_device_plan,
 )
+from harvest.ladder import GREEN_CONTEXTS, WHOLE_DEVICE, Ladder, LadderError, PartitionConstraints
 
 GPUS = {
     "H100 SXM": (132, (9, 0)),
@@ -44,7 +42,7 @@ GPUS = {
 
 def assert_valid(plan, total_sms, constraints):
     levels = plan.levels
-    assert plan.total_sms == total_sms and plan.spatial
+    assert plan.total_sms == total_sms and plan.spatial and plan.realisation == GREEN_CONTEXTS
     assert 2 <= len(levels) <= MAX_LEVELS
     assert (levels[-1].decode_sms, levels[-1].trainer_sms) == (total_sms, 0)
     assert plan.whole_device_index == len(levels) - 1
@@ -55,7 +53,6 @@ def assert_valid(plan, total_sms, constraints):
         assert level.decode_sms >= constraints.min_decode_sms
         assert level.decode_sms % constraints.step_sms == 0
         assert level.trainer_sms >= constraints.min_trainer_sms
-        assert not level.shared
 
 
 @pytest.mark.parametrize("gpu", sorted(GPUS))
@@ -239,21 +236,24 @@ def test_green_context_drivers_pass(version):
     check_driver_version(version)
 
 
-def test_whole_device_plan_is_one_shared_level():
-    plan = whole_device_plan(132, "driver 12.2")
-    assert not plan.spatial and plan.constraints is None
-    assert [(lv.decode_sms, lv.trainer_sms, lv.shared) for lv in plan.levels] == [(132, 132, True)]
+def test_whole_device_ladder_is_one_shared_level():
+    plan = Ladder.whole_device(132, "driver 12.2")
+    assert not plan.spatial and plan.constraints is None and plan.realisation == WHOLE_DEVICE
+    assert [(lv.decode_sms, lv.trainer_sms) for lv in plan.levels] == [(132, 132)]
+    assert plan.whole_device_index == 0 and plan.trainer_levels == (0,)
     assert "no spatial partitioning" in plan.describe() and "driver 12.2" in plan.describe()
     with pytest.raises(LadderError, match="total_sms=0"):
-        whole_device_plan(0, "x")
+        Ladder.whole_device(0, "x")
 
 
 def test_plans_serialise_to_json():
-    spatial = json.loads(json.dumps(plan_ladder(132, (9, 0), 4).as_dict()))
-    assert spatial["spatial"] and spatial["levels"][-1] == {"decode_sms": 132, "trainer_sms": 0, "shared": False}
-    assert spatial["constraints"]["step_sms"] == 8
-    shared = json.loads(json.dumps(whole_device_plan(1, "CPU device").as_dict()))
-    assert not shared["spatial"] and shared["note"] == "CPU device"
+    plan = plan_ladder(132, (9, 0), 4)
+    spatial = json.loads(json.dumps(plan.to_dict()))
+    assert spatial["partitioner"] == GREEN_CONTEXTS and spatial["levels"][-1] == {"decode_sms": 132, "trainer_sms": 0}
+    assert plan.constraints.step_sms == 8
+    assert Ladder.from_dict(spatial) == plan  # the planning record (constraints) is not part of the split
+    shared = json.loads(json.dumps(Ladder.whole_device(1, "CPU device").to_dict()))
+    assert shared == {"total_sms": 1, "partitioner": WHOLE_DEVICE, "levels": [{"decode_sms": 1, "trainer_sms": 1}]}
 
 
 def test_planning_imports_and_runs_with_torch_unimportable():
@@ -269,7 +269,7 @@ def test_planning_imports_and_runs_with_torch_unimportable():
         import harvest.compute  # the whole package imports torch only where streams are made
         plan = plan_ladder(132, (9, 0), 6)
         partitioner = harvest.compute.create_partitioner("cpu")
-        assert partitioner.levels[0].decode_stream is None
+        assert partitioner.ladder.levels[0].decode_stream is None
         assert "torch" not in sys.modules
         print(plan.describe())
         """

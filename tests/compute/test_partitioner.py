@@ -7,6 +7,7 @@ test_greenctx_gpu.py.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import tracemalloc
@@ -15,8 +16,9 @@ import pytest
 
 from harvest.compute import factory, green_partitioner, greenctx_lib
 from harvest.compute.greenctx_lib import DeviceProperties, GreenContextError, GreenContextsUnavailable
-from harvest.compute.ladder import LadderError, plan_ladder
-from harvest.compute.partitioner import BasePartitioner, Level, WholeDevicePartitioner, _parse_device
+from harvest.compute.ladder import plan_ladder
+from harvest.compute.partitioner import BasePartitioner, WholeDevicePartitioner, _parse_device
+from harvest.ladder import GREEN_CONTEXTS, Ladder, LadderError, Level
 from tests.conftest import gpu_unavailable_reason
 
 NO_GPU = gpu_unavailable_reason() is not None
@@ -25,16 +27,15 @@ NO_GPU = gpu_unavailable_reason() is not None
 class LadderOfFakeLevels(BasePartitioner):
     """A spatial ladder without a device, to exercise the base class alone."""
 
-    spatial = True
     description = "fake"
 
     def __init__(self, plan):
         self.released = 0
         levels = tuple(
-            Level(i, lv.decode_sms, lv.trainer_sms, plan.total_sms, True, f"d{i}", f"t{i}" if lv.trainer_sms else None)
+            Level(lv.decode_sms, lv.trainer_sms, f"d{i}", f"t{i}" if lv.trainer_sms else None)
             for i, lv in enumerate(plan.levels)
         )
-        super().__init__(plan, levels)
+        super().__init__(dataclasses.replace(plan, levels=levels))
 
     def _release(self):
         self.released += 1
@@ -56,13 +57,13 @@ def test_cpu_partitioner_is_one_honest_shared_level():
     with WholeDevicePartitioner("cpu") as partitioner:
         assert not partitioner.spatial
         assert "no spatial partitioning" in partitioner.description
-        (level,) = partitioner.levels
-        assert not level.spatial and level.decode_stream is None and level.trainer_stream is None
-        assert level.decode_sms == level.trainer_sms == level.total_sms
-        assert level.decode_fraction == level.trainer_fraction == 1.0
-        assert partitioner.current is level and partitioner.whole_device_index == 0
+        ladder = partitioner.ladder
+        (level,) = ladder.levels
+        assert not ladder.spatial and level.decode_stream is None and level.trainer_stream is None
+        assert level.decode_sms == level.trainer_sms == ladder.total_sms
+        assert ladder.decode_fraction(0) == ladder.trainer_fraction(0) == 1.0
+        assert partitioner.current is level and ladder.whole_device_index == 0 and partitioner.current_index == 0
         assert partitioner.select(0) is level
-        assert not partitioner.plan.spatial and partitioner.plan.levels[0].shared
     assert partitioner.closed
     with pytest.raises(RuntimeError, match="closed"):
         partitioner.select(0)
@@ -71,12 +72,15 @@ def test_cpu_partitioner_is_one_honest_shared_level():
 
 def test_select_is_constant_time_lookup_with_range_check():
     partitioner = LadderOfFakeLevels(plan_ladder(132, (9, 0), 8))
-    assert partitioner.current is partitioner.levels[-1]  # starts with decode on the whole device
-    for index, level in enumerate(partitioner.levels):
+    levels = partitioner.ladder.levels
+    assert partitioner.spatial and partitioner.current is levels[-1]  # starts with decode on the whole device
+    assert partitioner.current_index == partitioner.ladder.whole_device_index == 7
+    for index, level in enumerate(levels):
         assert partitioner.select(index) is level and partitioner.current is level
-    last = partitioner.levels[-1]
+        assert partitioner.current_index == index and level.decode_stream == f"d{index}"
+    last = levels[-1]
     assert (last.decode_sms, last.trainer_sms, last.trainer_stream) == (132, 0, None)
-    assert partitioner.levels[0].decode_fraction == pytest.approx(16 / 132)
+    assert partitioner.ladder.decode_fraction(0) == pytest.approx(16 / 132)
     for bad in (-1, 8, 100):
         with pytest.raises(IndexError, match=f"level index {bad} out of range"):
             partitioner.select(bad)
@@ -105,7 +109,7 @@ def test_select_allocates_nothing():
     that allocates nothing (the loop's own iterators). A per-call allocation that reaches
     the allocator would show (objects CPython serves from free lists would not)."""
     partitioner = LadderOfFakeLevels(plan_ladder(132, (9, 0), 8))
-    indices = tuple(range(len(partitioner.levels)))
+    indices = tuple(range(partitioner.ladder.num_levels))
 
     def baseline(index):
         return index
@@ -165,6 +169,12 @@ def exact_split(ordinal, decode_sms):
     return decode_sms, 132 - decode_sms
 
 
+def provisioned(decode_sms) -> Ladder:
+    """What LadderHandle.ladder holds for a 132-SM device: raw stream handles per level."""
+    levels = (Level(d, 132 - d, 0x1000 + d, 0x2000 + d if d < 132 else None) for d in decode_sms)
+    return Ladder(132, tuple(levels), GREEN_CONTEXTS)
+
+
 @pytest.mark.parametrize(
     "device, levels, reason",
     [
@@ -196,7 +206,7 @@ def test_factory_falls_back_when_the_driver_refuses_the_ladder(monkeypatch, harv
 
     monkeypatch.setattr(greenctx_lib, "query_device", lambda ordinal: fake_device())
     monkeypatch.setattr(greenctx_lib, "split_preview", exact_split)
-    monkeypatch.setattr(greenctx_lib, "NativeLadder", refuse)
+    monkeypatch.setattr(greenctx_lib, "LadderHandle", refuse)
     partitioner = factory.create_partitioner(0)
     assert "CUDA_ERROR_OUT_OF_MEMORY" in partitioner.reason
 
@@ -206,11 +216,8 @@ def test_a_failure_after_the_ladder_is_built_releases_it(monkeypatch):
         closed = 0
 
         def __init__(self, ordinal, decode_sms):
-            self.total_sms = 132
             self.green_stream_api = True
-            self.levels = tuple(
-                greenctx_lib.BuiltLevel(d, 132 - d, 0x1000 + d, 0x2000 + d if d < 132 else 0) for d in decode_sms
-            )
+            self.ladder = provisioned(decode_sms)
 
         def close(self):
             RecordingLadder.closed += 1
@@ -222,7 +229,7 @@ def test_a_failure_after_the_ladder_is_built_releases_it(monkeypatch):
 
     monkeypatch.setattr(greenctx_lib, "query_device", lambda ordinal: fake_device())
     monkeypatch.setattr(greenctx_lib, "split_preview", exact_split)
-    monkeypatch.setattr(greenctx_lib, "NativeLadder", RecordingLadder)
+    monkeypatch.setattr(greenctx_lib, "LadderHandle", RecordingLadder)
     monkeypatch.setattr(torch.cuda, "ExternalStream", no_streams)
     with pytest.raises(RuntimeError, match="ExternalStream refused"):
         green_partitioner.GreenContextPartitioner(0, levels=4)
@@ -233,11 +240,8 @@ def test_green_partitioner_builds_levels_from_what_the_driver_provisioned(monkey
     class FakeLadder:
         def __init__(self, ordinal, decode_sms):
             self.requested = list(decode_sms)
-            self.total_sms = 132
             self.green_stream_api = False
-            self.levels = tuple(
-                greenctx_lib.BuiltLevel(d, 132 - d, 0x1000 + d, 0x2000 + d if d < 132 else 0) for d in decode_sms
-            )
+            self.ladder = provisioned(decode_sms)
             self.closed = 0
 
         def close(self):
@@ -247,16 +251,18 @@ def test_green_partitioner_builds_levels_from_what_the_driver_provisioned(monkey
 
     monkeypatch.setattr(greenctx_lib, "query_device", lambda ordinal: fake_device())
     monkeypatch.setattr(greenctx_lib, "split_preview", exact_split)
-    monkeypatch.setattr(greenctx_lib, "NativeLadder", FakeLadder)
+    monkeypatch.setattr(greenctx_lib, "LadderHandle", FakeLadder)
     monkeypatch.setattr(torch.cuda, "ExternalStream", lambda handle, device: ("stream", handle, str(device)))
     partitioner = factory.create_partitioner("cuda:0", levels=4)
     assert isinstance(partitioner, green_partitioner.GreenContextPartitioner) and partitioner.spatial
     assert partitioner._native.requested == [32, 64, 96, 132]
-    assert [(lv.decode_sms, lv.trainer_sms) for lv in partitioner.levels] == [(32, 100), (64, 68), (96, 36), (132, 0)]
-    assert partitioner.levels[1].decode_stream == ("stream", 0x1000 + 64, "cuda:0")
-    assert partitioner.levels[1].trainer_stream == ("stream", 0x2000 + 64, "cuda:0")
-    assert partitioner.levels[-1].trainer_stream is None
-    assert partitioner.plan.levels[-1].decode_sms == 132 and not partitioner.green_stream_api
+    ladder = partitioner.ladder
+    assert [(lv.decode_sms, lv.trainer_sms) for lv in ladder.levels] == [(32, 100), (64, 68), (96, 36), (132, 0)]
+    assert ladder.levels[1].decode_stream == ("stream", 0x1000 + 64, "cuda:0")
+    assert ladder.levels[1].trainer_stream == ("stream", 0x2000 + 64, "cuda:0")
+    assert ladder.levels[-1].trainer_stream is None
+    assert ladder.constraints is not None and ladder.realisation == GREEN_CONTEXTS
+    assert ladder.whole_device_index == 3 and not partitioner.green_stream_api
     assert "Fake H100" in partitioner.description
     partitioner.close()
     partitioner.close()
@@ -272,10 +278,11 @@ def test_preview_uses_the_driver_counts_and_drops_collapsed_levels(monkeypatch):
 
     monkeypatch.setattr(greenctx_lib, "split_preview", rounding_split)
     planned = plan_ladder(132, (9, 0), [16, 40, 48, 120])
-    previewed = green_partitioner.preview_ladder(0, planned)
-    assert [(lv.decode_sms, lv.trainer_sms) for lv in previewed.realised.levels] == [(16, 116), (48, 84), (132, 0)]
-    assert previewed.requested == (16, 40, 132)
-    notes = " | ".join(previewed.notes)
+    realised, requested, notes = green_partitioner.preview_ladder(0, planned)
+    assert [(lv.decode_sms, lv.trainer_sms) for lv in realised.levels] == [(16, 116), (48, 84), (132, 0)]
+    assert realised.constraints == planned.constraints
+    assert requested == (16, 40, 132)
+    notes = " | ".join(notes)
     assert "level 40: the driver gives 48/84" in notes
     assert "level 48 dropped: same SMs as the level below" in notes
     assert "level 120 dropped: leaves the trainer 4 SMs (< 8)" in notes

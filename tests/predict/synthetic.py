@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 from harvest.predict.buckets import BatchSizeBuckets
-from harvest.predict.ladder import LadderSpec, LevelSpec
+from harvest.ladder import Ladder, Level
 from harvest.predict.model import CoRunCoefficients, SoloCoefficients
 from harvest.predict.schema import (
     FinetuneIdentity,
@@ -15,15 +15,15 @@ from harvest.predict.schema import (
     Provenance,
 )
 
-H100_LADDER = LadderSpec(
+H100_LADDER = Ladder(
     132,
-    (LevelSpec(32, 100), LevelSpec(48, 84), LevelSpec(64, 68), LevelSpec(80, 52), LevelSpec(96, 36), LevelSpec(112, 20), LevelSpec(132, 0)),
+    (Level(32, 100), Level(48, 84), Level(64, 68), Level(80, 52), Level(96, 36), Level(112, 20), Level(132, 0)),
     "green-context",
 )
 BUCKETS = BatchSizeBuckets((1, 2, 4, 8, 16, 24, 32, 48, 64))
 
 
-def true_solo(ladder: LadderSpec) -> list[SoloCoefficients]:
+def true_solo(ladder: Ladder) -> list[SoloCoefficients]:
     """Fewer SMs: slower per request, per token and in fixed cost (sublinear, like Harli fig. 9)."""
     coefficients = []
     for level in ladder.levels:
@@ -38,7 +38,7 @@ TRUE_CORUN = {"forward": CoRunCoefficients(b1=1.0, k1=1.35), "backward": CoRunCo
 
 
 def records(
-    ladder: LadderSpec = H100_LADDER,
+    ladder: Ladder = H100_LADDER,
     buckets: BatchSizeBuckets = BUCKETS,
     batch_sizes=(4, 16, 64),
     context_lengths=(64, 128, 256, 512),
@@ -67,7 +67,7 @@ def records(
     return out
 
 
-def provenance(ladder: LadderSpec = H100_LADDER, device_name: str = "NVIDIA H100 80GB HBM3", config_hash: str = "0123456789abcdef") -> Provenance:
+def provenance(ladder: Ladder = H100_LADDER, device_name: str = "NVIDIA H100 80GB HBM3", config_hash: str = "0123456789abcdef") -> Provenance:
     return Provenance(
         device_kind="cuda",
         device_name=device_name,

@@ -11,7 +11,7 @@ import pytest
 
 from harvest.predict.buckets import BatchSizeBuckets
 from harvest.predict.fit import FitError, LatencySample, corun_features, corun_regressor, fit_corun, fit_models, fit_solo, solo_regressor
-from harvest.predict.ladder import LadderSpec
+from harvest.ladder import Ladder
 from harvest.predict.model import LatencyPredictor, ProfiledRange
 from tests.predict.synthetic import BUCKETS, H100_LADDER, TRUE_CORUN, records, true_solo
 
@@ -61,7 +61,7 @@ def test_one_phase_workload_gets_only_the_combined_model():
 
 
 def test_single_shared_level_fits_the_factor_and_says_it_is_not_identifiable():
-    ladder = LadderSpec.whole_device(1)
+    ladder = Ladder.whole_device(1)
     solo = [LatencySample(0, bs, bs * ctx, 1e-3 + 1e-4 * bs + 1e-7 * bs * ctx) for bs in (1, 4, 16) for ctx in (16, 128)]
     corun = [LatencySample(0, s.batch_size, s.sum_context, 1.8 * s.latency_s, "forward") for s in solo]
     fitted = fit_models(solo, corun, ladder, BatchSizeBuckets())

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from harvest.predict.buckets import BatchSizeBuckets
-from harvest.predict.ladder import LadderSpec, LevelSpec
+from harvest.ladder import Ladder, Level
 from harvest.predict.model import CoRunCoefficients, LatencyPredictor, ProfiledRange, SoloCoefficients
 from tests.predict.synthetic import BUCKETS, H100_LADDER, TRUE_CORUN, true_solo
 
@@ -122,16 +122,16 @@ def test_bad_coefficients_and_ladders_are_refused_naming_the_field():
     with pytest.raises(ValueError, match="CoRunCoefficients.b1"):
         CoRunCoefficients(float("inf"), 1.0)
     with pytest.raises(ValueError, match="levels is empty"):
-        LadderSpec(132, ())
+        Ladder(132, ())
     with pytest.raises(ValueError, match="more SMs"):
-        LadderSpec(132, (LevelSpec(140, 0),))
+        Ladder(132, (Level(140, 0),))
     with pytest.raises(ValueError, match="decode_sms=0"):
-        LevelSpec(0, 132)
+        Level(0, 132)
     with pytest.raises(ValueError, match="3 stage-1 models for a ladder of 7"):
         LatencyPredictor(H100_LADDER, BUCKETS, true_solo(H100_LADDER)[:3], TRUE_CORUN["forward"], RANGE)
 
 
 def test_whole_device_ladder_shares_the_device():
-    ladder = LadderSpec.whole_device(1)
+    ladder = Ladder.whole_device(1)
     assert (ladder.decode_fraction(0), ladder.trainer_fraction(0)) == (1.0, 1.0)
-    assert LadderSpec.from_dict(ladder.to_dict()) == ladder
+    assert Ladder.from_dict(ladder.to_dict()) == ladder

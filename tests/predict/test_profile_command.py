@@ -28,7 +28,7 @@ def _check_profile(out, engine: str) -> Profile:
     prov = profile.provenance
     assert prov.engine == engine and prov.device_kind == "cpu" and prov.finetune.workload == "peft-lora"
     assert prov.measurement.timer == "perf_counter_ns" and prov.measurement.torch_threads == 1
-    assert profile.ladder.num_levels == 1 and profile.ladder.partitioner == "whole-device"
+    assert profile.ladder.num_levels == 1 and profile.ladder.realisation == "whole-device"
     assert len([r for r in profile.samples if r.stage == "solo"]) == 6
     assert {r.phase for r in profile.samples if r.stage == "corun"} == {"forward", "backward"}
     assert len(profile.samples) == 18

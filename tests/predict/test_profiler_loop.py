@@ -11,10 +11,9 @@ import pytest
 
 from harvest.predict.buckets import BatchSizeBuckets
 from harvest.predict.calibrate import build_profile
-from harvest.predict.ladder import LadderSpec, LevelSpec
+from harvest.ladder import Ladder, Level
 from harvest.predict.profiler.corun import CoRunError, UnitLoopWorkload
 from harvest.predict.profiler.engines import BaseDecodeEngine
-from harvest.predict.profiler.levels import ProfilingLevel
 from harvest.predict.profiler.measure import MeasureConfig, MeasurementError, kept_indices, trimmed_mean
 from harvest.predict.profiler.partial import PartialRun, PartialRunError, partial_path
 from harvest.predict.profiler.runner import plan_points, run_grid
@@ -22,8 +21,7 @@ from harvest.predict.profiler.trainer_alone import measure_section
 from harvest.predict.schema import Grid
 from tests.predict.synthetic import provenance
 
-LADDER = LadderSpec(100, (LevelSpec(40, 60), LevelSpec(100, 0)), "green-context")
-LEVELS = [ProfilingLevel(i, spec) for i, spec in enumerate(LADDER.levels)]
+LADDER = Ladder(100, (Level(40, 60), Level(100, 0)), "green-context")
 GRID = Grid((2, 8), (32, 128))
 MEASURE = MeasureConfig(warmup_steps=2, timed_steps=5, trim_fraction=0.2)
 
@@ -117,7 +115,7 @@ def _run(engine, workload, timer, done=(), on_record=None):
         if on_record:
             on_record(record)
 
-    return run_grid(engine, workload, LEVELS, GRID, MEASURE, timer, list(done), keep), records
+    return run_grid(engine, workload, LADDER, GRID, MEASURE, timer, list(done), keep), records
 
 
 def test_trimmed_mean_drops_both_tails():
@@ -134,7 +132,7 @@ def test_measure_config_is_validated(kwargs, message):
 
 
 def test_plan_covers_every_level_solo_and_co_run_only_where_the_trainer_has_sms():
-    points = plan_points(LEVELS, GRID, ("forward", "backward"))
+    points = plan_points(LADDER, GRID, ("forward", "backward"))
     blocks = [(p.level, p.stage, p.phase) for p in points[::4]]
     assert blocks == [(0, "solo", None), (0, "corun", "forward"), (0, "corun", "backward"), (1, "solo", None)]
     assert len(points) == 16
@@ -164,7 +162,7 @@ def test_grid_is_measured_trimmed_and_fits():
 def test_trainer_alone_stage_measures_each_trainer_level_and_the_whole_device_in_each_phase():
     workload = ScriptedWorkload()
     seen = []
-    section = measure_section(workload, LADDER, LEVELS, 0.05, seen.append)
+    section = measure_section(workload, LADDER, 0.05, seen.append)
     # Level 1 gives the trainer no SMs; no level gives it all 100, so the whole device is measured apart.
     assert [(r.level, r.phase) for r in section.alone] == [(0, "forward"), (0, "backward"), (None, "forward"), (None, "backward")]
     assert list(section.alone) == seen and workload.started == ["forward", "backward"] * 2
@@ -177,11 +175,11 @@ def test_trainer_alone_stage_measures_each_trainer_level_and_the_whole_device_in
 
 
 def test_trainer_alone_stage_uses_the_level_that_gives_the_trainer_every_sm():
-    shared = LadderSpec(1, (LevelSpec(1, 1),), "whole-device")
-    section = measure_section(ScriptedWorkload(), shared, [ProfilingLevel(0, shared.levels[0])], 0.02)
+    shared = Ladder(1, (Level(1, 1),), "whole-device")
+    section = measure_section(ScriptedWorkload(), shared, 0.02)
     assert section.whole_device_level == 0 and [r.level for r in section.alone] == [0, 0]
     with pytest.raises(ValueError, match="--trainer-alone-s=0"):
-        measure_section(ScriptedWorkload(), shared, [ProfilingLevel(0, shared.levels[0])], 0)
+        measure_section(ScriptedWorkload(), shared, 0)
 
 
 def _grid():

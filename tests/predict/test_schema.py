@@ -13,7 +13,7 @@ from harvest.predict import compat, strict_json
 from harvest.predict.calibrate import build_profile, describe_fit
 from harvest.predict.compat import ProfileMismatchError, RuntimeIdentity, check_compatible, load_for, model_config_hash
 from harvest.predict.fit import FitError
-from harvest.predict.ladder import LadderSpec, LevelSpec
+from harvest.ladder import Ladder, Level
 from harvest.predict.schema import SCHEMA_VERSION, Grid, Profile, ProfileError, TrainerAloneRecord, TrainerSection
 from tests.predict.synthetic import BUCKETS, H100_LADDER, provenance, records
 
@@ -193,7 +193,7 @@ def test_matching_system_is_accepted(profile, tmp_path):
         ({"sm_count": 108}, "SM count: profile 132, running device 108"),
         ({"model_config_hash": "ffffffffffffffff"}, "model: profile is for 'llama3-8b'"),
         ({"model_dtype": "float16"}, "model dtype: profile bfloat16, served float16"),
-        ({"ladder": LadderSpec(132, (LevelSpec(64, 68), LevelSpec(132, 0)), "green-context")}, "SM ladder: profile has green-context ladder"),
+        ({"ladder": Ladder(132, (Level(64, 68), Level(132, 0)), "green-context")}, "SM ladder: profile has green-context ladder"),
     ],
 )
 def test_mismatch_is_refused_by_name_and_override_warns(profile, changes, message):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from harvest.predict.buckets import BatchSizeBuckets
-from harvest.predict.ladder import LadderSpec, LevelSpec
+from harvest.ladder import Ladder, Level
 from harvest.predict.model import CoRunCoefficients, SoloCoefficients
 from harvest.replay import profile_source, synthetic
 from harvest.replay.comparison import ReplaySettings
@@ -17,9 +17,9 @@ THREE_LEVELS = ((40, 60), (60, 40), (100, 0))
 NO_PADDING = BatchSizeBuckets(())
 
 
-def ladder(levels: Sequence[tuple[int, int]] = THREE_LEVELS, total: int = 100) -> LadderSpec:
+def ladder(levels: Sequence[tuple[int, int]] = THREE_LEVELS, total: int = 100) -> Ladder:
     partitioner = "whole-device" if len(levels) == 1 and levels[0] == (total, total) else "green-context"
-    return LadderSpec(total, tuple(LevelSpec(d, t) for d, t in levels), partitioner)
+    return Ladder(total, tuple(Level(d, t) for d, t in levels), partitioner)
 
 
 def make_profile(

@@ -64,8 +64,8 @@ def test_harvest_with_a_generous_target_runs_the_real_controller_on_the_most_tra
     harvest = result.results["harvest"]
     m = harvest.metrics
     # Closest under target = the slowest co-located level = 60 trainer SMs; the first two
-    # steps wait out the scheduler's hysteresis (3 steps) on the whole GPU.
-    assert m["steps_by_level"] == {"whole_gpu": 2, "0": m["decode_steps"] - 2}
+    # steps wait out the scheduler's hysteresis (3 steps) on the whole GPU (level 2).
+    assert m["steps_by_level"] == {"2": 2, "0": m["decode_steps"] - 2}
     horizon = result.horizon_s
     assert m["finetune_per_gpu"] == pytest.approx(0.6 - 0.6 * 0.020 / horizon)
     assert harvest.gain_vs["static"] > 0.4
@@ -78,7 +78,7 @@ def test_harvest_pauses_the_trainer_when_no_level_fits():
     # Co-located steps take 11.6 / 12.4 ms, decode alone 10 ms: an 11 ms target fits none.
     result = replay(make_profile(), target_tpot_ms=11.0)
     m = result.results["harvest"].metrics
-    assert m["steps_by_level"] == {"whole_gpu": m["decode_steps"]}
+    assert m["steps_by_level"] == {"2": m["decode_steps"]}  # the whole-device level
     assert m["violation_rate"] == 0.0 and m["tpot_p99_ms"] == pytest.approx(10.0)
     assert result.results["harvest"].extra["scheduler"]["decisions_by_reason"]["none_fits"] == m["decode_steps"]
 
@@ -88,7 +88,7 @@ def test_harvest_policy_holds_a_real_qos_controller():
     policy = HarvestPolicy(profile, trainer_model.build(profile), LatencyErrors(), SchedulerConfig(target_tpot_ms=40.0))
     assert type(policy.controller) is QoSController
     latency, level, share = policy.step(4, 800)
-    assert (level, share, latency) == (-1, 0.0, pytest.approx(0.010))  # hysteresis: paused first
+    assert (level, share, latency) == (2, 0.0, pytest.approx(0.010))  # hysteresis: paused first, on the whole device
 
 
 # Level 0 (50/50) co-runs at 10 ms × 1.2 = 12 ms, the whole GPU decodes alone in 8 ms.
@@ -188,6 +188,6 @@ def test_harvest_decides_with_the_worst_phase_model_as_the_runtime_does():
     assert combined_ms < target * (1 - SchedulerConfig().initial_margin) < colo[0]
     result = replay(profile, LONG, target_tpot_ms=target)
     m = result.results["harvest"].metrics
-    assert m["steps_by_level"] == {"whole_gpu": m["decode_steps"]}
+    assert m["steps_by_level"] == {"1": m["decode_steps"]}  # the whole-device level
     # The combined-only profile runs the trainer at the same target.
     assert replay(base, LONG, target_tpot_ms=target).results["harvest"].metrics["steps_by_level"].get("0", 0) > 0

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from harvest.predict.ladder import LadderSpec
+from harvest.ladder import Ladder
 from harvest.predict.model import CoRunCoefficients, SoloCoefficients
 from harvest.predict.schema import ProfileError
 from harvest.replay import comparison, profile_source, synthetic, trainer_model
@@ -25,7 +25,7 @@ def test_saved_profile_loads_with_its_predictor(tmp_path, a100):
     a100.save(path)
     loaded = profile_source.load(path)
     assert loaded.has_stage2 and loaded.stage2_missing is None and loaded.label == "gpu.json"
-    assert loaded.synthetic and loaded.whole_gpu_level() == 5
+    assert loaded.synthetic and loaded.ladder.whole_device_index == 5
     assert loaded.predictor.predict_colo(2, 16, 4000.0) == a100.predictor().predict_colo(2, 16, 4000.0)
 
 
@@ -80,7 +80,7 @@ def test_unreadable_and_non_json_files(tmp_path):
 
 
 def test_committed_profiles_prefer_measured_gpu_over_cpu_and_skip_bad_files(tmp_path, a100):
-    cpu = synthetic.build_profile(LadderSpec.whole_device(2), [SoloCoefficients(1e-4, 1e-3, 1e-7)], CoRunCoefficients(0.7, 0.7))
+    cpu = synthetic.build_profile(Ladder.whole_device(2), [SoloCoefficients(1e-4, 1e-3, 1e-7)], CoRunCoefficients(0.7, 0.7))
     data = cpu.to_dict()
     data["provenance"].update(device_kind="cpu", device_name="a CPU", command_line="harvest profile")
     (tmp_path / "a-cpu.json").write_text(json.dumps(data))

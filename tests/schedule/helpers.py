@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import math
 
+from harvest.ladder import GREEN_CONTEXTS, Ladder, Level
 from harvest.schedule import (
-    WHOLE_GPU,
     QoSController,
     SchedulerConfig,
     SchedulerInput,
-    SchedulerLadder,
     SchedulerState,
     TrainerState,
 )
@@ -17,8 +16,18 @@ from harvest.schedule import (
 NAN = math.nan
 RUNNING = TrainerState.RUNNING
 
-# Four partitions of a 132-SM device: level i gives decode fewer SMs and the trainer more.
-LADDER = SchedulerLadder((120, 96, 64, 32), (12, 36, 68, 100))
+
+def ladder(*pairs: tuple[int, int], total: int = 132) -> Ladder:
+    """A green-context ladder of ``total`` SMs: the (decode, trainer) levels given, in that
+    order, then the whole-device level (decode all, trainer paused)."""
+    levels = tuple(Level(d, t) for d, t in pairs) + (Level(total, 0),)
+    return Ladder(total, levels, GREEN_CONTEXTS)
+
+
+# Four partitions of a 132-SM device: level i gives decode fewer SMs and the trainer more;
+# level 4 is the whole device, where a pause decision puts decode.
+LADDER = ladder((120, 12), (96, 36), (64, 68), (32, 100))
+WHOLE = LADDER.whole_device_index
 
 
 def config(**overrides) -> SchedulerConfig:
@@ -30,11 +39,14 @@ def config(**overrides) -> SchedulerConfig:
     return SchedulerConfig(**overrides)
 
 
-def snap(*colo_ms: float, trainer: TrainerState = RUNNING, whole_gpu_ms: float = 10.0) -> SchedulerInput:
-    return SchedulerInput(tuple(colo_ms), trainer, whole_gpu_ms)
+def snap(*colo_ms: float, trainer: TrainerState = RUNNING, whole_device_ms: float = 10.0) -> SchedulerInput:
+    """The co-located predictions of a :func:`ladder`'s partitions; its whole-device level
+    (no trainer SMs) is predicted at ``whole_device_ms``, decode alone, as the predictor
+    does for it."""
+    return SchedulerInput(tuple(colo_ms) + (whole_device_ms,), trainer, whole_device_ms)
 
 
-def state(reference: int = WHOLE_GPU, *, hold: int = 0, paused: int = 0, margin: float = 0.05, step: int = 0,
+def state(reference: int | None = None, *, hold: int = 0, paused: int = 0, margin: float = 0.05, step: int = 0,
           backoff_until: int = 0, backoff_length: int = 0):
     return SchedulerState(step, reference, hold, paused, margin, backoff_until, backoff_length)
 

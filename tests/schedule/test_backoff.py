@@ -8,8 +8,8 @@ import logging
 
 import pytest
 
-from harvest.schedule import WHOLE_GPU, DecisionReason, SchedulerConfig, TrainerAction, TrainerState, backoff_after
-from tests.schedule.helpers import controller, snap
+from harvest.schedule import DecisionReason, SchedulerConfig, TrainerAction, TrainerState, backoff_after
+from tests.schedule.helpers import WHOLE, controller, snap
 
 BACKOFF, FITS, FLOOR = DecisionReason.QOS_BACKOFF, DecisionReason.FITS, DecisionReason.FLOOR
 CFG = SchedulerConfig(initial_margin=0.05, max_margin=0.2, margin_growth=0.05, margin_decay=0.01,
@@ -62,7 +62,7 @@ def test_controller_backs_off_after_a_violation_at_the_maximum_margin(caplog):
     assert got[0].reason is FITS and ctl.state.backoff_length == 4 and ctl.state.backoff_until == 4 + 4  # decisions 4..7
     assert "QoS backoff" in caplog.text and "pauses for 4 decisions" in caplog.text
     paused = walk(ctl, FIT, [20.0] * 4)
-    assert all(d.reason is BACKOFF and d.level_index == WHOLE_GPU and d.trainer_action is TrainerAction.PAUSE
+    assert all(d.reason is BACKOFF and d.level_index == WHOLE and d.trainer_action is TrainerAction.PAUSE
                for d in paused)
     assert paused[0].predicted_ms == 10.0 and paused[0].budget_ms == pytest.approx(32.0)
     assert ctl.margin == pytest.approx(0.2)  # paused steps do not move the margin

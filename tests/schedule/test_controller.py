@@ -8,17 +8,20 @@ from types import SimpleNamespace
 
 import pytest
 
-from harvest.schedule import WHOLE_GPU, DecisionReason, QoSController, SchedulerConfig, SchedulerLadder, TrainerState
-from tests.schedule.helpers import LADDER, config, controller, snap
+from harvest.ladder import GREEN_CONTEXTS, Ladder, Level
+from harvest.schedule import DecisionReason, QoSController, SchedulerConfig, TrainerState
+from tests.schedule.helpers import LADDER, WHOLE, config, controller, snap
 
 
-def test_ladder_forms_are_accepted_and_bad_config_refused():
-    pairs = QoSController(config(), [(120, 12), (96, 36)])
-    levels = [SimpleNamespace(decode_sms=120, trainer_sms=12), SimpleNamespace(decode_sms=96, trainer_sms=36)]
-    objects = QoSController(config(), levels)
-    assert pairs.ladder == objects.ladder == SchedulerLadder((120, 96), (12, 36))
-    with pytest.raises(ValueError, match="empty"):
-        QoSController(config(), [])
+def test_the_ladder_is_the_shared_type_and_bad_ladders_or_config_are_refused():
+    assert QoSController(config(), LADDER).ladder is LADDER
+    levels = [SimpleNamespace(decode_sms=120, trainer_sms=12), SimpleNamespace(decode_sms=132, trainer_sms=0)]
+    for not_a_ladder in ([(120, 12), (132, 0)], levels, []):
+        with pytest.raises(ValueError, match="must be a harvest.ladder.Ladder"):
+            QoSController(config(), not_a_ladder)  # type: ignore[arg-type]
+    trainerless = Ladder(132, (Level(100, 0), Level(132, 0)), GREEN_CONTEXTS)
+    with pytest.raises(ValueError, match="no level of the green-context ladder .* gives the trainer SMs"):
+        QoSController(config(), trainerless)
     with pytest.raises(ValueError, match="must be a SchedulerConfig"):
         QoSController({"target_tpot_ms": 40}, LADDER)  # type: ignore[arg-type]
 
@@ -73,14 +76,14 @@ def test_counters_by_reason_and_level_match_the_decisions():
     assert len(decisions) == stats.num_decisions == 70
     for reason in DecisionReason:
         assert stats.decisions_by_reason[reason] == sum(d.reason is reason for d in decisions), reason
-    assert set(stats.decisions_by_level) == {WHOLE_GPU, 0, 1, 2, 3}
+    assert set(stats.decisions_by_level) == {0, 1, 2, 3, WHOLE}
     for level, count in stats.decisions_by_level.items():
         assert count == sum(d.level_index == level for d in decisions), level
     assert sum(stats.decisions_by_reason.values()) == sum(stats.decisions_by_level.values()) == 70
     # Several reasons were exercised, so the check above is not vacuous.
     assert sum(1 for count in stats.decisions_by_reason.values() if count) >= 6
     data = json.loads(json.dumps(stats.to_dict(), allow_nan=False))
-    assert data["num_decisions"] == 70 and data["decisions_by_level"]["-1"] == stats.decisions_by_level[WHOLE_GPU]
+    assert data["num_decisions"] == 70 and data["decisions_by_level"][str(WHOLE)] == stats.decisions_by_level[WHOLE]
 
 
 def test_stats_are_a_snapshot():

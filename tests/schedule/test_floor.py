@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from harvest.schedule import WHOLE_GPU, DecisionReason, SchedulerLadder, TrainerAction, TrainerState, choose
-from tests.schedule.helpers import LADDER, controller, snap, state
+from harvest.schedule import DecisionReason, TrainerAction, TrainerState, choose
+from tests.schedule.helpers import LADDER, WHOLE, controller, ladder, snap, state
 
 FLOOR, NONE_FITS, HOLD = DecisionReason.FLOOR, DecisionReason.NONE_FITS, DecisionReason.HYSTERESIS_HOLD
 # Over the margin budget (38 ms) everywhere, under the raw target (40 ms) on levels 0 and 1.
@@ -28,7 +28,7 @@ def test_floor_fires_once_every_k_plus_one_paused_steps():
 def test_floor_never_runs_a_level_predicted_over_the_floor_target():
     ctl = controller(floor_after_paused_steps=2)
     got = [ctl.decide(NO_SLACK) for _ in range(50)]
-    assert all(d.reason is NONE_FITS and d.level_index == WHOLE_GPU for d in got)
+    assert all(d.reason is NONE_FITS and d.level_index == WHOLE for d in got)
     assert ctl.state.paused_steps == 50
 
 
@@ -89,14 +89,14 @@ def test_after_a_floor_step_an_over_budget_level_is_left_at_once():
     ctl = controller(floor_after_paused_steps=1)
     got = [ctl.decide(SLACK) for _ in range(3)]
     assert [d.reason for d in got] == [NONE_FITS, FLOOR, NONE_FITS]
-    assert ctl.state.reference_level == WHOLE_GPU and ctl.state.paused_steps == 1
+    assert ctl.state.reference_level is None and ctl.state.paused_steps == 1
 
 
 def test_floor_ignores_levels_without_trainer_sms():
-    ladder = SchedulerLadder((132, 100), (0, 32))
-    cfg_ctl = controller(ladder=ladder, floor_after_paused_steps=1)
-    d = choose(cfg_ctl.config, ladder, state(paused=1), snap(20.0, 39.0))
-    assert (d.reason, d.level_index) == (FLOOR, 1)
+    one_partition = ladder((100, 32))  # and the whole device, 132/0, predicted safest at 20 ms
+    cfg_ctl = controller(ladder=one_partition, floor_after_paused_steps=1)
+    d = choose(cfg_ctl.config, one_partition, state(paused=1), snap(39.0, whole_device_ms=20.0))
+    assert (d.reason, d.level_index) == (FLOOR, 0)
 
 
 def test_floor_needs_k_paused_steps_exactly():

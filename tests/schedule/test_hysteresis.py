@@ -3,8 +3,8 @@ wait ``hysteresis_steps`` consecutive steps (or a large enough gain)."""
 
 from __future__ import annotations
 
-from harvest.schedule import WHOLE_GPU, DecisionReason, TrainerAction, TrainerState
-from tests.schedule.helpers import controller, settle, snap
+from harvest.schedule import DecisionReason, TrainerAction, TrainerState
+from tests.schedule.helpers import WHOLE, controller, settle, snap
 
 FITS, HOLD, NONE_FITS = DecisionReason.FITS, DecisionReason.HYSTERESIS_HOLD, DecisionReason.NONE_FITS
 AT_1 = snap(20.0, 30.0, 39.0, 45.0)  # best: level 1 (budget 38)
@@ -18,7 +18,7 @@ def reasons_and_levels(ctl, inputs):
 
 def test_trainer_starts_after_the_hysteresis_wait():
     ctl = controller(hysteresis_steps=3)
-    assert reasons_and_levels(ctl, [AT_1] * 4) == [(HOLD, WHOLE_GPU), (HOLD, WHOLE_GPU), (FITS, 1), (FITS, 1)]
+    assert reasons_and_levels(ctl, [AT_1] * 4) == [(HOLD, WHOLE), (HOLD, WHOLE), (FITS, 1), (FITS, 1)]
     held = ctl.recent_decisions()[0]
     assert held.trainer_action is TrainerAction.PAUSE and held.predicted_ms == 10.0
 
@@ -66,7 +66,7 @@ def test_a_qos_pause_is_immediate_and_resuming_waits_again():
     settle(ctl, AT_1)
     over = snap(39.0, 40.0, 45.0, 50.0)
     assert reasons_and_levels(ctl, [over, AT_1, AT_1, AT_1]) == [
-        (NONE_FITS, WHOLE_GPU), (HOLD, WHOLE_GPU), (HOLD, WHOLE_GPU), (FITS, 1)
+        (NONE_FITS, WHOLE), (HOLD, WHOLE), (HOLD, WHOLE), (FITS, 1)
     ]
 
 
@@ -94,7 +94,7 @@ def test_large_gain_skips_the_wait():
 
 def test_gain_does_not_shortcut_resuming_from_a_pause():
     ctl = controller(hysteresis_steps=3, hysteresis_gain=0.01)
-    assert reasons_and_levels(ctl, [AT_3])[0] == (HOLD, WHOLE_GPU)
+    assert reasons_and_levels(ctl, [AT_3])[0] == (HOLD, WHOLE)
 
 
 def test_starvation_keeps_the_level_and_the_streak():
@@ -104,8 +104,8 @@ def test_starvation_keeps_the_level_and_the_streak():
     seq = [AT_2, starved, starved, AT_2]
     got = reasons_and_levels(ctl, seq)
     # Two holds in a row, the starved steps in between neither count nor reset them.
-    assert got == [(HOLD, 1), (DecisionReason.TRAINER_STARVED, WHOLE_GPU),
-                   (DecisionReason.TRAINER_STARVED, WHOLE_GPU), (HOLD, 1)]
+    assert got == [(HOLD, 1), (DecisionReason.TRAINER_STARVED, WHOLE),
+                   (DecisionReason.TRAINER_STARVED, WHOLE), (HOLD, 1)]
     assert reasons_and_levels(ctl, [AT_2]) == [(FITS, 2)]
 
 

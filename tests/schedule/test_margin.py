@@ -9,7 +9,7 @@ import math
 import pytest
 
 from harvest.schedule import DecisionReason, SchedulerConfig, TrainerState, is_violation, margin_after
-from tests.schedule.helpers import controller, settle, snap
+from tests.schedule.helpers import controller, ladder, snap
 
 CFG = SchedulerConfig(initial_margin=0.05, max_margin=0.2, margin_growth=0.05, margin_decay=0.01)
 
@@ -128,8 +128,7 @@ def test_closed_loop_violation_rate_settles_near_decay_over_growth_plus_decay():
     cover it, and violations then recur at about decay / (growth + decay)."""
     cfg = dict(margin_growth=0.05, margin_decay=0.00025, hysteresis_steps=1)
     levels = 64
-    ladder = [(132 - 2 * i, 2 * i + 2) for i in range(levels)]
-    ctl = controller(ladder=ladder, **cfg)
+    ctl = controller(ladder=ladder(*[(132 - 2 * i, 2 * i + 2) for i in range(levels)]), **cfg)
     colo = tuple(20.0 + 25.0 * i / (levels - 1) for i in range(levels))  # 20..45 ms, fine-grained
     inp = snap(*colo)
     num_steps, violations = 40000, 0

@@ -22,10 +22,12 @@ def test_schedule_imports_and_decides_without_torch_numpy_sklearn():
         f"""
         for module in {modules!r}:
             importlib.import_module(module)
+        from harvest.ladder import GREEN_CONTEXTS, Ladder, Level
         from harvest.schedule import QoSController, SchedulerConfig, SchedulerInput, TrainerState
-        ctl = QoSController(SchedulerConfig(hysteresis_steps=1), [(100, 32), (64, 68)])
+        ladder = Ladder(132, (Level(64, 68), Level(100, 32), Level(132, 0)), GREEN_CONTEXTS)
+        ctl = QoSController(SchedulerConfig(hysteresis_steps=1), ladder)
         for state in TrainerState:
-            d = ctl.decide(SchedulerInput((30.0, 37.0), state, 20.0))
+            d = ctl.decide(SchedulerInput((37.0, 30.0, 20.0), state, 20.0))
             ctl.observe_measurement(41.0)
         ctl.recent_decisions(); ctl.stats().to_dict()
         loaded = sorted(m for m in sys.modules if m.split(".")[0] in BLOCKED)

@@ -10,13 +10,12 @@ import random
 
 import pytest
 
+from harvest.ladder import GREEN_CONTEXTS, Ladder, Level
 from harvest.schedule import (
-    WHOLE_GPU,
     DecisionReason as R,
     QoSController,
     SchedulerConfig,
     SchedulerInput,
-    SchedulerLadder,
     TrainerAction,
     TrainerState,
 )
@@ -33,23 +32,29 @@ def fits(ms: float, budget: float) -> bool:
     return math.isfinite(ms) and 0.0 < ms <= budget
 
 
-def brute_closest(ladder: SchedulerLadder, colo, budget):
+def brute_closest(ladder: Ladder, colo, budget):
     """max by (latency, trainer SMs, −index) over trainer levels that fit; None if none."""
     keys = [(ms, t, -i) for i, (ms, t) in enumerate(zip(colo, ladder.trainer_sms)) if t > 0 and fits(ms, budget)]
     return -max(keys)[2] if keys else None
 
 
-def brute_safest(ladder: SchedulerLadder, colo, budget):
+def brute_safest(ladder: Ladder, colo, budget):
     keys = [(ms, -t, i) for i, (ms, t) in enumerate(zip(colo, ladder.trainer_sms)) if t > 0 and fits(ms, budget)]
     return min(keys)[2] if keys else None
 
 
-def random_ladder(rng: random.Random) -> SchedulerLadder:
-    n = rng.randint(1, 10)
-    decode = [rng.randint(1, 132) for _ in range(n)]
-    trainer = [rng.choice([0, rng.randint(1, 132)]) for _ in range(n)]
-    trainer[rng.randrange(n)] = rng.randint(1, 132)
-    return SchedulerLadder(tuple(decode), tuple(trainer))
+def random_ladder(rng: random.Random) -> Ladder:
+    """A one-level shared ladder, or 1-9 partitions in any order (decode SMs not sorted,
+    trainer-less ones included, at least one with trainer SMs) plus the whole device."""
+    total = rng.randint(1, 132)
+    if rng.random() < 0.15:
+        return Ladder.whole_device(total)
+    n = rng.randint(1, 9)
+    decode = [rng.randint(1, total) for _ in range(n)]
+    trainer = [rng.choice([0, rng.randint(1, total)]) for _ in range(n)]
+    trainer[rng.randrange(n)] = rng.randint(1, total)
+    levels = tuple(Level(d, t) for d, t in zip(decode, trainer)) + (Level(total, 0),)
+    return Ladder(total, levels, GREEN_CONTEXTS)
 
 
 def random_config(rng: random.Random) -> SchedulerConfig:
@@ -80,7 +85,7 @@ def random_prediction(rng: random.Random, target: float, pool: list[float]) -> f
     return rng.uniform(0.5, 1.3) * target
 
 
-def random_input(rng: random.Random, ladder: SchedulerLadder, cfg: SchedulerConfig, pool) -> SchedulerInput:
+def random_input(rng: random.Random, ladder: Ladder, cfg: SchedulerConfig, pool) -> SchedulerInput:
     colo = tuple(random_prediction(rng, cfg.target_tpot_ms, pool) for _ in range(ladder.num_levels))
     trainer = TrainerState.RUNNING if rng.random() < 0.8 else rng.choice(list(IDLE_REASON))
     return SchedulerInput(colo, trainer, rng.choice([math.nan, rng.uniform(0.3, 1.0) * cfg.target_tpot_ms]))
@@ -95,18 +100,23 @@ def check_step(ctl: QoSController, before, inp: SchedulerInput, d) -> None:
     after = ctl.state
 
     assert d.step == before.step and after.step == before.step + 1
-    assert (d.level_index == WHOLE_GPU) == (d.trainer_action is TrainerAction.PAUSE)
+    # A pause puts decode on the whole-device level; on a spatial ladder only a pause does
+    # (the trainer has no SMs there), on a shared one the trainer also runs on it.
+    if d.trainer_action is TrainerAction.PAUSE:
+        assert d.level_index == ladder.whole_device_index
+    elif ladder.spatial:
+        assert d.level_index != ladder.whole_device_index
     assert d.margin == before.margin and cfg.initial_margin <= d.margin <= cfg.max_margin
 
     if inp.trainer_state is not TrainerState.RUNNING:
-        assert d.reason is IDLE_REASON[inp.trainer_state] and d.level_index == WHOLE_GPU
+        assert d.reason is IDLE_REASON[inp.trainer_state] and d.trainer_action is TrainerAction.PAUSE
         assert after[1:] == before[1:]
         return
     # Deciding never moves the margin or the backoff: only measurements do.
     assert (after.margin, after.backoff_until, after.backoff_length) == before[4:]
     if before.step < before.backoff_until:
         assert d.reason is R.QOS_BACKOFF and d.trainer_action is TrainerAction.PAUSE and d.budget_ms == budget
-        assert (after.reference_level, after.hold_streak, after.paused_steps) == (WHOLE_GPU, 0, 0)
+        assert (after.reference_level, after.hold_streak, after.paused_steps) == (None, 0, 0)
         return
     assert d.reason is not R.QOS_BACKOFF
 
@@ -119,36 +129,36 @@ def check_step(ctl: QoSController, before, inp: SchedulerInput, d) -> None:
         if d.reason is not R.FLOOR:
             assert d.budget_ms == budget
     else:
-        whole = inp.predicted_whole_gpu_ms
+        whole = inp.predicted_whole_device_ms
         assert d.predicted_ms == whole or (math.isnan(d.predicted_ms) and math.isnan(whole))
 
     ref = before.reference_level
-    ref_fits = ref != WHOLE_GPU and fits(colo[ref], budget)
+    ref_fits = ref is not None and fits(colo[ref], budget)
     if d.reason is R.FITS:
         assert d.level_index == best
-        if ref != WHOLE_GPU and ref_fits and best != ref:  # an optional move: hysteresis satisfied
+        if ref is not None and ref_fits and best != ref:  # an optional move: hysteresis satisfied
             gain = cfg.hysteresis_gain
             assert before.hold_streak + 1 >= cfg.hysteresis_steps or (
                 gain is not None and colo[best] - colo[ref] >= gain * cfg.target_tpot_ms
             )
-        if ref == WHOLE_GPU and best != ref:
+        if ref is None:
             assert before.hold_streak + 1 >= cfg.hysteresis_steps
     elif d.reason is R.HYSTERESIS_HOLD:
         assert best is not None and best != ref and before.hold_streak + 1 < cfg.hysteresis_steps
         if d.trainer_action is TrainerAction.RUN:
             assert d.level_index == ref and ref_fits  # QoS first: a held level always fits
         else:
-            assert ref == WHOLE_GPU
+            assert ref is None and d.level_index == ladder.whole_device_index
         assert after.hold_streak == before.hold_streak + 1
     elif d.reason is R.NONE_FITS:
         assert best is None
         k = cfg.floor_after_paused_steps
         assert k is None or before.paused_steps < k or brute_safest(ladder, colo, floor_budget) is None
-        assert after.reference_level == WHOLE_GPU and after.paused_steps == before.paused_steps + 1
+        assert after.reference_level is None and after.paused_steps == before.paused_steps + 1
     elif d.reason is R.FLOOR:
         k = cfg.floor_after_paused_steps
         assert k is not None and before.paused_steps >= k
-        assert best is None or ref == WHOLE_GPU  # the floor only replaces a pause
+        assert best is None or ref is None  # the floor only replaces a pause
         assert d.level_index == brute_safest(ladder, colo, floor_budget)
         assert d.budget_ms == floor_budget and after.paused_steps == 0
     else:

@@ -7,10 +7,10 @@ import math
 
 import pytest
 
+from harvest.ladder import Ladder
 from harvest.schedule import (
-    WHOLE_GPU,
     DecisionReason,
-    SchedulerLadder,
+    SchedulerInput,
     TrainerAction,
     TrainerState,
     advance,
@@ -18,7 +18,7 @@ from harvest.schedule import (
     closest_under,
     safest_under,
 )
-from tests.schedule.helpers import LADDER, NAN, config, snap, state
+from tests.schedule.helpers import LADDER, NAN, RUNNING, WHOLE, config, ladder, snap, state
 
 CFG = config(hysteresis_steps=1)  # no hysteresis: the bare rule
 
@@ -49,11 +49,11 @@ def test_margin_in_force_shrinks_the_budget():
 
 
 def test_none_fits_pauses_the_trainer_and_gives_decode_the_whole_gpu():
-    d = choose(CFG, LADDER, state(2), snap(38.5, 41.0, 45.0, 60.0, whole_gpu_ms=30.0))
-    assert (d.level_index, d.trainer_action, d.reason) == (WHOLE_GPU, TrainerAction.PAUSE, DecisionReason.NONE_FITS)
+    d = choose(CFG, LADDER, state(2), snap(38.5, 41.0, 45.0, 60.0, whole_device_ms=30.0))
+    assert (d.level_index, d.trainer_action, d.reason) == (WHOLE, TrainerAction.PAUSE, DecisionReason.NONE_FITS)
     assert d.predicted_ms == 30.0
     after = advance(state(2, hold=1), d)
-    assert (after.reference_level, after.hold_streak, after.paused_steps, after.step) == (WHOLE_GPU, 0, 1, 1)
+    assert (after.reference_level, after.hold_streak, after.paused_steps, after.step) == (None, 0, 1, 1)
 
 
 @pytest.mark.parametrize("bad", [NAN, math.inf, -math.inf, 0.0, -5.0])
@@ -64,31 +64,33 @@ def test_untrustworthy_predictions_never_fit(bad):
 
 
 def test_all_nan_pauses_with_nan_whole_gpu_prediction():
-    d = choose(CFG, LADDER, state(1), snap(NAN, NAN, NAN, NAN, whole_gpu_ms=NAN))
-    assert d.reason is DecisionReason.NONE_FITS and d.level_index == WHOLE_GPU and math.isnan(d.predicted_ms)
+    d = choose(CFG, LADDER, state(1), snap(NAN, NAN, NAN, NAN, whole_device_ms=NAN))
+    assert d.reason is DecisionReason.NONE_FITS and d.level_index == WHOLE and math.isnan(d.predicted_ms)
 
 
 def test_ties_go_to_more_trainer_sms_then_lower_index():
     assert choose(CFG, LADDER, state(), snap(30.0, 35.0, 35.0, 20.0)).level_index == 2
-    same_sms = SchedulerLadder((100, 100, 64), (32, 32, 32))
+    same_sms = ladder((100, 32), (100, 32), (64, 32))
     assert choose(CFG, same_sms, state(), snap(35.0, 35.0, 35.0)).level_index == 0
-    assert safest_under(LADDER, (30.0, 20.0, 20.0, 35.0), 40.0) == 2
-    assert safest_under(same_sms, (20.0, 20.0, 20.0), 40.0) == 0
+    assert safest_under(LADDER, (30.0, 20.0, 20.0, 35.0, 10.0), 40.0) == 2
+    assert safest_under(same_sms, (20.0, 20.0, 20.0, 10.0), 40.0) == 0
 
 
 def test_levels_without_trainer_sms_are_never_chosen():
-    ladder = SchedulerLadder((132, 100, 64), (0, 32, 68))
-    d = choose(CFG, ladder, state(), snap(37.9, 20.0, 30.0))
-    assert d.level_index == 2
-    assert choose(CFG, ladder, state(), snap(37.9, 45.0, 50.0)).reason is DecisionReason.NONE_FITS
-    assert closest_under(ladder, (37.9, 45.0, 50.0), 38.0) == WHOLE_GPU
+    # The whole-device level (132/0) predicts 37.9, closest under 38, but cannot run the trainer.
+    spatial = ladder((100, 32), (64, 68))
+    d = choose(CFG, spatial, state(), snap(20.0, 30.0, whole_device_ms=37.9))
+    assert d.level_index == 1
+    assert choose(CFG, spatial, state(), snap(45.0, 50.0, whole_device_ms=37.9)).reason is DecisionReason.NONE_FITS
+    assert closest_under(spatial, (45.0, 50.0, 37.9), 38.0) is None
 
 
 def test_single_shared_whole_device_level():
-    ladder = SchedulerLadder((1,), (1,))
-    over = choose(CFG, ladder, state(), snap(39.0, whole_gpu_ms=30.0))
+    shared = Ladder.whole_device(1)
+    over = choose(CFG, shared, state(), SchedulerInput((39.0,), RUNNING, 30.0))
     assert over.reason is DecisionReason.NONE_FITS and over.predicted_ms == 30.0  # 39 > 38
-    runs = choose(CFG, ladder, state(), snap(31.0, whole_gpu_ms=30.0))
+    assert (over.level_index, over.trainer_action) == (0, TrainerAction.PAUSE)  # the whole device is level 0
+    runs = choose(CFG, shared, state(), SchedulerInput((31.0,), RUNNING, 30.0))
     assert (runs.level_index, runs.trainer_action, runs.reason) == (0, TrainerAction.RUN, DecisionReason.FITS)
 
 
@@ -103,8 +105,8 @@ def test_single_shared_whole_device_level():
 )
 def test_a_trainer_that_cannot_run_gives_decode_the_whole_gpu(trainer, reason):
     before = state(2, hold=1, paused=4, step=9)
-    d = choose(CFG, LADDER, before, snap(20.0, 30.0, 35.0, 37.0, trainer=trainer, whole_gpu_ms=12.5))
-    assert (d.level_index, d.trainer_action, d.reason) == (WHOLE_GPU, TrainerAction.PAUSE, reason)
+    d = choose(CFG, LADDER, before, snap(20.0, 30.0, 35.0, 37.0, trainer=trainer, whole_device_ms=12.5))
+    assert (d.level_index, d.trainer_action, d.reason) == (WHOLE, TrainerAction.PAUSE, reason)
     assert d.predicted_ms == 12.5 and d.step == 9
     # Neither progress nor a QoS pause: only the step count moves.
     assert advance(before, d) == state(2, hold=1, paused=4, step=10)
@@ -119,7 +121,7 @@ def test_choose_is_pure_and_deterministic():
 
 
 def test_prediction_count_must_match_the_ladder():
-    with pytest.raises(ValueError, match="3 entries for a ladder of 4 levels"):
+    with pytest.raises(ValueError, match="4 entries for a ladder of 5 levels"):
         choose(CFG, LADDER, state(), snap(20.0, 30.0, 35.0))
 
 
@@ -135,5 +137,5 @@ def test_predictions_must_be_numbers():
 
 
 def test_advance_after_fits_resets_counters_and_sets_the_reference():
-    d = choose(CFG, LADDER, state(WHOLE_GPU, hold=2, paused=3, step=4), snap(20.0, 30.0, 35.0, 39.0))
-    assert advance(state(WHOLE_GPU, hold=2, paused=3, step=4), d) == state(2, step=5)
+    d = choose(CFG, LADDER, state(None, hold=2, paused=3, step=4), snap(20.0, 30.0, 35.0, 39.0))
+    assert advance(state(None, hold=2, paused=3, step=4), d) == state(2, step=5)

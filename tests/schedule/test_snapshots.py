@@ -1,64 +1,39 @@
-"""SchedulerLadder validation and the JSON form of decisions."""
+"""What the scheduler reads off the shared ladder, and the JSON form of decisions."""
 
 from __future__ import annotations
 
 import json
 import math
-from types import SimpleNamespace
 
-import pytest
+from harvest.ladder import Ladder
+from harvest.schedule import Decision, DecisionReason, TrainerAction
+from tests.schedule.helpers import LADDER, WHOLE, ladder
 
-from harvest.schedule import WHOLE_GPU, Decision, DecisionReason, SchedulerLadder, TrainerAction
 
-
-def test_ladder_from_pairs_objects_and_mixed():
-    from_pairs = SchedulerLadder.from_levels([(100, 32), [64, 68]])
-    from_objects = SchedulerLadder.from_levels([SimpleNamespace(decode_sms=100, trainer_sms=32), (64, 68)])
-    assert from_pairs == from_objects == SchedulerLadder((100, 64), (32, 68))
-    assert from_pairs.num_levels == 2
-    assert from_pairs.trainer_levels == (0, 1)
+def test_the_scheduler_reads_per_level_counts_off_the_ladder():
+    assert LADDER.num_levels == 5 and WHOLE == 4
+    assert LADDER.decode_sms == (120, 96, 64, 32, 132)
+    assert LADDER.trainer_sms == (12, 36, 68, 100, 0)
+    assert LADDER.trainer_levels == (0, 1, 2, 3)
 
 
 def test_levels_without_trainer_sms_are_kept_but_never_candidates():
-    ladder = SchedulerLadder((132, 100, 64), (0, 32, 68))
-    assert ladder.num_levels == 3
-    assert ladder.trainer_levels == (1, 2)
+    with_idle_partition = ladder((100, 0), (64, 68))
+    assert with_idle_partition.num_levels == 3
+    assert with_idle_partition.trainer_levels == (1,)
 
 
 def test_single_shared_whole_device_level():
-    ladder = SchedulerLadder((1,), (1,))
-    assert ladder.trainer_levels == (0,)
-
-
-@pytest.mark.parametrize(
-    "decode,trainer,message",
-    [
-        ((), (), "empty"),
-        ((100, 64), (32,), "2 decode_sms but 1 trainer_sms"),
-        ((0,), (32,), r"decode_sms\[0\]=0: must be an integer >= 1"),
-        ((100, 64.0), (32, 68), r"decode_sms\[1\]=64.0"),
-        ((100,), (-1,), r"trainer_sms\[0\]=-1: must be an integer >= 0"),
-        ((100,), (True,), r"trainer_sms\[0\]=True"),
-        ((132, 132), (0, 0), "no level gives the trainer SMs"),
-    ],
-)
-def test_bad_ladders_are_refused(decode, trainer, message):
-    with pytest.raises(ValueError, match=message):
-        SchedulerLadder(decode, trainer)
-
-
-@pytest.mark.parametrize("level", [(100,), (100, 32, 1), "100/32", 7, SimpleNamespace(decode_sms=1)])
-def test_from_levels_refuses_unreadable_levels(level):
-    with pytest.raises(ValueError, match=r"levels\[1\]="):
-        SchedulerLadder.from_levels([(100, 32), level])
+    shared = Ladder.whole_device(1)
+    assert shared.trainer_levels == (0,) and shared.whole_device_index == 0
 
 
 def test_decision_to_dict_is_strict_json():
-    paused = Decision(3, WHOLE_GPU, TrainerAction.PAUSE, DecisionReason.NONE_FITS, 0.1, 36.0, math.nan)
+    paused = Decision(3, WHOLE, TrainerAction.PAUSE, DecisionReason.NONE_FITS, 0.1, 36.0, math.nan)
     data = json.loads(json.dumps(paused.to_dict(), allow_nan=False))
     assert data == {
         "step": 3,
-        "level_index": -1,
+        "level_index": WHOLE,
         "trainer_action": "pause",
         "reason": "none_fits",
         "margin": 0.1,

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import harvest
 from harvest.compute.device import DeviceIdentity
+from harvest.ladder import Ladder
 from harvest.predict.compat import model_config_hash_of_path
-from harvest.predict.ladder import LadderSpec
 from harvest.predict.schema import FinetuneIdentity, MeasurementSettings, ModelIdentity, Provenance
 
 
@@ -29,7 +29,7 @@ def _version(distribution: str) -> str | None:
 
 def collect(
     device: DeviceIdentity,
-    ladder: LadderSpec,
+    ladder: Ladder,
     engine: str,
     model: ModelIdentity,
     finetune: FinetuneIdentity,

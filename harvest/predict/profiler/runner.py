@@ -14,9 +14,9 @@ import contextlib
 import dataclasses
 from typing import Any, Callable, Sequence
 
+from harvest.ladder import Ladder
 from harvest.logs import get_logger
 from harvest.predict.profiler.engines import BaseDecodeEngine
-from harvest.predict.profiler.levels import ProfilingLevel
 from harvest.predict.profiler.measure import MeasureConfig, check_latency, kept_indices, trimmed_mean
 from harvest.predict.profiler.partial import grid_key
 from harvest.predict.schema import Grid, GridPointRecord
@@ -33,14 +33,15 @@ class PointSpec:
     context_length: int
 
 
-def plan_points(levels: Sequence[ProfilingLevel], grid: Grid, phases: Sequence[str]) -> list[PointSpec]:
+def plan_points(ladder: Ladder, grid: Grid, phases: Sequence[str]) -> list[PointSpec]:
+    """Every grid point of every level; co-run blocks only where the trainer has SMs."""
     points = []
-    for level in levels:
-        blocks = [("solo", None)] + ([("corun", phase) for phase in phases] if level.trainer_runs else [])
+    for index, level in enumerate(ladder.levels):
+        blocks = [("solo", None)] + ([("corun", phase) for phase in phases] if level.runs_trainer else [])
         for stage, phase in blocks:
             for batch_size in grid.batch_sizes:
                 for context_length in grid.context_lengths:
-                    points.append(PointSpec(level.index, stage, phase, batch_size, context_length))
+                    points.append(PointSpec(index, stage, phase, batch_size, context_length))
     return points
 
 
@@ -85,7 +86,7 @@ def measure_point(engine: BaseDecodeEngine, timer, point: PointSpec, measure: Me
 def run_grid(
     engine: BaseDecodeEngine,
     workload,
-    levels: Sequence[ProfilingLevel],
+    ladder: Ladder,
     grid: Grid,
     measure: MeasureConfig,
     timer,
@@ -93,14 +94,15 @@ def run_grid(
     on_record: Callable[[GridPointRecord], None],
     progress=None,
 ) -> list[GridPointRecord]:
-    """Measure every grid point not in ``done``; ``on_record`` persists each one."""
+    """Measure every grid point not in ``done`` on ``ladder``'s streams (the partitioner's
+    built ladder); ``on_record`` persists each one."""
     records = {grid_key(r): r for r in done}
-    todo = [p for p in plan_points(levels, grid, workload.phases) if grid_key(p) not in records]
+    todo = [p for p in plan_points(ladder, grid, workload.phases) if grid_key(p) not in records]
     by_block: dict[tuple, list[PointSpec]] = {}
     for point in todo:
         by_block.setdefault((point.level, point.stage, point.phase), []).append(point)
     for (level_index, stage, phase), points in by_block.items():
-        level = levels[level_index]
+        level = ladder.levels[level_index]
         if progress is not None:
             progress.set_description(f"level {level_index} {stage}{'/' + phase if phase else ''}")
         running = stage == "corun"
@@ -122,5 +124,5 @@ def run_grid(
         finally:
             if running:
                 workload.stop()
-    ordered = plan_points(levels, grid, workload.phases)
+    ordered = plan_points(ladder, grid, workload.phases)
     return [records[grid_key(p)] for p in ordered if grid_key(p) in records]

@@ -10,12 +10,12 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from harvest.compute import create_partitioner
 from harvest.compute.device import device_identity
 from harvest.logs import get_logger
 from harvest.predict.buckets import BatchSizeBuckets
 from harvest.predict.calibrate import build_profile, describe_fit
 from harvest.predict.fit import FitError
-from harvest.predict.profiler import levels as levels_mod
 from harvest.predict.profiler import provenance
 from harvest.predict.profiler.corun import CoRunError
 from harvest.predict.profiler.engines import BaseDecodeEngine, EngineConfig, EngineError
@@ -103,12 +103,13 @@ def profile(args, model_path: str, measure: MeasureConfig) -> int:
     out = args.out or Path("profiles") / f"{device_id.kind}-{model.name}-{engine_name}.json"
     report_path = args.report or out.with_suffix(".png")
 
-    ladder_info = levels_mod.discover(device, args.levels)
+    partitioner = create_partitioner(device, **({} if args.levels is None else {"levels": args.levels}))
+    ladder = partitioner.ladder  # its levels carry the streams each grid point runs on
     try:
         workload_identity = _workload_identity(args, finetune_model)
         identity = {
             "device": device_id.name, "model_config_hash": model.config_hash, "dtype": dtype, "engine": engine_name,
-            "random_weights": args.random_weights, "ladder": ladder_info.ladder.to_dict(), "grid": [grid.batch_sizes, grid.context_lengths],
+            "random_weights": args.random_weights, "ladder": ladder.to_dict(), "grid": [grid.batch_sizes, grid.context_lengths],
             "warmup": measure.warmup_steps, "repeats": measure.timed_steps, "trim": measure.trim_fraction,
             "switch_interval_s": sys.getswitchinterval(), "torch_threads": decode_threads, "workload": workload_identity, "seed": args.seed,
         }
@@ -118,10 +119,10 @@ def profile(args, model_path: str, measure: MeasureConfig) -> int:
         except PartialRunError as exc:
             raise ProfilingFailed(str(exc)) from exc
         threads = f"; decode on {decode_threads} torch thread(s), the co-run trainer on {args.trainer_cpu_threads}" if device == "cpu" else ""
-        print(f"harvest profile: {model.name} ({dtype}) on {device_id.name}, {engine_name} engine; {ladder_info.description}{threads}")
+        print(f"harvest profile: {model.name} ({dtype}) on {device_id.name}, {engine_name} engine; {partitioner.description}{threads}")
         torch.set_num_threads(decode_threads)
         try:
-            records, buckets, finetune, trainer = _measure(args, engine_name, model_path, device, dtype, measure, grid, ladder_info, finetune_model, done, partial, tqdm)
+            records, buckets, finetune, trainer = _measure(args, engine_name, model_path, device, dtype, measure, grid, ladder, finetune_model, done, partial, tqdm)
         except KeyboardInterrupt:
             partial.close()
             print(f"\ninterrupted: measured grid points are kept in {partial.path}; run the same command again to resume", file=sys.stderr)
@@ -129,14 +130,14 @@ def profile(args, model_path: str, measure: MeasureConfig) -> int:
         finally:
             partial.close()
     finally:
-        ladder_info.close()
+        partitioner.close()
 
     measurement = MeasurementSettings(
         timer_for_name(device), measure.warmup_steps, measure.timed_steps, measure.trim_fraction, sys.getswitchinterval(), torch.get_num_threads()
     )
-    prov = provenance.collect(device_id, ladder_info.ladder, engine_name, model, finetune, measurement, command_line(args))
+    prov = provenance.collect(device_id, ladder, engine_name, model, finetune, measurement, command_line(args))
     try:
-        result = build_profile(prov, ladder_info.ladder, buckets, grid, records, trainer)
+        result = build_profile(prov, ladder, buckets, grid, records, trainer)
     except FitError as exc:
         raise ProfilingFailed(f"cannot fit the measured grid points: {exc}") from exc
     result.save(out)
@@ -165,7 +166,7 @@ def timer_for_name(device: str) -> str:
     return "cuda-events" if device.startswith("cuda") else "perf_counter_ns"
 
 
-def _measure(args, engine_name, model_path, device, dtype, measure, grid, ladder_info, finetune_model, done, partial, tqdm):
+def _measure(args, engine_name, model_path, device, dtype, measure, grid, ladder, finetune_model, done, partial, tqdm):
     """Measure what ``done`` lacks, then the trainer alone; returns (records, buckets,
     finetune identity, trainer section)."""
     engine = workload = None
@@ -177,13 +178,13 @@ def _measure(args, engine_name, model_path, device, dtype, measure, grid, ladder
         workload.cpu_threads = args.trainer_cpu_threads
         workload.nice = args.trainer_nice
         done_keys = {grid_key(r) for r in done}
-        todo = [p for p in plan_points(ladder_info.levels, grid, workload.phases) if grid_key(p) not in done_keys]
+        todo = [p for p in plan_points(ladder, grid, workload.phases) if grid_key(p) not in done_keys]
         if done:
             print(f"resuming: {len(done)} grid points already measured in {partial.path}, {len(todo)} to go")
         with tqdm(total=len(todo), unit="point", dynamic_ncols=True, mininterval=1.0) as progress:
-            records = run_grid(engine, workload, ladder_info.levels, grid, measure, timer_for(device.split(":")[0]), done, partial.append, progress)
+            records = run_grid(engine, workload, ladder, grid, measure, timer_for(device.split(":")[0]), done, partial.append, progress)
         print(f"trainer alone: {args.trainer_alone_s:g} s per trainer level and phase")
-        trainer = measure_section(workload, ladder_info.ladder, ladder_info.levels, args.trainer_alone_s, _print_alone)
+        trainer = measure_section(workload, ladder, args.trainer_alone_s, _print_alone)
         finetune = FinetuneIdentity(
             workload=workload.name,
             base_model=workload.base_model,

@@ -14,10 +14,7 @@ stage again (seconds per level and phase).
 from __future__ import annotations
 
 import time
-from typing import Sequence
-
-from harvest.predict.ladder import LadderSpec
-from harvest.predict.profiler.levels import ProfilingLevel
+from harvest.ladder import Ladder
 from harvest.predict.schema import TrainerAloneRecord, TrainerSection
 
 
@@ -32,12 +29,14 @@ def measure_alone(workload, level: int | None, stream, phase: str, seconds: floa
     return TrainerAloneRecord(level=level, phase=phase, units=workload.units_done - units_before, seconds=elapsed)
 
 
-def measure_section(workload, ladder: LadderSpec, levels: Sequence[ProfilingLevel], seconds_per_phase: float, on_record=None) -> TrainerSection:
-    """Measure every trainer level and the whole device; ``on_record`` sees each record."""
+def measure_section(workload, ladder: Ladder, seconds_per_phase: float, on_record=None) -> TrainerSection:
+    """Measure every trainer level of ``ladder`` (the partitioner's, with its streams) and
+    the whole device; ``on_record`` sees each record."""
     if not seconds_per_phase > 0:
         raise ValueError(f"--trainer-alone-s={seconds_per_phase!r}: must be > 0")
-    whole = next((lv.index for lv in levels if lv.spec.trainer_sms == ladder.total_sms), None)
-    targets = [(lv.index, lv.trainer_stream) for lv in levels if lv.trainer_runs]
+    levels = list(enumerate(ladder.levels))
+    whole = next((i for i, lv in levels if lv.trainer_sms == ladder.total_sms), None)
+    targets = [(i, lv.trainer_stream) for i, lv in levels if lv.runs_trainer]
     if whole is None:
         targets.append((None, None))  # the current stream, outside any partition: the whole device
     records = []
