@@ -433,7 +433,7 @@ def run_mode(mode, args, ctx) -> dict:
         host.start()
     if host is not None:
         deadline = time.monotonic() + 60
-        while host.scheduler_state() is TrainerState.ABSENT and time.monotonic() < deadline:
+        while host.scheduler_state() is TrainerState.BUILDING and time.monotonic() < deadline:
             time.sleep(0.01)
     before = trainer.stats()
     if ctx["device_type"] == "cuda":

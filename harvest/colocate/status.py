@@ -31,10 +31,7 @@ class StatusReporter:
         if host is not None:
             status = host.status()
             stats = status.stats or {}
-            state = {"running": "running", "paused": "paused", "building": "paused"}.get(status.state, "stopped")
-            if state == "running" and host.scheduler_state().value == "starved":
-                state = "starved"
-            metrics.set_trainer(state=state, tokens=stats.get("tokens_seen", 0), samples=stats.get("samples_seen", 0),
+            metrics.set_trainer(state=status.state, tokens=stats.get("tokens_seen", 0), samples=stats.get("samples_seen", 0),
                                 steps=stats.get("global_step", 0), loss=stats.get("loss"),
                                 window_layers=stats.get("window_stages", 0), resident_bytes=stats.get("resident_bytes", 0))
         kv = colo.lending.stats()

@@ -2,8 +2,9 @@
 
 The host owns the trainer thread and everything the decode side needs from it:
 
-- ``scheduler_state()``: what the QoS scheduler sees (absent, running, starved on a
-  swap-in, paused by the operator, stopped);
+- ``scheduler_state()``: what the QoS scheduler sees, in the one trainer-state vocabulary
+  (:class:`~harvest.schedule.TrainerState`: absent, building, running, starved on a
+  swap-in, paused by the operator, finished, stopped, failed);
 - ``apply(run, stream)``: the per-step decision, as gate pause/resume and the trainer
   stream of the chosen SM level; takes effect at the trainer's next unit boundary;
 - operator controls (pause / resume / stop) and a stats snapshot for metrics and status;
@@ -40,7 +41,7 @@ CO_LOCATED_SWITCH_INTERVAL_S = 0.0005
 
 @dataclasses.dataclass(frozen=True)
 class HostStatus:
-    state: str  # absent | building | running | paused | starved | finished | stopped | failed
+    state: TrainerState
     job: str | None
     jobs_done: int
     jobs_total: int
@@ -91,7 +92,7 @@ class TrainerHost:
         self.gate = Gate()
         self.gate.pause()  # the scheduler opens it with its first decision
         self.trainer = None
-        self._state = "absent" if not self.job_paths else "building"
+        self._state = TrainerState.ABSENT if not self.job_paths else TrainerState.BUILDING
         self._job: str | None = None
         self._jobs_done = 0
         self._error: str | None = None
@@ -144,27 +145,27 @@ class TrainerHost:
                 if self.gate.stopped:
                     break
                 with self._lock:
-                    self._job, self._state = str(path), "building"
+                    self._job, self._state = str(path), TrainerState.BUILDING
                 trainer = self._build(path)
                 with self._lock:
                     self.trainer = trainer
                     # Lock-free: the decode thread must never wait for a running unit.
                     self._starved_fn = trainer.peek_next_unit_ready
-                    self._state = "running"
+                    self._state = TrainerState.RUNNING
                 logger.info("trainer started job %s (%d steps)", path, trainer.total_steps)
                 fault_after = config_env.fault_after_units()
                 gate = self.gate if fault_after is None else _FaultInjectingGate(self.gate, fault_after)
                 outcome = trainer.run(gate, on_unit=self.on_unit)
                 logger.info("trainer job %s %s at step %d", path, outcome, trainer.global_step)
                 with self._lock:
-                    self._jobs_done += outcome == "finished"
-                    self._state = outcome
+                    self._state = TrainerState(outcome)  # the trainer's run(): "finished" or "stopped"
+                    self._jobs_done += self._state is TrainerState.FINISHED
                     self._starved_fn = None
-                if outcome == "stopped":
+                if self._state is TrainerState.STOPPED:
                     break
         except BaseException as exc:  # noqa: BLE001 - any trainer fault must leave decode serving
             with self._lock:
-                self._state = "failed"
+                self._state = TrainerState.FAILED
                 self._starved_fn = None
                 self._error = f"{type(exc).__name__}: {exc}"
             logger.error("trainer fault (serving continues, trainer stopped): %s\n%s", self._error, traceback.format_exc())
@@ -184,10 +185,8 @@ class TrainerHost:
     # -- what the scheduler reads and decides (decode thread, every step) ---------------
     def scheduler_state(self) -> TrainerState:
         state = self._state
-        if state in ("absent", "building"):
-            return TrainerState.ABSENT
-        if state != "running":
-            return TrainerState.STOPPED
+        if state is not TrainerState.RUNNING:
+            return state
         if self._operator_paused:
             return TrainerState.PAUSED
         # Starved = running but its next stage is still being copied in (Harli §6.2: then
@@ -233,8 +232,8 @@ class TrainerHost:
         trainer = self.trainer
         with self._lock:
             state, job, done, error = self._state, self._job, self._jobs_done, self._error
-        if state == "running" and (self._operator_paused or not self._scheduler_run):
-            state = "paused"
+        if state is TrainerState.RUNNING:  # what it does now: let run, parked, or waiting on a swap-in
+            state = TrainerState.PAUSED if self._operator_paused or not self._scheduler_run else self.scheduler_state()
         return HostStatus(
             state=state, job=job, jobs_done=done, jobs_total=len(self.job_paths),
             operator_paused=self._operator_paused, error=error,

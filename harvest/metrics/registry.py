@@ -14,10 +14,11 @@ latest value rather than a sum over processes.
 
 from __future__ import annotations
 
+from harvest.schedule import TrainerState
+
 # Histogram buckets for decode steps: 1 ms .. 1 s, dense around typical TPOT targets.
 STEP_BUCKETS_S = (0.001, 0.002, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.035, 0.04, 0.05, 0.06, 0.08, 0.1, 0.15, 0.2, 0.5, 1.0)
 RECLAIM_BUCKETS_S = (0.0001, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5, 1.0)
-TRAINER_STATES = ("running", "paused", "starved", "stopped")
 
 
 class HarvestMetrics:
@@ -85,12 +86,11 @@ class HarvestMetrics:
         self.prediction_drift.set(1.0 if drift else 0.0)
 
     # --- trainer ---------------------------------------------------------------------
-    def set_trainer(self, *, state: str, tokens: int, samples: int, steps: int, loss: float | None, window_layers: int, resident_bytes: int) -> None:
+    def set_trainer(self, *, state: TrainerState, tokens: int, samples: int, steps: int, loss: float | None, window_layers: int, resident_bytes: int) -> None:
         """Cumulative counts from the trainer's stats; counters advance by the difference."""
-        if state not in TRAINER_STATES:
-            raise ValueError(f"trainer state {state!r} not in {TRAINER_STATES}")
-        for name in TRAINER_STATES:
-            self.trainer_state.labels(state=name).set(1.0 if name == state else 0.0)
+        state = TrainerState(state)  # a plain string must name a state too
+        for each in TrainerState:
+            self.trainer_state.labels(state=each.value).set(1.0 if each is state else 0.0)
         for key, counter, value in (
             ("tokens", self.trainer_tokens_total, tokens),
             ("samples", self.trainer_samples_total, samples),

@@ -54,7 +54,10 @@ _FITS, _HOLD, _FLOOR, _NONE_FITS, _BACKOFF = (
 _REASON_WHEN_TRAINER_CANNOT_RUN = {
     TrainerState.STARVED: DecisionReason.TRAINER_STARVED,
     TrainerState.PAUSED: DecisionReason.TRAINER_PAUSED,
+    TrainerState.BUILDING: DecisionReason.NO_TRAINER,  # no trainer to run yet
+    TrainerState.FINISHED: DecisionReason.TRAINER_STOPPED,
     TrainerState.STOPPED: DecisionReason.TRAINER_STOPPED,
+    TrainerState.FAILED: DecisionReason.TRAINER_STOPPED,
     TrainerState.ABSENT: DecisionReason.NO_TRAINER,
 }
 

@@ -24,13 +24,18 @@ from typing import Any, NamedTuple
 
 
 class TrainerState(str, enum.Enum):
-    """The trainer as the runtime sees it before a decode step, independent of this
-    scheduler's own pause (a trainer this scheduler paused last step is still RUNNING)."""
+    """The trainer's state: the one vocabulary of the trainer host, this scheduler, the
+    metrics and the endpoints. Before a decode step the scheduler sees it independent of
+    its own pause (a trainer this scheduler paused last step is still RUNNING); a status
+    report calls a running trainer that no decision lets run PAUSED."""
 
     RUNNING = "running"  # a job is active and has ready work; it runs whenever a decision lets it
     PAUSED = "paused"  # the operator paused the job (control endpoint) until resumed
     STARVED = "starved"  # waiting on a swap-in: no unit is ready this step (Harli §6.2)
-    STOPPED = "stopped"  # the job finished, failed or was stopped
+    BUILDING = "building"  # a job's model and data are loading on the trainer thread
+    FINISHED = "finished"  # every job ran to its end
+    STOPPED = "stopped"  # stopped by the operator or a signal (after its checkpoint)
+    FAILED = "failed"  # a fault stopped it (serving went on)
     ABSENT = "absent"  # no finetune job is configured
 
 

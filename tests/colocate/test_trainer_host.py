@@ -116,7 +116,7 @@ def test_a_failing_build_is_a_fault_not_a_crash():
     status = host.status()
     assert status.state == "failed" and "MemoryError: no room for the trainer" in status.error
     assert len(faults) == 1 and isinstance(faults[0], MemoryError)
-    assert host.scheduler_state() is TrainerState.STOPPED
+    assert host.scheduler_state() is TrainerState.FAILED  # the scheduler pauses it: trainer_stopped
 
 
 @pytest.mark.parametrize(

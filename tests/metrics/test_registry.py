@@ -77,7 +77,7 @@ def test_trainer_counters_follow_cumulative_stats():
     assert value(m, "harvest_trainer_loss") == pytest.approx(2.1)
     assert value(m, "harvest_trainer_state", state="paused") == 1
     assert value(m, "harvest_trainer_state", state="running") == 0
-    with pytest.raises(ValueError, match="trainer state 'dancing'"):
+    with pytest.raises(ValueError, match="'dancing' is not a valid TrainerState"):
         m.set_trainer(state="dancing", tokens=0, samples=0, steps=0, loss=None, window_layers=0, resident_bytes=0)
 
 
@@ -90,3 +90,12 @@ def test_memory_metrics():
     assert value(m, "harvest_kv_lends_total") == 6 and value(m, "harvest_kv_reclaims_total") == 2
     assert value(m, "harvest_kv_reclaim_seconds_count") == 2
     assert value(m, "harvest_allocator_fragmentation_bytes") == 1 << 20
+
+
+def test_trainer_state_gauge_has_one_label_per_trainer_state():
+    from harvest.schedule import TrainerState
+
+    m = HarvestMetrics()
+    m.set_trainer(state=TrainerState.FINISHED, tokens=0, samples=0, steps=0, loss=None, window_layers=0, resident_bytes=0)
+    assert {state.value: value(m, "harvest_trainer_state", state=state.value) for state in TrainerState} == {
+        state.value: float(state is TrainerState.FINISHED) for state in TrainerState}

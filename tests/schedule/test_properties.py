@@ -24,6 +24,9 @@ IDLE_REASON = {
     TrainerState.STARVED: R.TRAINER_STARVED,
     TrainerState.PAUSED: R.TRAINER_PAUSED,
     TrainerState.STOPPED: R.TRAINER_STOPPED,
+    TrainerState.FINISHED: R.TRAINER_STOPPED,
+    TrainerState.FAILED: R.TRAINER_STOPPED,
+    TrainerState.BUILDING: R.NO_TRAINER,
     TrainerState.ABSENT: R.NO_TRAINER,
 }
 

@@ -100,10 +100,16 @@ def test_single_shared_whole_device_level():
         (TrainerState.STARVED, DecisionReason.TRAINER_STARVED),
         (TrainerState.PAUSED, DecisionReason.TRAINER_PAUSED),
         (TrainerState.STOPPED, DecisionReason.TRAINER_STOPPED),
+        (TrainerState.FINISHED, DecisionReason.TRAINER_STOPPED),
+        (TrainerState.FAILED, DecisionReason.TRAINER_STOPPED),
+        (TrainerState.BUILDING, DecisionReason.NO_TRAINER),
         (TrainerState.ABSENT, DecisionReason.NO_TRAINER),
     ],
 )
 def test_a_trainer_that_cannot_run_gives_decode_the_whole_gpu(trainer, reason):
+    assert {state for state in TrainerState if state is not TrainerState.RUNNING} == {
+        TrainerState.STARVED, TrainerState.PAUSED, TrainerState.STOPPED, TrainerState.FINISHED, TrainerState.FAILED,
+        TrainerState.BUILDING, TrainerState.ABSENT}  # every other state is in this table
     before = state(2, hold=1, paused=4, step=9)
     d = choose(CFG, LADDER, before, snap(20.0, 30.0, 35.0, 37.0, trainer=trainer, whole_device_ms=12.5))
     assert (d.level_index, d.trainer_action, d.reason) == (WHOLE, TrainerAction.PAUSE, reason)
