@@ -95,6 +95,7 @@ class HarvestRuntime:
         from harvest.compute import create_partitioner
         from harvest.config import HarvestConfig, load
         from harvest.memory.lending import LendingPolicy
+        from harvest.memory.lent_budget import LentMemoryBudget
         from harvest.memory.reserve import reserve_tokens
         from harvest.metrics.registry import HarvestMetrics
         from harvest.predict.compat import load_for
@@ -140,11 +141,12 @@ class HarvestRuntime:
         for job_path in config.jobs:
             load_job(job_path)  # field-level validation now, at start-up; built on the trainer thread
         trainer_host = None
+        budget = LentMemoryBudget()  # lending publishes on it; the trainer's window follows it
         if config.jobs:
             served = None
             if config.share_served_weights:
                 served = (server_args.model_path, scheduler.tp_worker.model_runner.model, scheduler.model_config.hf_config)
-            trainer_host = TrainerHost(list(config.jobs), build=_job_builder(allocator, device, served),
+            trainer_host = TrainerHost(list(config.jobs), build=_job_builder(allocator, device, budget, served),
                                        cpu_threads=config.trainer.cpu_threads, nice=config.trainer.nice)
 
         g = allocator.geometry
@@ -160,10 +162,7 @@ class HarvestRuntime:
             reserve = min(reserve_tokens(2 * target_s, target_s, max_bs, g.kv_bytes_per_token), token_allocator.size // 4)
         policy = LendingPolicy(tokens_per_chunk=g.tokens_per_chunk, num_chunks=num_chunks, reserve_tokens=reserve,
                                hysteresis_chunks=config.memory.hysteresis_chunks, max_lend_fraction=config.memory.max_lend_fraction)
-        lending = KvLendingController(token_allocator, allocator, policy, trainer_host=trainer_host, metrics=metrics)
-        from harvest.sglang.hooks import register_lending
-
-        register_lending(token_allocator, lending)
+        lending = KvLendingController(token_allocator, allocator, policy, budget, metrics=metrics)
 
         control = StepController(partitioner=partitioner, qos=qos, trainer_host=trainer_host, predictor=predictor,
                                  refiner=refiner, metrics=metrics, target_tpot_ms=config.qos.target_tpot_ms)
@@ -444,9 +443,10 @@ def _median_us(samples: list, index: int) -> float:
     return statistics.median(s[index] for s in samples) / 1e3 if samples else 0.0
 
 
-def _job_builder(allocator, device: str, served=None):
-    """``build(job_path)`` for the trainer thread. ``served`` = (model path, SGLang model,
-    HF config): a job whose base is that checkpoint trains on the served weights in place."""
+def _job_builder(allocator, device: str, budget, served=None):
+    """``build(job_path)`` for the trainer thread: its window in the lent arena, following
+    ``budget``. ``served`` = (model path, SGLang model, HF config): a job whose base is that
+    checkpoint trains on the served weights in place."""
 
     def build(job_path):
         from harvest.train.arena_window import ArenaWindowAllocator
@@ -455,7 +455,7 @@ def _job_builder(allocator, device: str, served=None):
         from harvest.train.job import load_job
 
         job = load_job(job_path)
-        window = ArenaWindowAllocator(allocator, device)
+        window = ArenaWindowAllocator(allocator, device, budget)
         if served is not None:
             from harvest.sglang.served_weights import same_checkpoint, served_weight_tensors
             from harvest.train.weights import SharedTensorWeightSource
