@@ -74,8 +74,10 @@ class LentMemoryBudget:
             wake()  # outside this lock: the wake takes the follower's gate lock
         return generation
 
-    def is_acknowledged(self, generation: int) -> bool:
-        return self._acknowledged >= generation or self._wake is None
+    @property
+    def acknowledged_generation(self) -> int:
+        """The latest generation the follower has applied."""
+        return self._acknowledged
 
     def wait_acknowledged(self, generation: int, timeout_s: float) -> bool:
         """Wait until the follower has applied ``generation`` (or stopped following), at
