@@ -186,6 +186,12 @@ HVMM_EXPORT int hvmm_geometry(hvmm_allocator_t* allocator, hvmm_geometry_t* out)
 // Token-slot liveness, as the serving side's slot allocator reports it. A lent chunk's
 // slots cannot be marked live; freeing a slot that is not live is an error. All slots
 // are checked before any count changes.
+// Optional: the live-slot rule (no lend of a chunk with live slots) holds only for slots
+// marked here. harvest does not mark SGLang's slots: SGLang's free lists are the
+// authority on which slots are free (marking would be a foreign call on every alloc and
+// free of every step), so harvest.sglang.kv_lending lends a chunk only after taking all
+// its slots out of SGLang's free list, and its check_integrity requires every count here
+// to stay 0. This allocator is the authority on chunk state (mapped/lent/busy/broken).
 HVMM_EXPORT int hvmm_mark_slots(hvmm_allocator_t* allocator, const int64_t* slots, int64_t count,
                                 int32_t live);
 

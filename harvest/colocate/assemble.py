@@ -26,9 +26,10 @@ logger = get_logger(__name__)
 class KvPool:
     """The engine's KV cache, on harvest's unified allocator.
 
-    ``lending_controller(policy, metrics, trainer_host, lend_interval_s)`` builds the
-    engine's lending mechanism (it moves whole free chunks out of and back into the
-    engine's free lists)."""
+    ``lending_controller(policy, budget, metrics, lend_interval_s)`` builds the engine's
+    lending mechanism: it moves whole free chunks out of and back into the engine's free
+    lists and publishes what is lent and what it wants back on ``budget``
+    (harvest.memory.lent_budget), which the trainer's window follows."""
 
     allocator: Any  # harvest.memory.UnifiedAllocator backing the engine's K/V buffers
     num_tokens: int  # token slots in the engine's pool
@@ -41,15 +42,17 @@ class EngineAdapter:
     """What the serving engine gives harvest.
 
     ``build_trainer(job)`` runs on the trainer thread for each of ``jobs`` (default: the
-    config's job files; the default builder takes them through LlamaFactory into lent KV
-    memory, :func:`job_file_builder`). ``kv`` is None when harvest does not manage the
-    engine's KV cache (nothing is lent)."""
+    config's job files, taken through LlamaFactory into lent KV memory by
+    :func:`job_file_builder`, on the weights ``weight_source_for(job)`` gives where it
+    gives any). ``kv`` is None when harvest does not manage the engine's KV cache (nothing
+    is lent)."""
 
     device: str  # "cpu", "cuda:N"
     model_path: str  # the served checkpoint (the profile must describe this model)
     model_dtype: str  # "float32", "bfloat16", ...
     kv: KvPool | None = None
     build_trainer: Callable[[Any], Any] | None = None
+    weight_source_for: Callable[[Any], Any] | None = None
     jobs: tuple | None = None  # None: config.jobs
 
     @property
@@ -76,6 +79,13 @@ def assemble(config, engine: EngineAdapter, *, partitioner=None):
     if config.profile is not None:
         refiner = _refiner(config, engine, partitioner)
     qos = QoSController(config.qos, partitioner.ladder)
+    lending, budget = NoKvLending(), None
+    if engine.kv is not None:
+        from harvest.memory.lent_budget import LentMemoryBudget
+
+        budget = LentMemoryBudget()
+        lending = engine.kv.lending_controller(lending_policy(config, engine.kv), budget, metrics,
+                                               config.memory.lend_interval_s)
     trainer_host = None
     if jobs:
         from harvest.colocate.trainer_host import TrainerHost
@@ -85,13 +95,9 @@ def assemble(config, engine: EngineAdapter, *, partitioner=None):
             if engine.kv is None:
                 raise ValueError("assemble: finetune jobs need EngineAdapter.build_trainer, or the engine's KV "
                                  "pool (kv) to build job files into lent memory")
-            build = job_file_builder(engine.kv.allocator, engine.device)
+            build = job_file_builder(engine.kv.allocator, engine.device, budget, engine.weight_source_for)
         trainer_host = TrainerHost(list(jobs), build=build, cpu_threads=config.trainer.cpu_threads,
                                    nice=config.trainer.nice)
-    lending = NoKvLending()
-    if engine.kv is not None:
-        lending = engine.kv.lending_controller(lending_policy(config, engine.kv), metrics, trainer_host,
-                                               config.memory.lend_interval_s)
     control = StepController(partitioner=partitioner, qos=qos, trainer_host=trainer_host,
                              predictor=None if refiner is None else refiner.predictor, refiner=refiner,
                              metrics=metrics, target_tpot_ms=config.qos.target_tpot_ms)
@@ -151,9 +157,10 @@ def lending_policy(config, kv: KvPool):
                          max_lend_fraction=config.memory.max_lend_fraction)
 
 
-def job_file_builder(allocator, device: str, weight_source_for: Callable | None = None):
+def job_file_builder(allocator, device: str, budget=None, weight_source_for: Callable | None = None):
     """``build(job_path)`` for the trainer thread: the job file through LlamaFactory, its
-    frozen-weight window in lent KV memory. ``weight_source_for(job)`` may return the
+    frozen-weight window in lent KV memory, sized by ``budget`` (the lent-memory budget
+    the lending side publishes). ``weight_source_for(job)`` may return the
     frozen weights to train on in place (the served model's, when it is the same base);
     None or a refusal (WeightSourceError) falls back to a host copy."""
 
@@ -164,7 +171,7 @@ def job_file_builder(allocator, device: str, weight_source_for: Callable | None 
         from harvest.train.job import load_job
 
         job = load_job(job_path)
-        window = ArenaWindowAllocator(allocator, device)
+        window = ArenaWindowAllocator(allocator, device, budget)
         if weight_source_for is not None:
             try:
                 source = weight_source_for(job)

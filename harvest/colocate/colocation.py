@@ -29,6 +29,7 @@ class NoKvLending:
     """An engine whose KV cache harvest does not manage: nothing is lent."""
 
     num_lent = 0
+    enabled = False
 
     def after_step(self) -> None:
         pass
@@ -38,6 +39,9 @@ class NoKvLending:
 
     def reclaim_all(self) -> None:
         pass
+
+    def maybe_check_integrity(self) -> bool:
+        return False
 
     def stats(self) -> dict:
         return {}
@@ -59,6 +63,7 @@ class Colocation:
         self.refit_min_interval_s = refit_min_interval_s
         self.profiler = StepProfiler()
         self.idle_gc_collections = 0
+        self.integrity_error: str | None = None  # the first failed idle integrity check's message
         self.decode_cpu_threads: int | None = None  # the engine thread's torch threads, once started
         # Called on this thread when attention is requested; each returns whether it wants
         # to be called again (a stop signal waits for the trainer's checkpoint).
@@ -100,6 +105,7 @@ class Colocation:
             self._attend()
         self.control.on_idle()
         self.lending.maybe_lend()
+        self._check_kv_integrity()
         self.maybe_refit()
         self._collect_young_garbage()
 
@@ -111,6 +117,25 @@ class Colocation:
         if gc.get_count()[1]:
             gc.collect(1)
             self.idle_gc_collections += 1
+
+    def _check_kv_integrity(self) -> None:
+        """At most every integrity interval while idle: the engine's free lists, the
+        allocator's chunk states and the lending cache agree (harvest.sglang.kv_lending).
+        A disagreement found here stops lending and the trainer, and serving goes on with
+        the memory decode has, instead of surfacing later as a corrupted KV cache. Nothing
+        is reclaimed: with the bookkeeping wrong, putting slots back could hand SGLang a
+        slot twice."""
+        if self.integrity_error is not None:
+            return
+        try:
+            self.lending.maybe_check_integrity()
+        except Exception as exc:  # noqa: BLE001 - VmmIntegrityError, KvIntegrityError, or a broken check
+            self.integrity_error = f"{type(exc).__name__}: {exc}"
+            self.lending.enabled = False
+            if self.trainer_host is not None:
+                self.trainer_host.operator_stop()
+            logger.error("KV memory integrity check failed; lending and the trainer are stopped, serving goes on: %s",
+                         self.integrity_error)
 
     def maybe_refit(self) -> None:
         """Refit the predictor when enough new steps were seen: from the trainer thread

@@ -58,7 +58,7 @@ class StatusReporter:
             "trainer": dataclasses.asdict(host.status()) if host is not None else None,
             "level": {"index": colo.partitioner.current_index, "decode_sms": control.level.decode_sms,
                       "trainer_sms": control.level.trainer_sms, "partitioner": colo.partitioner.description},
-            "kv": colo.lending.stats(),
+            "kv": {**colo.lending.stats(), "integrity_error": colo.integrity_error},
             "qos": {"target_tpot_ms": config.qos.target_tpot_ms, **control.qos.stats().to_dict()},
             "steps": colo.profiler.num_steps,
             **colo.profiler.summary(),

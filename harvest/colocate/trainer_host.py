@@ -61,8 +61,11 @@ class _FaultInjectingGate:
         self._gate = gate
         self._remaining = after_units
 
-    def acquire(self):
-        return self._gate.acquire()
+    def acquire(self, while_parked=None):
+        return self._gate.acquire(while_parked)
+
+    def wake(self) -> None:
+        self._gate.wake()
 
     def unit_done(self, record) -> None:
         self._gate.unit_done(record)

@@ -5,7 +5,7 @@ The Python face of libharvest_vmm (hvmm.h has the design note). Typical life:
     alloc = UnifiedAllocator(num_layers=32, kv_heads=8, head_dim=128, dtype_bytes=2,
                              max_tokens=200_000, small_pool_bytes=256 << 20, backend="cuda")
     k0 = alloc.kv_tensor(0, "k", torch.float16, (alloc.geometry.token_capacity, 8, 128))
-    alloc.mark_slots_live(slots)            # from the serving side's slot allocator
+    alloc.mark_slots_live(slots)            # optional: see "Slot liveness" below
     if alloc.can_lend(c): alloc.lend(c)     # query first, mutate second
     block = alloc.allocate(64 << 20)        # trainer memory, or None right now
     t = block.tensor(torch.bfloat16, shape)
@@ -16,6 +16,13 @@ Every method is safe to call from several threads; calls that can block (lend,
 reclaim, fence waits) release the GIL (ctypes does so for every foreign call).
 Transient exhaustion returns None; bad input raises VmmInvalidArgument and changes
 nothing.
+
+Slot liveness: the allocator refuses to lend a chunk with live slots only if the serving
+side marks them (`mark_slots_live` / `mark_slots_free`). With SGLang it does not: SGLang's
+free lists are the authority on free slots, and `harvest.sglang.kv_lending` takes a
+chunk's slots out of them before lending it (its `check_integrity` requires the counts
+here to stay 0). The allocator is the authority on chunk state: `chunk_table`,
+`reclaimable_chunks`.
 """
 
 from __future__ import annotations

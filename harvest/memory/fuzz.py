@@ -22,7 +22,6 @@ from typing import Callable
 
 from harvest.memory.allocator import ARENA, SMALL, UnifiedAllocator
 from harvest.memory.errors import VmmError, VmmInvalidArgument
-from harvest.memory.stats import ChunkState
 
 BLOCK_BYTES = 2048  # the small pool's granularity
 

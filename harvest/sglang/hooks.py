@@ -1,11 +1,15 @@
 """harvest's hooks into SGLang 0.5.23 internals (each target checked by the plugin at load).
 
 The hooks are thin: each finds the process's :class:`~harvest.sglang.runtime.HarvestRuntime`
-(created in ``Scheduler.__init__`` when harvest is enabled) and hands it the call. Without
-a runtime (harvest disabled, or a process that is not a scheduler) they call through.
+(created in ``Scheduler.__init__`` when harvest is enabled) on the scheduler, or the
+:class:`~harvest.sglang.kv_lending.KvLendingController` on the token allocator, and hands it
+the call. Without one (harvest disabled, or a process that is not a scheduler) they call
+through.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from harvest import config_env
 
@@ -15,7 +19,7 @@ SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
 # enable harvest if one is missing (another SGLang version moved it).
 KV_POOL_CREATE = "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool._create_buffers_normal"
 TOKEN_ALLOCATOR = "sglang.srt.mem_cache.allocator.token.TokenToKVPoolAllocator"
-POOL_INVARIANT = "sglang.srt.managers.scheduler_components.invariant_checker.SchedulerInvariantChecker._check_pool_invariant"
+FULL_POOL_INVARIANT = "sglang.srt.managers.scheduler_components.invariant_checker.SchedulerInvariantChecker._check_full_pool"
 
 TARGETS = [
     f"{SCHEDULER}.__init__",
@@ -24,7 +28,7 @@ TARGETS = [
     KV_POOL_CREATE,
     f"{TOKEN_ALLOCATOR}.alloc",
     f"{TOKEN_ALLOCATOR}.check_decode_capacity",
-    POOL_INVARIANT,
+    FULL_POOL_INVARIANT,
 ]
 
 RUNTIME_ATTR = "_harvest_runtime"
@@ -53,11 +57,6 @@ def _on_idle(result, scheduler, *args, **kwargs):
     return result
 
 
-# The token allocator does not know its scheduler; the runtime registers its lending
-# controller here (one scheduler, one allocator per process: tp_size 1).
-_lending_by_allocator: dict[int, object] = {}
-
-
 def _token_alloc(original, allocator, need_size, *args, **kwargs):
     # SGLang's alloc returns None when the free slots are too few, having at most merged and
     # sorted its free lists (the same free slots): only then are lent chunks taken back and
@@ -80,20 +79,22 @@ def _check_decode_capacity(original, allocator, *args, **kwargs):
 def _took_lent_chunks_back(allocator, need_tokens: int) -> bool:
     """After SGLang found too few free slots: take lent chunks back toward ``need_tokens``.
     True if any came back (only then can asking SGLang again change its answer)."""
-    lending = _lending_by_allocator.get(id(allocator))
+    from harvest.sglang.kv_lending import lending_of
+
+    lending = lending_of(allocator)
     return lending is not None and lending.ensure_available(need_tokens)
 
 
-def register_lending(token_allocator, lending) -> None:
-    _lending_by_allocator[id(token_allocator)] = lending
+def _full_pool_invariant(original, checker, pool_stats, *args, **kwargs):
+    # SGLang's leak check: available + evictable + ... == total. Lent slots are out of the
+    # free list but accounted for (the trainer holds them until reclaimed).
+    from harvest.sglang.kv_lending import lending_of
 
-
-def _pool_invariant(original, pool_name, available, *args, **kwargs):
-    # SGLang's idle leak check: available + evictable + ... == total. Lent slots are out of
-    # the free list but accounted for (the trainer holds them until reclaimed).
-    if pool_name == "full":
-        available += sum(lending.num_lent * lending.tokens_per_chunk for lending in _lending_by_allocator.values())
-    return original(pool_name, available, *args, **kwargs)
+    lending = lending_of(checker.token_to_kv_pool_allocator)
+    if lending is not None and lending.num_lent:
+        lent_tokens = lending.num_lent * lending.tokens_per_chunk
+        pool_stats = dataclasses.replace(pool_stats, full_available_size=pool_stats.full_available_size + lent_tokens)
+    return original(checker, pool_stats, *args, **kwargs)
 
 
 def register(registry, hook_type) -> None:
@@ -105,4 +106,4 @@ def register(registry, hook_type) -> None:
     registry.register(KV_POOL_CREATE, kv_backing._create_buffers_normal, hook_type.AROUND)
     registry.register(f"{TOKEN_ALLOCATOR}.alloc", _token_alloc, hook_type.AROUND)
     registry.register(f"{TOKEN_ALLOCATOR}.check_decode_capacity", _check_decode_capacity, hook_type.AROUND)
-    registry.register(POOL_INVARIANT, _pool_invariant, hook_type.AROUND)
+    registry.register(FULL_POOL_INVARIANT, _full_pool_invariant, hook_type.AROUND)

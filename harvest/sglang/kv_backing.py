@@ -18,7 +18,6 @@ from harvest.logs import get_logger
 
 logger = get_logger(__name__)
 
-TARGET = "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool._create_buffers_normal"
 ALLOCATOR_ATTR = "_harvest_allocator"
 
 # Host pages: small enough that the tiny CPU models get tens of chunks, a multiple of the

@@ -4,23 +4,44 @@ Mechanism only; the rule is :mod:`harvest.memory.lending`. SGLang's token alloca
 (``TokenToKVPoolAllocator``; pages of one token) keeps free slots in ``free_pages`` and,
 when ``need_sort`` (decode instances), recently freed ones in ``release_pages``, merged
 and sorted on demand, so allocation takes the lowest free slots and high chunks empty out
-(FineServe's "fill partial slabs first"; the runtime turns ``need_sort`` on everywhere).
+(FineServe's "fill partial slabs first"; the controller turns ``need_sort`` on).
 
-- Lend: a chunk all of whose slots are free leaves the free lists (SGLang can no longer
-  hand its slots out), then the unified allocator unmaps its pages from every K/V range
-  (a dummy page takes their place) and maps them into the general arena, and the
-  trainer's window may grow into them.
-- Reclaim: chunks whose arena pages the trainer no longer uses go back (fences waited
-  on); if too few are free, the trainer's window shrinks first, at its next unit
-  boundary (the reserve covers decode meanwhile; the scheduler thread does not wait),
-  and a later step takes the chunks; the slots rejoin the free list. Decode never fails
-  for lack of lent memory: an allocation that fails reclaims synchronously and runs
-  again (hook on ``alloc``), waiting for the trainer's running unit if it must.
+One source of truth per fact:
+
+- *Slot liveness*: SGLang's free lists. A slot is free iff it is in them. The unified
+  allocator's live-slot counts (``hvmm_mark_slots``) are not fed for SGLang's slots (a
+  foreign call on every alloc and free of every step, to learn what the free list
+  already says); instead a chunk is lent only after all its slots were found in, and
+  taken out of, SGLang's free list, on the scheduler thread that alone changes it.
+- *Chunk state* (mapped, lent, busy, broken; which lent chunks no trainer buffer uses):
+  the unified allocator. The controller caches which chunks are lent (read after every
+  decode step: a list, not a foreign call), updates the cache only after the allocator
+  succeeded, and :meth:`check_integrity` verifies it.
+
+Moves:
+
+- Lend: a chunk all of whose slots are free leaves the free lists, then the unified
+  allocator unmaps its pages from every K/V range (a dummy page takes their place) and
+  maps them into the general arena; the new lent total is published on the
+  :class:`~harvest.memory.lent_budget.LentMemoryBudget` and the trainer's window grows
+  into it at its next unit boundary.
+- Reclaim: lent chunks no trainer buffer uses come back (fences waited on) and their
+  slots rejoin the free list. If too few are unused, the controller publishes how much it
+  wants back and the trainer shrinks its window at its next unit boundary. After a step
+  or when idle (the reserve still covers decode) it never waits: a later step takes the
+  chunks. When an SGLang allocation would fail (``ensure_available``, from the hooks on
+  ``alloc`` and ``check_decode_capacity``) it waits for the trainer's acknowledgement,
+  at most ``urgent_wait_s`` (one unit, ~10 ms on a GPU; the bound only guards a hung
+  trainer), so decode does not fail or retract for lack of lent memory.
 
 Called on the scheduler thread: the urgent check (``available_size`` against the reserve,
 no device sync) after every step; the lending plan (one ``bincount`` over the free list)
 at most every ``lend_interval_s``, after a step or when idle, so that a server that is
-never idle still lends the chunks its batches leave free.
+never idle still lends the chunks its batches leave free; the integrity check when idle,
+at most every ``integrity_interval_s``.
+
+The controller lives on the token allocator it lends from (``LENDING_ATTR``, set here),
+where the hooks on that allocator find it.
 """
 
 from __future__ import annotations
@@ -32,31 +53,60 @@ import torch
 
 from harvest.logs import get_logger
 from harvest.memory.lending import LendingPolicy, plan, reclaim_count
+from harvest.memory.lent_budget import LentMemoryBudget
+from harvest.memory.stats import ChunkState
 
 logger = get_logger(__name__)
 
+LENDING_ATTR = "_harvest_lending"  # on SGLang's token allocator: its KvLendingController
+
+# Longest an allocation waits for the trainer to let go of lent memory. A unit takes
+# ~10 ms on a GPU and well under a second on the CPU test models; only a hung trainer
+# reaches this, and then decode goes on with what is free (SGLang may retract).
+URGENT_WAIT_S = 10.0
+
+# The idle integrity check costs a few milliseconds (check_integrity); once every 5 s of
+# idling is under 0.2% of the scheduler thread.
+INTEGRITY_INTERVAL_S = 5.0
+
+
+def lending_of(token_allocator) -> "KvLendingController | None":
+    """The controller lending from this SGLang token allocator, if any."""
+    return getattr(token_allocator, LENDING_ATTR, None)
+
+
+class KvIntegrityError(RuntimeError):
+    """SGLang's free lists, the allocator's chunk states and the controller's cache disagree."""
+
 
 class KvLendingController:
-    def __init__(self, token_allocator, allocator, policy: LendingPolicy, *, trainer_host=None, metrics=None,
-                 lend_interval_s: float = 0.05):
+    def __init__(self, token_allocator, allocator, policy: LendingPolicy, budget: LentMemoryBudget, *, metrics=None,
+                 lend_interval_s: float = 0.05, urgent_wait_s: float = URGENT_WAIT_S,
+                 integrity_interval_s: float = INTEGRITY_INTERVAL_S):
         self.tokens = token_allocator
         self.allocator = allocator
         self.policy = policy
-        self.trainer_host = trainer_host
+        self.budget = budget
         self.metrics = metrics
         self.lend_interval_s = lend_interval_s
+        self.urgent_wait_s = urgent_wait_s
+        self.integrity_interval_s = integrity_interval_s
         g = allocator.geometry
         self.tokens_per_chunk = g.tokens_per_chunk
         self.chunk_bytes = g.chunk_bytes
-        self.lent = [False] * policy.num_chunks
-        self._num_lent = 0  # sum(self.lent), kept: read after every decode step
+        self._lent = [False] * policy.num_chunks  # cache of the allocator's LENT chunks
+        self._num_lent = 0  # sum(self._lent)
+        self._wanted_back = 0  # chunks published as wanted back and not yet reclaimed
         self.enabled = True  # False after a trainer fault: everything comes back, nothing is lent
         self.num_lent_total = 0
         self.num_reclaimed_total = 0
         self.reclaim_s_total = 0.0
+        self.num_integrity_checks = 0
         self._last_lend = 0.0
+        self._last_integrity_check = -math.inf
         # Allocation takes the lowest free slots only if frees are merged and sorted.
         token_allocator.need_sort = True
+        setattr(token_allocator, LENDING_ATTR, self)
 
     # -- reading SGLang's free lists ------------------------------------------------------
     def _free_ids(self) -> torch.Tensor:
@@ -71,29 +121,34 @@ class KvLendingController:
     def num_lent(self) -> int:
         return self._num_lent
 
+    def lent_chunks(self) -> list[int]:
+        """The chunks lent now, as the allocator (the authority) says."""
+        return [info.chunk for info in self.allocator.chunk_table() if info.state == ChunkState.LENT]
+
     # -- per step / idle ------------------------------------------------------------------
     def after_step(self) -> None:
-        """Urgent path: free mapped slots under the reserve -> reclaim now."""
+        """Non-urgent path: free mapped slots under the reserve -> take chunks back now,
+        or ask the trainer for them (never waits)."""
         if not self._num_lent:
             return
         count = reclaim_count(self.policy, self.tokens.available_size(), self._num_lent)
-        if count:
-            self.reclaim(count, wait=False)
+        if count or self._wanted_back:
+            self.reclaim(count, wait=False)  # count 0 withdraws a request no longer needed
 
     def maybe_lend(self, force: bool = False) -> None:
         now = time.monotonic()
         if not self.enabled or (not force and now - self._last_lend < self.lend_interval_s):
             return
         self._last_lend = now
-        decision = plan(self.policy, self.free_per_chunk(), self.lent)
-        if decision.reclaim_count:
+        decision = plan(self.policy, self.free_per_chunk(), self._lent)
+        if decision.reclaim_count or self._wanted_back:
             self.reclaim(decision.reclaim_count, wait=False)
         elif decision.lend:
             self.lend(decision.lend)
 
     def ensure_available(self, need_tokens: int) -> bool:
-        """Before an allocation of ``need_tokens``: reclaim synchronously if it would fail.
-        Returns whether any chunk came back."""
+        """Urgent path, before an allocation of ``need_tokens``: if it would fail, take lent
+        chunks back, waiting for the trainer if it holds them. Returns whether any came back."""
         if not self._num_lent:
             return False
         short = need_tokens - self.tokens.available_size()
@@ -103,7 +158,7 @@ class KvLendingController:
 
     # -- mechanism ------------------------------------------------------------------------
     def lend(self, chunks) -> None:
-        chunks = [c for c in chunks if not self.lent[c]]
+        chunks = [c for c in chunks if not self._lent[c]]
         if not chunks:
             return
         self.tokens.merge_and_sort_free()
@@ -119,80 +174,129 @@ class KvLendingController:
             self.tokens.free_pages = ids  # nothing lent: the slots are SGLang's again
             raise
         for c in chunks:
-            self.lent[c] = True
+            self._lent[c] = True
         self._num_lent += len(chunks)
         self.num_lent_total += len(chunks)
         if self.metrics is not None:
             self.metrics.lent(len(chunks))
-        self._resize_window()
+        self._publish(self._wanted_back)
 
     def reclaim(self, count: int, wait: bool = True) -> list[int]:
-        """Take ``count`` lent chunks back (fewer only if fewer are lent, or not yet free).
+        """Take ``count`` lent chunks back (fewer only if fewer are lent, or not yet free);
+        publish the rest as wanted back (0 withdraws an earlier request).
 
-        Chunks the trainer's window still uses need it to shrink first. ``wait=True`` (an
-        allocation would fail otherwise) waits for the trainer's running unit to end;
-        ``wait=False`` (after a step or when idle: the reserve still covers decode) never
-        waits: the window shrinks now if no unit is running, else at the unit's end, and
-        a later step takes the chunks."""
+        Chunks the trainer's window still uses come back only after it shrinks, at its
+        next unit boundary. ``wait=True`` (an allocation would fail otherwise) publishes
+        the request and waits for the trainer's acknowledgement, at most
+        ``urgent_wait_s``; ``wait=False`` never waits: a later call takes the chunks."""
         started = time.perf_counter()
         count = min(count, self._num_lent)
-        chosen = self._reclaimable()[:count]
-        trainer = self.trainer_host.trainer if self.trainer_host is not None else None
-        if len(chosen) < count and trainer is not None:
-            # The trainer holds the pages: shrink its window to what will remain lent.
-            stages = trainer.window.capacity_for_bytes((self._num_lent - count) * self.chunk_bytes)
-            if wait:
-                if stages >= 1:
-                    trainer.set_window_stages(stages)
-                    chosen = self._reclaimable()[:count]
-                if len(chosen) < count:
-                    trainer.release_window()
-                    chosen = self._reclaimable()[:count]
-            else:
-                # Shrink to ``stages``; once W is that small and the chunks are still held
-                # (the window's buffers straddle them), empty the window instead.
-                request = stages if stages >= 1 and trainer.window.capacity > stages else 0
-                if trainer.request_window_stages(request):
-                    chosen = self._reclaimable()[:count]
-                    if len(chosen) < count and request and trainer.request_window_stages(0):
-                        chosen = self._reclaimable()[:count]
-        if not chosen:
-            return []
-        self.allocator.reclaim(chosen)
-        slots = torch.cat([torch.arange(c * self.tokens_per_chunk, (c + 1) * self.tokens_per_chunk, dtype=torch.int64) for c in chosen])
-        slots = slots.to(self.tokens.free_pages.device)
-        self.tokens.release_pages = torch.cat((self.tokens.release_pages, slots))
-        for c in chosen:
-            self.lent[c] = False
-        self._num_lent -= len(chosen)
-        elapsed = time.perf_counter() - started
-        self.num_reclaimed_total += len(chosen)
-        self.reclaim_s_total += elapsed
-        if self.metrics is not None:
-            self.metrics.reclaimed(elapsed / len(chosen), len(chosen))
-        self._resize_window()
+        chosen = self._reclaimable()[:count] if count else []
+        if len(chosen) < count and wait and self.budget.followed:
+            generation = self._publish(count)
+            acknowledged = self.budget.wait_acknowledged(generation, self.urgent_wait_s)
+            chosen = self._reclaimable()[:count]
+            if not acknowledged:
+                logger.warning("the trainer did not give lent KV memory back within %.1f s; %d chunk(s) short",
+                               self.urgent_wait_s, count - len(chosen))
+        if chosen:
+            self.allocator.reclaim(chosen)
+            slots = torch.cat([torch.arange(c * self.tokens_per_chunk, (c + 1) * self.tokens_per_chunk, dtype=torch.int64)
+                               for c in chosen])
+            slots = slots.to(self.tokens.free_pages.device)
+            self.tokens.release_pages = torch.cat((self.tokens.release_pages, slots))
+            for c in chosen:
+                self._lent[c] = False
+            self._num_lent -= len(chosen)
+            elapsed = time.perf_counter() - started
+            self.num_reclaimed_total += len(chosen)
+            self.reclaim_s_total += elapsed
+            if self.metrics is not None:
+                self.metrics.reclaimed(elapsed / len(chosen), len(chosen))
+        self._publish(count - len(chosen))
         return chosen
 
     def reclaim_all(self) -> None:
+        """Every lent chunk back, lending off (a trainer fault). A trainer that left its
+        loop has released its window; one still running is asked and waited for."""
         self.enabled = False
-        if self.trainer_host is not None and self.trainer_host.trainer is not None:
-            self.trainer_host.trainer.release_window()
-        while self.num_lent:
-            if not self.reclaim(self.num_lent):
-                logger.error("could not reclaim %d lent KV chunks (trainer still holds them)", self.num_lent)
+        while self._num_lent:
+            if not self.reclaim(self._num_lent):
+                logger.error("could not reclaim %d lent KV chunks (trainer still holds them)", self._num_lent)
                 break
 
     def _reclaimable(self) -> list[int]:
-        lent = [c for c in self.allocator.reclaimable_chunks() if c < len(self.lent) and self.lent[c]]
-        return sorted(lent)  # low chunks first: allocation fills low slots
+        return sorted(self.allocator.reclaimable_chunks())  # low chunks first: allocation fills low slots
 
-    def _resize_window(self) -> None:
-        trainer = self.trainer_host.trainer if self.trainer_host is not None else None
-        if trainer is None:
-            return
-        stages = trainer.window.capacity_for_bytes(self._num_lent * self.chunk_bytes)
-        if stages >= 1 and stages != trainer.window.capacity:
-            trainer.request_window_stages(stages)  # never waits for a running unit
+    def _publish(self, wanted_back: int) -> int:
+        self._wanted_back = wanted_back
+        return self.budget.publish(lent_bytes=self._num_lent * self.chunk_bytes,
+                                   wanted_back_bytes=wanted_back * self.chunk_bytes)
+
+    # -- integrity ------------------------------------------------------------------------
+    def maybe_check_integrity(self) -> bool:
+        """`check_integrity` at most every ``integrity_interval_s`` (the runtime's idle
+        tick runs in a tight loop). Returns whether it ran."""
+        if time.monotonic() - self._last_integrity_check < self.integrity_interval_s:
+            return False
+        self.check_integrity()
+        return True
+
+    def check_integrity(self) -> None:
+        """Raise (VmmIntegrityError from the allocator, else KvIntegrityError) naming the
+        first inconsistency between the allocator's own pools, its chunk states, this
+        controller's cache of them and SGLang's free lists:
+
+        - the allocator's invariants (``hvmm_check_integrity``);
+        - the chunks the allocator has lent are exactly the cached ones;
+        - no live-slot count in the allocator (SGLang's slots are never marked there);
+        - every free slot is in a mapped chunk (none in a lent, moving or broken one), in
+          the pool (not the padding slot 0), and free once;
+        - free slots + lent slots <= the pool's slots (the rest are SGLang's in use; its
+          own idle leak check accounts for those, lent slots included).
+
+        Scheduler thread, between steps (SGLang's free lists and lend/reclaim are that
+        thread's). Cost: the allocator's own check, the chunk table (one foreign call, then
+        a Python object per chunk: most of the time) and one ``bincount`` over the free
+        slots. Measured on a 2-core CPU machine (SGLang's TokenToKVPoolAllocator on a
+        host-backed allocator, 512 chunks, 80% lent, median of 50): 1.4 ms with 128-token
+        chunks (64k slots), 2.2 ms with 1024-token chunks (512k slots, Llama-3-8B's chunk
+        size), about 1.1 ms of either the chunk table and 0.03-0.1 ms the allocator's own
+        check; 2.5 and 6 ms with another test run sharing the cores. On a GPU the free list's min/max and the per-chunk counts are read back: it waits
+        for the decode stream, so idle only."""
+        self._last_integrity_check = time.monotonic()
+        self.num_integrity_checks += 1
+        self.allocator.check_integrity()
+        n, per = self.policy.num_chunks, self.tokens_per_chunk
+        table = self.allocator.chunk_table()
+        lent = [info.chunk for info in table if info.state == ChunkState.LENT]
+        cached = [c for c in range(n) if self._lent[c]]
+        if lent != cached or len(cached) != self._num_lent:
+            raise KvIntegrityError(f"lent chunks: the allocator has {lent}, the lending controller's cache {cached} "
+                                   f"(count {self._num_lent})")
+        marked = [info.chunk for info in table if info.live_slots]
+        if marked:
+            raise KvIntegrityError(f"chunks {marked[:8]} count live slots in the allocator; SGLang's slots are never "
+                                   "marked there (its free lists say which are free), so something else marked them")
+        ids = self._free_ids()
+        num_free = int(ids.numel())
+        if num_free:
+            lowest, highest = int(ids.min()), int(ids.max())
+            if lowest < 1 or highest > self.tokens.size:
+                raise KvIntegrityError(f"SGLang's free lists hold slot {lowest if lowest < 1 else highest}, outside "
+                                       f"the pool's slots 1..{self.tokens.size}")
+            per_slot = torch.bincount(ids, minlength=n * per)
+            if int(per_slot.max()) > 1:
+                raise KvIntegrityError(f"SGLang's free lists hold slot {int(per_slot.argmax())} more than once")
+            per_chunk = per_slot[: n * per].view(n, per).sum(dim=1).tolist()
+            for chunk, free in enumerate(per_chunk):
+                if free and table[chunk].state != ChunkState.MAPPED:
+                    state = ChunkState(table[chunk].state).name.lower()
+                    raise KvIntegrityError(f"SGLang's free lists hold {free} slot(s) of chunk {chunk}, which is {state} "
+                                           f"(slots {chunk * per}..{(chunk + 1) * per - 1}; SGLang could hand them out)")
+        if num_free + self._num_lent * per > self.tokens.size:
+            raise KvIntegrityError(f"{num_free} free + {self._num_lent * per} lent slots exceed the pool's "
+                                   f"{self.tokens.size}")
 
     def stats(self) -> dict:
         alloc = self.allocator.stats()
@@ -200,5 +304,6 @@ class KvLendingController:
             "chunks_total": self.policy.num_chunks, "chunks_lent": self.num_lent,
             "tokens_per_chunk": self.tokens_per_chunk, "reserve_tokens": self.policy.reserve_tokens,
             "lends_total": self.num_lent_total, "reclaims_total": self.num_reclaimed_total,
+            "integrity_checks_total": self.num_integrity_checks,
             "fragmentation_bytes": getattr(alloc, "fragmentation_bytes", 0),
         }

@@ -137,8 +137,7 @@ class HarvestRuntime:
 
 def sglang_engine(scheduler, config):
     """SGLang's scheduler as harvest's engine adapter."""
-    from harvest.colocate.assemble import EngineAdapter, KvPool, job_file_builder
-    from harvest.sglang.hooks import register_lending
+    from harvest.colocate.assemble import EngineAdapter, KvPool
     from harvest.sglang.kv_backing import allocator_of
     from harvest.sglang.kv_lending import KvLendingController
 
@@ -150,11 +149,10 @@ def sglang_engine(scheduler, config):
     device = str(pool.device)
     model_path = scheduler.server_args.model_path
 
-    def lending_controller(policy, metrics, trainer_host, lend_interval_s):
-        lending = KvLendingController(token_allocator, allocator, policy, trainer_host=trainer_host, metrics=metrics,
-                                      lend_interval_s=lend_interval_s)
-        register_lending(token_allocator, lending)
-        return lending
+    def lending_controller(policy, budget, metrics, lend_interval_s):
+        # It sets itself on the token allocator, where the allocation hooks find it.
+        return KvLendingController(token_allocator, allocator, policy, budget, metrics=metrics,
+                                   lend_interval_s=lend_interval_s)
 
     kv = KvPool(allocator=allocator, num_tokens=token_allocator.size,
                 max_batch_size=int(scheduler.max_running_requests), lending_controller=lending_controller)
@@ -164,7 +162,7 @@ def sglang_engine(scheduler, config):
                                             scheduler.model_config.hf_config)
     return EngineAdapter(device=device, model_path=model_path,
                          model_dtype=str(scheduler.model_config.dtype).replace("torch.", ""), kv=kv,
-                         build_trainer=job_file_builder(allocator, device, weight_source_for))
+                         weight_source_for=weight_source_for)
 
 
 def _served_weights(served_path, model, hf_config):

@@ -12,7 +12,7 @@ import dataclasses
 import enum
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 
 class GateAction(str, enum.Enum):
@@ -41,15 +41,23 @@ class BaseGate(abc.ABC):
       call `acquire()` again.
     - `unit_done(record)` is called after every unit with its `UnitRecord` (for the
       scheduler's measurements); it must return quickly. Default: nothing.
+    - `wake()` may be called from any thread when something a parked trainer must handle
+      now has changed (lent memory wanted back): a blocked `acquire(while_parked)` then
+      runs `while_parked()` on the trainer thread, outside the gate's lock, and blocks
+      again. A gate that never blocks may ignore it (the default).
     - Implementations' control methods are called from other threads: thread-safe.
     """
 
     @abc.abstractmethod
-    def acquire(self) -> GateDecision:
-        """Block while paused; then say whether (and on which stream) to run the next unit."""
+    def acquire(self, while_parked: Callable[[], None] | None = None) -> GateDecision:
+        """Block while paused (running `while_parked` after each `wake()`); then say
+        whether (and on which stream) to run the next unit."""
 
     def unit_done(self, record) -> None:  # noqa: B027 - optional hook
         """Called after each unit with its record."""
+
+    def wake(self) -> None:  # noqa: B027 - a gate that never blocks has nothing to wake
+        """Make a trainer blocked in `acquire` run its `while_parked` now."""
 
 
 class Gate(BaseGate):
@@ -64,6 +72,7 @@ class Gate(BaseGate):
         self._stopped = False
         self._stream = stream
         self._parked = False  # the trainer thread is blocked in acquire()
+        self._wake_pending = False  # wake() since the parked trainer last ran while_parked
         self.num_pauses = 0
 
     def pause(self) -> None:
@@ -80,6 +89,11 @@ class Gate(BaseGate):
         """Ask the trainer to checkpoint and leave its loop at the next unit boundary."""
         with self._cond:
             self._stopped = True
+            self._cond.notify_all()
+
+    def wake(self) -> None:
+        with self._cond:
+            self._wake_pending = True
             self._cond.notify_all()
 
     def set_stream(self, stream: Any) -> None:
@@ -105,9 +119,10 @@ class Gate(BaseGate):
                 self._cond.wait(remaining)
             return True
 
-    def acquire(self) -> GateDecision:
+    def acquire(self, while_parked: Callable[[], None] | None = None) -> GateDecision:
         with self._cond:
             if not self._paused or self._stopped:
+                self._wake_pending = False  # a running trainer handles it at this boundary anyway
                 return self._decision_locked(False, 0.0)
             started = time.monotonic()
             self.num_pauses += 1
@@ -115,6 +130,17 @@ class Gate(BaseGate):
             self._cond.notify_all()
             try:
                 while self._paused and not self._stopped:
+                    if self._wake_pending:
+                        self._wake_pending = False
+                        if while_parked is not None:
+                            # Outside the lock: the callback takes the trainer's unit lock,
+                            # and the scheduler must be able to resume or stop meanwhile.
+                            self._cond.release()
+                            try:
+                                while_parked()
+                            finally:
+                                self._cond.acquire()
+                        continue
                     self._cond.wait()
             finally:
                 self._parked = False

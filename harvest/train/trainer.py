@@ -77,7 +77,7 @@ class LayerSplitTrainer:
         self._last_stream = None  # the CUDA stream the previous unit ran on
         self._pass_stages = split.pass_stages()
         self._unit_lock = threading.Lock()  # held while a unit runs; window changes take it too
-        self._window_request: int | None = None  # request_window_stages, applied at the next unit boundary
+        self._budget_generation = -1  # the lent-memory budget's generation the window last applied
         self._stats_lock = threading.Lock()
         self._state = "idle"
         self._counters = dict(samples_seen=0, tokens_seen=0, units_run=0, pauses=0, paused_s=0.0,
@@ -132,19 +132,26 @@ class LayerSplitTrainer:
         if self.finished:
             return None
         with self._unit_lock:
-            self._apply_window_request()
+            self._follow_lent_memory_locked()
             record = self._run_unit_locked(stream)
-            self._apply_window_request()
+            self._follow_lent_memory_locked()  # memory wanted back leaves now, not a unit later
             return record
 
     def run(self, gate: BaseGate, on_unit: Callable[[UnitRecord], None] | None = None) -> str:
         """Run units until finished ("finished") or the gate says stop ("stopped",
         after a checkpoint). On an exception the trainer checkpoints when that is safe and
-        re-raises."""
+        re-raises.
+
+        When the window lives in lent memory (its allocator has a ``budget``), the trainer
+        follows that budget while it runs: at every unit boundary, and while parked at the
+        gate (the budget wakes the gate). When it leaves, it releases the window first:
+        nobody would be there to give lent memory back."""
         self._set_state("running")
+        budget = self.window.allocator.budget
+        unfollow = budget.follow(gate.wake) if budget is not None else None
         try:
             while not self.finished:
-                decision = gate.acquire()
+                decision = gate.acquire(while_parked=self._follow_lent_memory)
                 if decision.was_paused:
                     with self._stats_lock:
                         self._counters["pauses"] += 1
@@ -171,6 +178,13 @@ class LayerSplitTrainer:
                 with contextlib.suppress(Exception):
                     self.save_checkpoint()
             raise
+        finally:
+            if unfollow is not None:
+                try:
+                    with contextlib.suppress(Exception):  # what stays held, the memory side reports
+                        self.release_window()
+                finally:
+                    unfollow()
         self._set_state("finished")
         return "finished"
 
@@ -183,31 +197,31 @@ class LayerSplitTrainer:
             self.window.set_capacity(num_stages)
             return self.window.held_bytes
 
-    def request_window_stages(self, num_stages: int) -> bool:
-        """`set_window_stages` (0: `release_window`) without waiting for a unit, for the
-        decode thread: applied now when no unit runs (True), else by the trainer thread as
-        soon as the running unit ends (False; the memory is free after that)."""
-        if num_stages != 0:
-            self.window._check_capacity(num_stages)  # a bad value fails here, on the caller's thread
-        if not self._unit_lock.acquire(blocking=False):
-            self._window_request = num_stages
-            return False
-        try:
-            self._window_request = num_stages
-            self._apply_window_request()
-            return True
-        finally:
-            self._unit_lock.release()
+    def _follow_lent_memory(self) -> None:
+        """Apply the lent-memory budget now (the trainer thread, parked at its gate)."""
+        with self._unit_lock:
+            self._follow_lent_memory_locked()
 
-    def _apply_window_request(self) -> None:
-        """Under the unit lock: the latest `request_window_stages`, if any."""
-        request, self._window_request = self._window_request, None
-        if request is None:
+    def _follow_lent_memory_locked(self) -> None:
+        """Under the unit lock: fit the window to the latest published budget, once per
+        generation. W becomes the most stages whose worst case fits ``limit_bytes``; if the
+        memory wanted back is still not free as whole chunks (the window's buffers straddle
+        them), the window empties (the next unit loads its stage again). Then acknowledge:
+        an urgent reclaim waits for exactly that."""
+        allocator = self.window.allocator
+        budget = allocator.budget
+        if budget is None:
             return
-        if request == 0:
+        snapshot = budget.snapshot
+        if snapshot.generation == self._budget_generation:
+            return
+        stages = self.window.capacity_for_bytes(snapshot.limit_bytes)
+        if stages >= 1 and stages != self.window.capacity:
+            self.window.set_capacity(stages)
+        if snapshot.wanted_back_bytes and allocator.reclaimable_bytes() < snapshot.wanted_back_bytes:
             self.window.evict_all()
-        else:
-            self.window.set_capacity(request)
+        self._budget_generation = snapshot.generation
+        budget.acknowledge(snapshot.generation)
 
     def release_window(self) -> int:
         """Free all of the window's memory between units (a unit that needs a stage loads it

@@ -30,10 +30,20 @@ class BaseWindowAllocator(abc.ABC):
       empty and the memory is free at once. The window drops every reference to the
       buffer before calling `release`.
     - `held_bytes` is the total of buffers allocated and not yet released.
+    - `budget`: None for memory the trainer owns outright. For memory lent by the serving
+      side, the :class:`~harvest.memory.lent_budget.LentMemoryBudget` it publishes; the
+      trainer then fits the window to it at unit boundaries, and `reclaimable_bytes()`
+      says how much of the lent memory no buffer touches (in the units the lender takes
+      back), so the trainer can tell whether shrinking was enough.
     - Calls come from one thread at a time (the trainer holds its unit lock).
     """
 
     device: torch.device
+    budget = None  # LentMemoryBudget | None
+
+    def reclaimable_bytes(self) -> int:
+        """Lent bytes the lender could take back now; only asked when `budget` is set."""
+        raise NotImplementedError(f"{type(self).__name__} has no lent-memory budget")
 
     @abc.abstractmethod
     def allocate(self, num_bytes: int) -> torch.Tensor | None:

@@ -1,16 +1,23 @@
-"""KV lending on SGLang's real token allocator (CPU, host-backed unified allocator), and
-the allocator hooks that take lent chunks back before SGLang would fail an allocation or
-retract a decode request."""
+"""KV lending on SGLang's real token allocator (CPU, host-backed unified allocator): the
+allocator hooks that take lent chunks back before SGLang would fail an allocation or
+retract a decode request, the lent-memory budget between lending and a trainer, and the
+idle integrity check that catches SGLang's free lists and the chunk states disagreeing."""
 
 from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+import types
 
 import pytest
 import torch
 
-from harvest.memory import UnifiedAllocator
+from harvest.memory import UnifiedAllocator, VmmIntegrityError
 from harvest.memory.lending import LendingPolicy
+from harvest.memory.lent_budget import LentMemoryBudget
 from harvest.sglang import hooks
-from harvest.sglang.kv_lending import KvLendingController
+from harvest.sglang.kv_lending import LENDING_ATTR, KvIntegrityError, KvLendingController, lending_of
 
 pytest.importorskip("sglang")
 from sglang.srt.mem_cache.allocator.base import BaseTokenToKVPoolAllocator  # noqa: E402
@@ -29,12 +36,11 @@ def kv():
     tokens = TokenToKVPoolAllocator(NUM_CHUNKS * TOKENS_PER_CHUNK - 1, torch.float32, "cpu", None, need_sort=True)
     policy = LendingPolicy(tokens_per_chunk=TOKENS_PER_CHUNK, num_chunks=NUM_CHUNKS, reserve_tokens=TOKENS_PER_CHUNK,
                            hysteresis_chunks=0, max_lend_fraction=1.0)
-    lending = KvLendingController(tokens, alloc, policy)
-    hooks.register_lending(tokens, lending)
+    lending = KvLendingController(tokens, alloc, policy, LentMemoryBudget(), urgent_wait_s=5.0)
+    assert lending_of(tokens) is lending  # the controller lives on the allocator it lends from
     yield tokens, lending
-    hooks._lending_by_allocator.pop(id(tokens), None)
     lending.reclaim_all()
-    alloc.check_integrity()
+    lending.check_integrity()
     alloc.close()
 
 
@@ -50,7 +56,8 @@ def test_lending_takes_whole_free_chunks_above_the_reserve_out_of_the_free_list(
     assert lending.num_lent > 0
     assert tokens.available_size() >= TOKENS_PER_CHUNK  # the reserve stays free
     free = torch.cat((tokens.free_pages, tokens.release_pages))
-    lent_chunks = {c for c in range(NUM_CHUNKS) if lending.lent[c]}
+    lent_chunks = set(lending.lent_chunks())
+    assert len(lent_chunks) == lending.num_lent
     assert 0 not in lent_chunks and 1 not in lent_chunks  # chunks with used slots are never lent
     assert not any(int(slot) // TOKENS_PER_CHUNK in lent_chunks for slot in free)  # SGLang cannot hand them out
     tokens.free(held)
@@ -87,12 +94,12 @@ def test_an_allocation_that_would_fail_reclaims_first(kv):
     assert out is not None and len(out) == need and lending.num_lent < lent
 
 
-def test_without_lending_registered_the_hooks_call_through(kv):
+def test_without_a_lending_controller_the_hooks_call_through(kv, monkeypatch):
     tokens, lending = kv
-    hooks._lending_by_allocator.pop(id(tokens))
     lending.maybe_lend(force=True)
+    monkeypatch.delattr(tokens, LENDING_ATTR)
     assert _check(tokens, tokens.available_size() + 1) is False
-    hooks.register_lending(tokens, lending)
+    assert hooks._token_alloc(TokenToKVPoolAllocator.alloc, tokens, tokens.available_size() + 1) is None
 
 
 def test_after_a_step_free_slots_under_the_reserve_bring_lent_chunks_back(kv):
@@ -105,3 +112,226 @@ def test_after_a_step_free_slots_under_the_reserve_bring_lent_chunks_back(kv):
     lending.after_step()
     assert lending.num_lent == lent - 1 and tokens.available_size() >= TOKENS_PER_CHUNK
     tokens.free(held)
+
+
+class HoldingTrainer:
+    """Stands in for the trainer's window: holds every lent page of the general arena and
+    follows the lending budget. When ``responsive``, a wake-up makes its own thread let go
+    of everything and acknowledge, as the trainer does at its next unit boundary."""
+
+    def __init__(self, lending, responsive: bool):
+        self.budget = lending.budget
+        self.blocks = []
+        page = lending.allocator.geometry.page_bytes
+        while (block := lending.allocator.arena_allocate(page)) is not None:
+            self.blocks.append(block)
+        self.num_wakes = 0
+        self._woken = threading.Event()
+        self._done = False
+        self.unfollow = self.budget.follow(self._wake)
+        self._thread = threading.Thread(target=self._follow, daemon=True) if responsive else None
+        if self._thread is not None:
+            self._thread.start()
+
+    def _wake(self) -> None:
+        self.num_wakes += 1
+        self._woken.set()
+
+    def _follow(self) -> None:
+        while self._woken.wait() and not self._done:
+            self._woken.clear()
+            self.let_go()
+
+    def let_go(self) -> None:
+        snapshot = self.budget.snapshot
+        if snapshot.wanted_back_bytes:
+            for block in self.blocks:
+                block.free()
+            self.blocks = []
+        self.budget.acknowledge(snapshot.generation)
+
+    def close(self) -> None:
+        self._done = True
+        self._woken.set()
+        if self._thread is not None:
+            self._thread.join(5)
+        for block in self.blocks:
+            block.free()
+        self.unfollow()
+
+
+@pytest.fixture
+def holding_trainer():
+    made = []
+
+    def make(lending, responsive: bool) -> HoldingTrainer:
+        made.append(HoldingTrainer(lending, responsive))
+        assert made[-1].blocks, "the trainer holds lent pages"
+        return made[-1]
+
+    yield make
+    for trainer in made:
+        trainer.close()
+
+
+@pytest.mark.timeout(60)
+def test_the_non_urgent_path_asks_the_trainer_and_never_waits(kv, holding_trainer):
+    tokens, lending = kv
+    lending.maybe_lend(force=True)
+    lent = lending.num_lent
+    chunk_bytes = lending.chunk_bytes
+    trainer = holding_trainer(lending, responsive=False)
+    held = tokens.alloc(tokens.available_size() - TOKENS_PER_CHUNK // 2)  # decode grew into the reserve
+    started = time.monotonic()
+    lending.after_step()
+    assert time.monotonic() - started < 0.5  # the trainer never answered, and was not waited for
+    assert lending.num_lent == lent  # every lent page is the trainer's: nothing to take yet
+    snapshot = lending.budget.snapshot
+    assert (snapshot.lent_bytes, snapshot.wanted_back_bytes) == (lent * chunk_bytes, chunk_bytes)
+    assert trainer.num_wakes == 1
+    lending.after_step()  # the same request again: no new wake-up
+    assert trainer.num_wakes == 1 and lending.num_lent == lent
+    trainer.let_go()  # the trainer's next unit boundary
+    lending.after_step()
+    assert lending.num_lent == lent - 1 and tokens.available_size() >= TOKENS_PER_CHUNK
+    snapshot = lending.budget.snapshot
+    assert (snapshot.lent_bytes, snapshot.wanted_back_bytes) == ((lent - 1) * chunk_bytes, 0)  # request withdrawn
+    lending.check_integrity()
+    tokens.free(held)
+
+
+@pytest.mark.timeout(60)
+def test_the_urgent_path_waits_for_the_trainer_and_gets_its_chunks(kv, holding_trainer):
+    tokens, lending = kv
+    lending.maybe_lend(force=True)
+    lent = lending.num_lent
+    trainer = holding_trainer(lending, responsive=True)
+    need = tokens.available_size() + 1
+    assert TokenToKVPoolAllocator.alloc(tokens, need) is None  # SGLang alone would fail
+    out = hooks._token_alloc(TokenToKVPoolAllocator.alloc, tokens, need)
+    assert out is not None and len(out) == need
+    assert trainer.num_wakes >= 1 and lending.num_lent == lent - 1
+    assert lending.budget.snapshot.wanted_back_bytes == 0
+    lending.check_integrity()
+    tokens.free(out)
+
+
+@pytest.mark.timeout(60)
+def test_an_urgent_wait_for_a_trainer_that_never_answers_is_bounded(kv, holding_trainer):
+    tokens, lending = kv
+    lending.maybe_lend(force=True)
+    lent = lending.num_lent
+    holding_trainer(lending, responsive=False)
+    lending.urgent_wait_s = 0.2
+    started = time.monotonic()
+    assert lending.ensure_available(tokens.available_size() + 1) is False
+    assert 0.2 <= time.monotonic() - started < 3.0
+    assert lending.num_lent == lent
+
+
+def test_sglangs_leak_check_counts_lent_slots_as_accounted_for(kv):
+    from sglang.srt.managers.scheduler_components.pool_stats_observer import PoolStats
+
+    tokens, lending = kv
+    lending.maybe_lend(force=True)
+    assert lending.num_lent
+    checker = types.SimpleNamespace(token_to_kv_pool_allocator=tokens)
+    stats = PoolStats(full_num_used=0, full_token_usage=0.0, full_available_size=tokens.available_size(),
+                      full_evictable_size=0)
+    seen = hooks._full_pool_invariant(lambda checker, ps, uncached=0: ps, checker, stats, uncached=0)
+    assert seen.full_available_size == tokens.available_size() + lending.num_lent * TOKENS_PER_CHUNK
+    assert dataclasses.replace(seen, full_available_size=stats.full_available_size) == stats  # nothing else changed
+
+
+def test_integrity_check_passes_on_a_consistent_state_and_is_rate_limited(kv):
+    tokens, lending = kv
+    held = tokens.alloc(200)
+    lending.maybe_lend(force=True)
+    assert lending.num_lent
+    assert lending.maybe_check_integrity() is True
+    assert lending.maybe_check_integrity() is False  # again within integrity_interval_s
+    tokens.free(held)
+    lending.check_integrity()
+    assert lending.stats()["integrity_checks_total"] == 2
+
+
+def test_integrity_check_catches_a_lent_slot_back_in_sglangs_free_list(kv):
+    tokens, lending = kv
+    lending.maybe_lend(force=True)
+    chunk = lending.lent_chunks()[0]
+    tokens.release_pages = torch.cat((tokens.release_pages, torch.tensor([chunk * TOKENS_PER_CHUNK + 5])))
+    with pytest.raises(KvIntegrityError, match=f"1 slot\\(s\\) of chunk {chunk}, which is lent"):
+        lending.check_integrity()
+    tokens.release_pages = tokens.release_pages[:-1]
+    lending.check_integrity()
+
+
+def test_integrity_check_catches_a_chunk_state_flipped_in_the_allocator(kv):
+    tokens, lending = kv
+    lending.maybe_lend(force=True)
+    lent = lending.lent_chunks()
+    lending.allocator.reclaim([lent[0]])  # behind the controller's back: mapped, its slots in no free list
+    with pytest.raises(KvIntegrityError, match="lent chunks: the allocator has"):
+        lending.check_integrity()
+    lending.allocator.lend([lent[0]])
+    lending.check_integrity()
+    free_mapped = next(c for c in range(1, NUM_CHUNKS) if c not in lent)  # all its slots are SGLang's free ones
+    lending.allocator.lend([free_mapped])  # lent behind SGLang's back: SGLang could hand its slots out
+    with pytest.raises(KvIntegrityError, match="lent chunks: the allocator has"):
+        lending.check_integrity()
+    lending.allocator.reclaim([free_mapped])
+    lending.check_integrity()
+
+
+def test_integrity_check_catches_a_slot_free_twice_and_slots_marked_live(kv):
+    tokens, lending = kv
+    lending.maybe_lend(force=True)
+    tokens.release_pages = torch.cat((tokens.release_pages, tokens.free_pages[:1]))
+    with pytest.raises(KvIntegrityError, match=f"slot {int(tokens.free_pages[0])} more than once"):
+        lending.check_integrity()
+    tokens.release_pages = tokens.release_pages[:-1]
+    lending.allocator.mark_slots_live([3])  # the live-slot rule is not used for SGLang's slots
+    with pytest.raises(KvIntegrityError, match="count live slots"):
+        lending.check_integrity()
+    lending.allocator.mark_slots_free([3])
+    lending.check_integrity()
+
+
+def test_integrity_check_runs_the_allocators_own_check(kv, monkeypatch):
+    tokens, lending = kv
+
+    def broken():
+        raise VmmIntegrityError("page 7 mapped twice", 6)
+
+    monkeypatch.setattr(lending.allocator, "check_integrity", broken)
+    with pytest.raises(VmmIntegrityError, match="page 7 mapped twice"):
+        lending.check_integrity()
+
+
+def test_the_idle_tick_catches_a_corrupted_state_and_stops_lending_and_the_trainer(kv):
+    """Through the runtime's idle path: the check runs there (rate-limited), and a
+    disagreement stops lending and the trainer at once instead of surfacing later."""
+    import types
+
+    from harvest.colocate.colocation import Colocation
+
+    tokens, lending = kv
+    stops = []
+    host = types.SimpleNamespace(operator_stop=lambda: stops.append(True), on_unit=None, on_fault=None)
+    control = types.SimpleNamespace(on_idle=lambda: None, record_steps=lambda: None)
+    colocation = Colocation(config=None, partitioner=None, control=control, trainer_host=host, lending=lending,
+                            timer=None, metrics=None, refiner=None)
+    lending.integrity_interval_s = 0.0  # every idle tick
+    colocation.on_idle()
+    assert lending.num_lent and colocation.integrity_error is None and not stops
+    chunk = lending.lent_chunks()[0]
+    tokens.release_pages = torch.cat((tokens.release_pages, torch.tensor([chunk * TOKENS_PER_CHUNK + 5])))
+    colocation.on_idle()
+    assert colocation.integrity_error.startswith("KvIntegrityError") and f"chunk {chunk}" in colocation.integrity_error
+    assert stops == [True] and lending.enabled is False
+    lent = lending.num_lent
+    lending.maybe_lend(force=True)
+    assert lending.num_lent == lent  # nothing more is lent
+    colocation.on_idle()
+    assert stops == [True]  # reported once
+    tokens.release_pages = tokens.release_pages[:-1]  # the fixture's teardown reclaims

@@ -37,6 +37,31 @@ def test_gate_blocks_while_paused_and_says_stop():
     assert decisions[1].action == GateAction.STOP
 
 
+@pytest.mark.timeout(20)
+def test_a_wake_runs_while_parked_on_the_parked_thread_which_keeps_waiting():
+    gate = Gate()
+    gate.wake()  # while running: nothing to do, the trainer is at a boundary anyway
+    ran_on = []
+    assert gate.acquire(while_parked=lambda: ran_on.append("early")).action == GateAction.RUN
+    assert ran_on == []
+    gate.pause()
+    decisions = []
+    worker = threading.Thread(name="trainer", target=lambda: decisions.append(
+        gate.acquire(while_parked=lambda: ran_on.append(threading.current_thread().name))))
+    worker.start()
+    assert gate.wait_until_parked(timeout=5)
+    gate.wake()
+    deadline = time.monotonic() + 5
+    while not ran_on and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert ran_on == ["trainer"]
+    time.sleep(0.05)
+    assert decisions == [] and gate.wait_until_parked(timeout=1)  # parked again, not released
+    gate.resume()
+    worker.join(timeout=5)
+    assert decisions[0].action == GateAction.RUN and decisions[0].was_paused and ran_on == ["trainer"]
+
+
 def test_wait_until_parked_times_out():
     assert Gate().wait_until_parked(timeout=0.01) is False
 

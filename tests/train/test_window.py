@@ -58,31 +58,6 @@ def test_resizing_the_window_between_units_keeps_results_identical(tiny_llama_pa
     assert max_abs_diff(lora_params(steady.split.peft_model), lora_params(resized.split.peft_model)) == 0.0
 
 
-def test_a_window_request_never_waits_for_the_running_unit(tiny_llama_path, tmp_path):
-    """The decode thread's resize: applied at once between units; while a unit runs
-    (its lock held) it returns at once and the trainer applies it at the unit's end."""
-    trainer = build(tiny_llama_path, tmp_path, harvest={"window_stages": "all"})
-    run_steps(trainer, 1)
-    full = len(trainer.window.resident_stages())
-    assert full >= 3
-    assert trainer.request_window_stages(2) is True  # no unit running: done now
-    assert len(trainer.window.resident_stages()) <= 2 and trainer.window.capacity == 2
-
-    trainer._unit_lock.acquire()  # a unit is running (on another thread, as far as the caller knows)
-    try:
-        assert trainer.request_window_stages(1) is False  # returned without waiting
-        assert trainer.window.capacity == 2
-    finally:
-        trainer._unit_lock.release()
-    trainer.run_one_unit()  # the trainer thread applies it at its unit boundary
-    assert trainer.window.capacity == 1 and len(trainer.window.resident_stages()) <= 1
-
-    assert trainer.request_window_stages(0) is True  # 0: every stage out, W unchanged
-    assert trainer.window.resident_stages() == [] and trainer.window.capacity == 1
-    with pytest.raises(ValueError):
-        trainer.request_window_stages(-1)
-
-
 def test_prefetch_backs_off_when_the_allocator_is_short(tiny_llama_path, tmp_path):
     """An allocator that can hold only one stage (the general arena with few lent chunks):
     W = 3 is asked for, prefetches fail transiently, training is still exact."""
