@@ -44,22 +44,11 @@ from harvest.predict.online import OnlineSettings
 from harvest.schedule.config import SchedulerConfig
 from harvest.settings import (Boolean, FilePath, Integer, ListOf, Number, SettingError, from_mapping, invalid, json_schema,
                               section, setting, validate)
-from harvest.train.trainer_cpu import DEFAULT_TRAINER_CPU_THREADS, DEFAULT_TRAINER_NICE, MAX_NICE
+from harvest.train.trainer_cpu import TrainerConfig
 
 
 class ConfigError(ValueError):
     """A bad harvest.yaml; the message names the field."""
-
-
-@dataclasses.dataclass(frozen=True)
-class TrainerConfig:
-    cpu_threads: int = setting(DEFAULT_TRAINER_CPU_THREADS, "torch CPU threads of the trainer's thread "
-                               "(on a CPU device, decode keeps the other cores)", Integer(minimum=1, maximum=1024))
-    nice: int = setting(DEFAULT_TRAINER_NICE, "nice increment of the trainer's thread: decode wins a contended core",
-                        Integer(minimum=0, maximum=MAX_NICE))
-
-    def __post_init__(self) -> None:
-        validate(self)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +61,11 @@ class MemoryConfig:
                                        Number(minimum=0.0, maximum=1.0))
     lend_interval_s: float = setting(0.05, "least time between two lending passes, in seconds (a busy server lends too)",
                                      Number(minimum=0.0))
+    urgent_reclaim_wait_s: float = setting(10.0, "longest wait for the trainer to let go of lent memory an allocation "
+                                           "needs, in seconds (only a hung trainer takes this long)",
+                                           Number(minimum=0.0))
+    integrity_check_interval_s: float = setting(5.0, "least time between two idle checks that SGLang's free lists and "
+                                                "the lent chunks agree, in seconds", Number(minimum=0.0))
 
     def __post_init__(self) -> None:
         validate(self)

@@ -52,7 +52,7 @@ def main() -> int:
 
     from harvest import colocation_config
     from harvest.metrics.percentile import nearest_rank
-    from harvest.config import TrainerConfig
+    from harvest.train.trainer_cpu import TrainerConfig
     from harvest.tiny_model import ensure_tiny_model
     from harvest.train.build import build_trainer
     from harvest.train.job import load_job

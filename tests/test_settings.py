@@ -8,7 +8,8 @@ import dataclasses
 
 import pytest
 
-from harvest.config import HarvestConfig, MemoryConfig, TrainerConfig
+from harvest.config import HarvestConfig, MemoryConfig
+from harvest.train.trainer_cpu import TrainerConfig
 from harvest.predict.online import OnlineSettings
 from harvest.settings import (FilePath, Integer, ListOf, Number, SettingError, Text, argument, from_mapping, invalid,
                               json_schema, section, setting, setting_of, setting_paths, to_mapping, validate)

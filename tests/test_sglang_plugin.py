@@ -83,4 +83,4 @@ def test_harvest_launch_validates_before_exec(tmp_path):
         capture_output=True, text=True, timeout=60,
     )
     assert out.returncode == 2
-    assert "memory.max_lend_fraction=3: expected a number <= 1" in out.stderr
+    assert "memory.max_lend_fraction=3: expected a finite number in [0.0, 1.0]" in out.stderr

@@ -26,10 +26,10 @@ logger = get_logger(__name__)
 class KvPool:
     """The engine's KV cache, on harvest's unified allocator.
 
-    ``lending_controller(policy, budget, metrics, lend_interval_s)`` builds the engine's
-    lending mechanism: it moves whole free chunks out of and back into the engine's free
-    lists and publishes what is lent and what it wants back on ``budget``
-    (harvest.memory.lent_budget), which the trainer's window follows."""
+    ``lending_controller(policy, budget, memory, metrics)`` builds the engine's lending
+    mechanism: it moves whole free chunks out of and back into the engine's free lists,
+    as the ``memory`` settings say, and publishes what is lent and what it wants back on
+    ``budget`` (harvest.memory.lent_budget), which the trainer's window follows."""
 
     allocator: Any  # harvest.memory.UnifiedAllocator backing the engine's K/V buffers
     num_tokens: int  # token slots in the engine's pool
@@ -84,8 +84,7 @@ def assemble(config, engine: EngineAdapter, *, partitioner=None):
         from harvest.memory.lent_budget import LentMemoryBudget
 
         budget = LentMemoryBudget()
-        lending = engine.kv.lending_controller(lending_policy(config, engine.kv), budget, metrics,
-                                               config.memory.lend_interval_s)
+        lending = engine.kv.lending_controller(lending_policy(config, engine.kv), budget, config.memory, metrics)
     trainer_host = None
     if jobs:
         from harvest.colocate.trainer_host import TrainerHost

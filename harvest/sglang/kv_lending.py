@@ -60,16 +60,6 @@ logger = get_logger(__name__)
 
 LENDING_ATTR = "_harvest_lending"  # on SGLang's token allocator: its KvLendingController
 
-# Longest an allocation waits for the trainer to let go of lent memory. A unit takes
-# ~10 ms on a GPU and well under a second on the CPU test models; only a hung trainer
-# reaches this, and then decode goes on with what is free (SGLang may retract).
-URGENT_WAIT_S = 10.0
-
-# The idle integrity check costs a few milliseconds (check_integrity); once every 5 s of
-# idling is under 0.2% of the scheduler thread.
-INTEGRITY_INTERVAL_S = 5.0
-
-
 def lending_of(token_allocator) -> "KvLendingController | None":
     """The controller lending from this SGLang token allocator, if any."""
     return getattr(token_allocator, LENDING_ATTR, None)
@@ -80,17 +70,23 @@ class KvIntegrityError(RuntimeError):
 
 
 class KvLendingController:
-    def __init__(self, token_allocator, allocator, policy: LendingPolicy, budget: LentMemoryBudget, *, metrics=None,
-                 lend_interval_s: float = 0.05, urgent_wait_s: float = URGENT_WAIT_S,
-                 integrity_interval_s: float = INTEGRITY_INTERVAL_S):
+    def __init__(self, token_allocator, allocator, policy: LendingPolicy, budget: LentMemoryBudget, memory, *,
+                 metrics=None):
+        """``memory``: harvest.yaml's ``memory`` section (harvest.config.MemoryConfig), for
+        its intervals and the urgent wait."""
         self.tokens = token_allocator
         self.allocator = allocator
         self.policy = policy
         self.budget = budget
         self.metrics = metrics
-        self.lend_interval_s = lend_interval_s
-        self.urgent_wait_s = urgent_wait_s
-        self.integrity_interval_s = integrity_interval_s
+        self.lend_interval_s = memory.lend_interval_s
+        # Longest an allocation waits for the trainer to let go of lent memory. A unit
+        # takes ~10 ms on a GPU and well under a second on the CPU test models; only a hung
+        # trainer reaches it, and then decode goes on with what is free (SGLang may retract).
+        self.urgent_wait_s = memory.urgent_reclaim_wait_s
+        # The idle integrity check costs a few milliseconds (docs/measurements.md); once
+        # every few seconds of idling is a fraction of a percent of the scheduler thread.
+        self.integrity_interval_s = memory.integrity_check_interval_s
         g = allocator.geometry
         self.tokens_per_chunk = g.tokens_per_chunk
         self.chunk_bytes = g.chunk_bytes

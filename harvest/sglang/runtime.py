@@ -149,10 +149,9 @@ def sglang_engine(scheduler, config):
     device = str(pool.device)
     model_path = scheduler.server_args.model_path
 
-    def lending_controller(policy, budget, metrics, lend_interval_s):
+    def lending_controller(policy, budget, memory, metrics):
         # It sets itself on the token allocator, where the allocation hooks find it.
-        return KvLendingController(token_allocator, allocator, policy, budget, metrics=metrics,
-                                   lend_interval_s=lend_interval_s)
+        return KvLendingController(token_allocator, allocator, policy, budget, memory, metrics=metrics)
 
     kv = KvPool(allocator=allocator, num_tokens=token_allocator.size,
                 max_batch_size=int(scheduler.max_running_requests), lending_controller=lending_controller)

@@ -32,13 +32,29 @@ waking decode thread take the core at once; larger ones starve the trainer.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import threading
 
+from harvest.settings import Integer, setting, validate
+
 DEFAULT_TRAINER_CPU_THREADS = 1
 DEFAULT_TRAINER_NICE = 2
 MAX_NICE = 19
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerConfig:
+    """harvest.yaml's ``trainer`` section (``harvest profile`` takes the same two flags)."""
+
+    cpu_threads: int = setting(DEFAULT_TRAINER_CPU_THREADS, "torch CPU threads of the trainer's thread "
+                               "(on a CPU device, decode keeps the other cores)", Integer(minimum=1, maximum=1024))
+    nice: int = setting(DEFAULT_TRAINER_NICE, "nice increment of the trainer's thread: decode wins a contended core",
+                        Integer(minimum=0, maximum=MAX_NICE))
+
+    def __post_init__(self) -> None:
+        validate(self)
 
 
 def limit_trainer_thread(num_threads: int) -> None:

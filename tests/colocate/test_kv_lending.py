@@ -13,6 +13,7 @@ import types
 import pytest
 import torch
 
+from harvest.config import MemoryConfig
 from harvest.memory import UnifiedAllocator, VmmIntegrityError
 from harvest.memory.lending import LendingPolicy
 from harvest.memory.lent_budget import LentMemoryBudget
@@ -36,7 +37,7 @@ def kv():
     tokens = TokenToKVPoolAllocator(NUM_CHUNKS * TOKENS_PER_CHUNK - 1, torch.float32, "cpu", None, need_sort=True)
     policy = LendingPolicy(tokens_per_chunk=TOKENS_PER_CHUNK, num_chunks=NUM_CHUNKS, reserve_tokens=TOKENS_PER_CHUNK,
                            hysteresis_chunks=0, max_lend_fraction=1.0)
-    lending = KvLendingController(tokens, alloc, policy, LentMemoryBudget(), urgent_wait_s=5.0)
+    lending = KvLendingController(tokens, alloc, policy, LentMemoryBudget(), MemoryConfig(urgent_reclaim_wait_s=5.0))
     assert lending_of(tokens) is lending  # the controller lives on the allocator it lends from
     yield tokens, lending
     lending.reclaim_all()
@@ -174,11 +175,17 @@ def holding_trainer():
         trainer.close()
 
 
-@pytest.mark.timeout(60)
-def test_the_non_urgent_path_asks_the_trainer_and_never_waits(kv, holding_trainer):
+@pytest.fixture
+def lent_kv(kv):
+    """``kv`` with every chunk above the reserve lent: (tokens, lending, chunks lent)."""
     tokens, lending = kv
     lending.maybe_lend(force=True)
-    lent = lending.num_lent
+    return tokens, lending, lending.num_lent
+
+
+@pytest.mark.timeout(60)
+def test_the_non_urgent_path_asks_the_trainer_and_never_waits(lent_kv, holding_trainer):
+    tokens, lending, lent = lent_kv
     chunk_bytes = lending.chunk_bytes
     trainer = holding_trainer(lending, responsive=False)
     held = tokens.alloc(tokens.available_size() - TOKENS_PER_CHUNK // 2)  # decode grew into the reserve
@@ -201,10 +208,8 @@ def test_the_non_urgent_path_asks_the_trainer_and_never_waits(kv, holding_traine
 
 
 @pytest.mark.timeout(60)
-def test_the_urgent_path_waits_for_the_trainer_and_gets_its_chunks(kv, holding_trainer):
-    tokens, lending = kv
-    lending.maybe_lend(force=True)
-    lent = lending.num_lent
+def test_the_urgent_path_waits_for_the_trainer_and_gets_its_chunks(lent_kv, holding_trainer):
+    tokens, lending, lent = lent_kv
     trainer = holding_trainer(lending, responsive=True)
     need = tokens.available_size() + 1
     assert TokenToKVPoolAllocator.alloc(tokens, need) is None  # SGLang alone would fail
@@ -217,10 +222,8 @@ def test_the_urgent_path_waits_for_the_trainer_and_gets_its_chunks(kv, holding_t
 
 
 @pytest.mark.timeout(60)
-def test_an_urgent_wait_for_a_trainer_that_never_answers_is_bounded(kv, holding_trainer):
-    tokens, lending = kv
-    lending.maybe_lend(force=True)
-    lent = lending.num_lent
+def test_an_urgent_wait_for_a_trainer_that_never_answers_is_bounded(lent_kv, holding_trainer):
+    tokens, lending, lent = lent_kv
     holding_trainer(lending, responsive=False)
     lending.urgent_wait_s = 0.2
     started = time.monotonic()

@@ -12,8 +12,8 @@ import math
 import sys
 from pathlib import Path
 
-from harvest.config import TrainerConfig
 from harvest.settings import argument
+from harvest.train.trainer_cpu import TrainerConfig
 
 HELP = "measure decode latencies per SM level (alone and beside the trainer) and fit the latency predictor"
 
