@@ -63,18 +63,28 @@ class EngineAdapter:
 def assemble(config, engine: EngineAdapter, *, partitioner=None):
     """The co-location system for ``engine`` under ``config`` (not started: call
     ``start()`` once the engine thread is ready). ``partitioner``: an already built SM
-    ladder to use (a harness that runs several modes over one ladder)."""
+    ladder to use (a harness that runs several modes over one ladder); its caller closes
+    it."""
+    jobs = tuple(config.jobs) if engine.jobs is None else tuple(engine.jobs)
+    if engine.jobs is None:
+        _validate_job_files(jobs)
+    if partitioner is not None:
+        return _assemble(config, engine, partitioner, jobs)
+    partitioner = build_partitioner(config, engine.device)
+    try:
+        return _assemble(config, engine, partitioner, jobs)
+    except BaseException:
+        partitioner.close()  # its green contexts and streams: nothing else holds them yet
+        raise
+
+
+def _assemble(config, engine: EngineAdapter, partitioner, jobs: tuple):
     from harvest.colocate.colocation import Colocation, NoKvLending
     from harvest.colocate.controller import StepController
     from harvest.colocate.step_timer import make_step_timer
     from harvest.schedule import QoSController
 
-    jobs = tuple(config.jobs) if engine.jobs is None else tuple(engine.jobs)
-    if engine.jobs is None:
-        _validate_job_files(jobs)
     metrics = _metrics()
-    if partitioner is None:
-        partitioner = build_partitioner(config, engine.device)
     refiner = None
     if config.profile is not None:
         refiner = _refiner(config, engine, partitioner)

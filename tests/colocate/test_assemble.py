@@ -1,0 +1,97 @@
+"""The composition root builds the system the config describes: every section reaches the
+part it configures, the refiner runs no thread of its own, and a failure at start-up
+releases the SM ladder it built."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+
+from harvest.colocate.assemble import EngineAdapter, assemble
+from harvest.colocate.colocation import NoKvLending
+from harvest.compute import WholeDevicePartitioner
+from harvest.config import HarvestConfig
+from harvest.predict.compat import ProfileMismatchError
+from harvest.predict.online import OnlineSettings
+from harvest.schedule import SchedulerConfig, TrainerState
+from harvest.train.trainer_cpu import TrainerConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+CPU_PROFILE = ROOT / "profiles" / "cpu-tiny-llama-sglang.json"
+
+
+class _Trainer:
+    """Enough of a LayerSplitTrainer for the host: it runs until stopped."""
+
+    total_steps = 1
+    global_step = 0
+
+    def peek_next_unit_ready(self):
+        return True
+
+    def peek_next_unit(self):
+        return None
+
+    def run(self, gate, on_unit=None):
+        while not gate.stopped:
+            gate.acquire()
+        return "stopped"
+
+    def stats(self):
+        return None
+
+
+def _config(**overrides):
+    values = dict(qos=SchedulerConfig(target_tpot_ms=12.0, max_margin=0.3, hysteresis_steps=2),
+                  profile=CPU_PROFILE, allow_profile_mismatch=True, online=OnlineSettings(window=64, refit_min_interval_s=7.0),
+                  trainer=TrainerConfig(cpu_threads=1, nice=3))
+    values.update(overrides)
+    return HarvestConfig(**values)
+
+
+def test_every_section_reaches_the_part_it_configures(tiny_llama_path):
+    config = _config()
+    engine = EngineAdapter(device="cpu", model_path=str(tiny_llama_path), model_dtype="float32",
+                           build_trainer=lambda job: _Trainer(), jobs=("job",))
+    colocation = assemble(config, engine)
+    try:
+        assert colocation.control.qos.config is config.qos
+        assert colocation.control.target_s == pytest.approx(0.012)
+        assert colocation.refiner.settings is config.online and colocation.refit_min_interval_s == 7.0
+        assert colocation.control.predictor is colocation.refiner.predictor
+        assert colocation.partitioner.ladder.num_levels == 1 and colocation.control.qos.ladder is colocation.partitioner.ladder
+        host = colocation.trainer_host
+        assert (host.cpu_threads, host.nice) == (1, 3) and host.scheduler_state() is TrainerState.BUILDING
+        assert host.on_unit == colocation._after_trainer_unit and host.on_fault == colocation._on_trainer_fault
+        assert isinstance(colocation.lending, NoKvLending)  # this engine lends no KV cache
+        assert not [t for t in threading.enumerate() if "refit" in t.name]  # refits run between units and when idle
+    finally:
+        colocation.close(trainer_timeout_s=5.0)
+        colocation.partitioner.close()
+
+
+def test_jobs_without_a_builder_or_a_kv_pool_are_refused(tiny_llama_path, monkeypatch):
+    built = []
+    monkeypatch.setattr("harvest.colocate.assemble.build_partitioner",
+                        lambda config, device: built.append(WholeDevicePartitioner("cpu")) or built[-1])
+    engine = EngineAdapter(device="cpu", model_path=str(tiny_llama_path), model_dtype="float32", jobs=("job",))
+    with pytest.raises(ValueError, match="build_trainer"):
+        assemble(_config(), engine)
+    assert built[0].closed  # the ladder it built is released
+
+
+def test_a_profile_that_does_not_match_refuses_and_releases_the_ladder(tiny_llama_path, monkeypatch):
+    built = []
+    monkeypatch.setattr("harvest.colocate.assemble.build_partitioner",
+                        lambda config, device: built.append(WholeDevicePartitioner("cpu")) or built[-1])
+
+    def refuse(path, identity, allow_mismatch):
+        raise ProfileMismatchError(f"{path}: measured on another device")
+
+    monkeypatch.setattr("harvest.predict.compat.load_for", refuse)
+    engine = EngineAdapter(device="cpu", model_path=str(tiny_llama_path), model_dtype="float32")
+    with pytest.raises(ProfileMismatchError, match="another device"):
+        assemble(_config(allow_profile_mismatch=False), engine)
+    assert len(built) == 1 and built[0].closed
