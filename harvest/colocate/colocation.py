@@ -108,6 +108,12 @@ class Colocation:
         self._check_kv_integrity()
         self.maybe_refit()
         self._collect_young_garbage()
+        if self.trainer_host is not None:
+            # SGLang calls this in a tight loop while idle, so this thread always wants the
+            # GIL; a trainer thread that releases it around each torch call then waits up to
+            # a switch interval to get it back, call after call (a model load took a minute).
+            # A zero sleep hands the GIL over at once.
+            time.sleep(0)
 
     # Young-generation garbage collection when idle: a collection of generation 1 can hold
     # the GIL for milliseconds, which a decode step meeting it waits out; collected while
