@@ -24,6 +24,11 @@ COMMANDS = {
     "config-schema": "harvest.config_schema",
 }
 
+# Commands that may start CUDA (in this process or in the servers they start) run with
+# harvest's CUDA_DEVICE_MAX_CONNECTIONS unless the operator set one
+# (harvest.compute.device); doctor reports the shell's own value.
+SETS_CUDA_CONNECTIONS = ("train", "profile", "launch", "demo", "replay")
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -47,6 +52,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_usage(sys.stderr)
         print("harvest: error: a command is required (see harvest --help)", file=sys.stderr)
         return 2
+    if args.command in SETS_CUDA_CONNECTIONS:
+        from harvest.compute import device
+
+        device.default_cuda_connections()
     return args._run(args)
 
 

@@ -67,6 +67,23 @@ def harvest_config_path() -> Path | None:
     return Path(value) if value else None
 
 
+# Set by the plugin in the launcher: the CUDA_DEVICE_MAX_CONNECTIONS harvest's SGLang
+# processes must start CUDA with (the operator's value, else 32). SGLang's launcher
+# overwrites CUDA_DEVICE_MAX_CONNECTIONS with 8 before it spawns the schedulers, so the
+# value travels under this name and the plugin puts it back in each scheduler process.
+CUDA_CONNECTIONS_VAR = "HARVEST_CUDA_DEVICE_MAX_CONNECTIONS"
+
+
+def cuda_connections() -> str | None:
+    """HARVEST_CUDA_DEVICE_MAX_CONNECTIONS: a positive integer, or None when unset."""
+    value = os.environ.get(CUDA_CONNECTIONS_VAR)
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"{CUDA_CONNECTIONS_VAR}={value!r} must be a positive integer")
+    return value
+
+
 def fault_after_units() -> int | None:
     """HARVEST_FAULT_AFTER_UNITS: test knob; the co-located trainer raises after this many
     units (fault-isolation tests). Unset in production."""

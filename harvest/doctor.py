@@ -1,4 +1,5 @@
-"""`harvest doctor`: what this machine offers harvest (versions, GPU, VMM, green contexts).
+"""`harvest doctor`: what this machine offers harvest (versions, GPU, VMM, green contexts,
+whether CUDA_DEVICE_MAX_CONNECTIONS gives harvest's streams their own hardware queues).
 
 Everything is probed through harvest's own native libraries (the driver API, opened at run
 time), so the answer is what harvest itself will see. Without a driver or GPU it says
@@ -15,6 +16,7 @@ import sys
 from typing import Any
 
 from harvest import native
+from harvest.compute import device
 from harvest.compute.device import GpuInfo, probe_gpus
 
 
@@ -42,6 +44,7 @@ def collect() -> dict[str, Any]:
     import torch
 
     gpus, no_gpu_reason, driver_version = probe_gpus()
+    ladder = _ladder(gpus)
     return {
         "harvest": _version("harvest"),
         "python": platform.python_version(),
@@ -66,7 +69,26 @@ def collect() -> dict[str, Any]:
         "no_gpu_reason": no_gpu_reason,
         "gpus": [dataclasses.asdict(g) for g in gpus],
         "native_libraries": _native_libraries(),
-        "ladder": _ladder(gpus),
+        "ladder": ladder,
+        "cuda_connections": cuda_connections(ladder if gpus else None),
+    }
+
+
+def cuda_connections(ladder: dict[str, Any] | None, environ=None) -> dict[str, Any]:
+    """CUDA_DEVICE_MAX_CONNECTIONS as this shell has it (harvest launch and harvest's
+    scripts set it to 32 when unset) against the streams ``ladder`` (the doctor's ladder
+    report; None without a GPU: no streams) makes harvest use."""
+    import os
+
+    environ = os.environ if environ is None else environ
+    streams = 0
+    if ladder is not None:
+        streams = device.ladder_streams(len(ladder["levels"]), ladder["spatial"])
+    return {
+        "env": environ.get(device.CUDA_CONNECTIONS_VAR),
+        "connections": device.cuda_connections(environ),
+        "harvest_streams": streams,
+        "warning": device.connections_problem(streams, environ) if streams else None,
     }
 
 
@@ -119,6 +141,14 @@ def render_text(report: dict[str, Any]) -> str:
             lines.extend(f"  note: {note}" for note in ladder["preview_notes"])
         else:
             lines.append(f"SM ladder: 1 level, no spatial partitioning ({ladder['note']})")
+    connections = report.get("cuda_connections")
+    if connections is not None:
+        value = connections["env"] if connections["env"] is not None else "unset"
+        line = f"{device.CUDA_CONNECTIONS_VAR}: {value} ({connections['connections']} hardware queues"
+        line += f" for {connections['harvest_streams']} harvest streams)" if connections["harvest_streams"] else ")"
+        lines.append(line)
+        if connections["warning"]:
+            lines.append(f"  WARNING: {connections['warning']}")
     return "\n".join(lines)
 
 

@@ -42,6 +42,9 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("DISABLE_VERSION_CHECK", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Before CUDA starts: harvest's streams (two per green-context level) need more hardware
+# queues than the driver's default 8; 32 is the maximum (harvest.compute.device).
+os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
 
 SYNTHETIC_SHAPES = {
     "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,

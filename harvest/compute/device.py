@@ -3,7 +3,9 @@
 :func:`probe_gpus` asks the CUDA driver through libharvest_vmm and libharvest_greenctx
 (the driver API opened at run time, so this works, and says so, without a driver);
 :func:`device_identity` is the name profiles give a device, used both when a profile is
-measured and when a serving process checks the profile it is given.
+measured and when a serving process checks the profile it is given;
+:func:`connections_problem` says when ``CUDA_DEVICE_MAX_CONNECTIONS`` gives the streams
+harvest creates too few hardware queues.
 """
 
 from __future__ import annotations
@@ -29,6 +31,60 @@ class _VmmProbe(ctypes.Structure):
 
 
 HGC_ERR_NO_DRIVER = 2
+
+# CUDA_DEVICE_MAX_CONNECTIONS: how many hardware work queues (connections) the driver gives
+# a context; streams beyond that share queues, and work on streams sharing a queue can
+# serialise behind each other. cuda.h warns that this holds across green contexts too:
+# kernels in disjoint SM partitions "may not run concurrently" because of shared HW
+# connections. harvest makes two streams per partial ladder level (decode + trainer), one
+# for the whole-device level, a copy stream for the trainer's weight window, beside the
+# engine's own, more than the driver's default of 8. 32 is the most the driver accepts,
+# and the queues cost next to nothing; an operator's own value always wins (setdefault).
+CUDA_CONNECTIONS_VAR = "CUDA_DEVICE_MAX_CONNECTIONS"
+CUDA_DEFAULT_CONNECTIONS = 8  # the driver's value when the variable is unset
+HARVEST_CUDA_CONNECTIONS = 32  # the driver's maximum
+# Streams a process running harvest has besides the ladder's: the engine's (default or
+# forward) stream and the trainer window's host-to-device copy stream.
+EXTRA_STREAMS = 2
+
+
+def default_cuda_connections(environ=None) -> str:
+    """Set CUDA_DEVICE_MAX_CONNECTIONS to harvest's value unless it is set already (the
+    operator's value wins); returns the value in force. Must run before CUDA starts in
+    this process: the driver reads it when it creates a context."""
+    environ = os.environ if environ is None else environ
+    return environ.setdefault(CUDA_CONNECTIONS_VAR, str(HARVEST_CUDA_CONNECTIONS))
+
+
+def cuda_connections(environ=None) -> int:
+    """The connections the driver will give a context here (8 when unset or unreadable)."""
+    value = (os.environ if environ is None else environ).get(CUDA_CONNECTIONS_VAR, "")
+    return int(value) if value.strip().isdigit() and int(value) > 0 else CUDA_DEFAULT_CONNECTIONS
+
+
+def ladder_streams(num_levels: int, spatial: bool = True) -> int:
+    """Streams harvest creates for a ladder of ``num_levels`` levels plus the ones beside
+    it (:data:`EXTRA_STREAMS`): a decode and a trainer stream per partial level, one decode
+    stream for the whole-device level; the whole-device fallback makes two."""
+    ladder = 2 * (num_levels - 1) + 1 if spatial else 2
+    return ladder + EXTRA_STREAMS
+
+
+def connections_problem(num_streams: int, environ=None) -> str | None:
+    """A warning when CUDA_DEVICE_MAX_CONNECTIONS (default 8) is below ``num_streams``
+    (the streams harvest will use), else None."""
+    environ = os.environ if environ is None else environ
+    have = cuda_connections(environ)
+    if have >= num_streams:
+        return None
+    value = environ.get(CUDA_CONNECTIONS_VAR)
+    source = f"{CUDA_CONNECTIONS_VAR}={value}" if value else f"{CUDA_CONNECTIONS_VAR} unset (driver default {have})"
+    return (
+        f"{source}: {have} hardware queues for the {num_streams} CUDA streams harvest uses; streams sharing a "
+        f"queue can serialise, so decode and trainer kernels in disjoint green contexts may wait on each other. "
+        f"Set {CUDA_CONNECTIONS_VAR}={HARVEST_CUDA_CONNECTIONS} before the process starts CUDA "
+        f"(harvest launch and harvest's scripts do when it is unset)"
+    )
 
 
 @dataclasses.dataclass(frozen=True)

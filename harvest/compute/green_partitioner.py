@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+from harvest.compute import device as device_env
 from harvest.compute import greenctx_lib
 from harvest.compute.greenctx_lib import GreenContextsUnavailable
 from harvest.compute.ladder import DEFAULT_NUM_LEVELS, check_driver_version, device_constraints, plan_ladder
@@ -72,6 +73,16 @@ def preview_ladder(ordinal: int, planned: Ladder) -> tuple[Ladder, tuple[int, ..
     return realised, tuple(requested), tuple(notes)
 
 
+def warn_if_too_few_connections(ladder: Ladder, environ=None) -> str | None:
+    """Log (and return) a warning when CUDA_DEVICE_MAX_CONNECTIONS gives the ladder's
+    streams, and the ones beside them, fewer hardware queues than streams."""
+    streams = sum(s is not None for level in ladder.levels for s in (level.decode_stream, level.trainer_stream))
+    problem = device_env.connections_problem(streams + device_env.EXTRA_STREAMS, environ)
+    if problem is not None:
+        logger.warning("SM ladder: %s", problem)
+    return problem
+
+
 class GreenContextPartitioner(BasePartitioner):
     """The ladder on CUDA device ``ordinal``: each partial level is a decode green
     context and a trainer green context from one split (disjoint SMs), each with its own
@@ -114,6 +125,7 @@ class GreenContextPartitioner(BasePartitioner):
         self.description = f"green contexts on cuda:{ordinal} ({props.name}): {built.describe()}"
         super().__init__(dataclasses.replace(built, levels=streamed))
         logger.info("SM ladder built: %s", self.description)
+        warn_if_too_few_connections(self.ladder)
 
     @staticmethod
     def _check_built(provisioned: Ladder, previewed: Ladder) -> Ladder:

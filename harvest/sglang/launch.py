@@ -2,7 +2,8 @@
 
 The same as ``python -m sglang.launch_server <args> --enable-harvest --harvest-config
 harvest.yaml``: the config is validated here first (a bad field fails before SGLang
-loads a model), then this process becomes SGLang's launcher (exec, same PID).
+loads a model), then this process becomes SGLang's launcher (exec, same PID), with
+CUDA_DEVICE_MAX_CONNECTIONS set to 32 unless the operator set it (harvest.compute.device).
 """
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ def run(args) -> int:
     except (ConfigError, ValueError) as exc:
         print(f"harvest launch: {exc}", file=sys.stderr)
         return 2
+    from harvest.compute import device
+
+    device.default_cuda_connections()  # before any CUDA in the server's processes; the operator's value wins
     sys.stdout.flush()
     os.execv(command[0], command)
     return 0  # not reached

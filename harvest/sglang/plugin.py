@@ -15,6 +15,13 @@ stop a server. harvest therefore checks the SGLang version and resolves every ho
 itself in ``load``; if something is wrong *and harvest is enabled*, the refusal is raised
 from ``from_cli_args`` (launcher) or ``Scheduler.__init__`` (subprocess), where exceptions
 do stop start-up. A server without ``--enable-harvest`` is never affected.
+
+CUDA_DEVICE_MAX_CONNECTIONS (harvest.compute.device): harvest's streams need more
+hardware queues than the driver's default 8. SGLang's launcher sets the variable to 8
+(``_set_envs_and_config``) after ``from_cli_args`` and before it spawns the schedulers,
+so the launcher records the value harvest wants (the operator's, else 32) under
+HARVEST_CUDA_DEVICE_MAX_CONNECTIONS, and ``load`` in each scheduler subprocess (SGLang
+calls it first thing there, before CUDA starts) puts it back.
 """
 
 from __future__ import annotations
@@ -79,6 +86,7 @@ def _from_cli_args(original, cls, args):
             config = load(config_path)  # ConfigError names the bad field
             config_path = str(config.source)
         os.environ[config_env.ENABLED_VAR] = "1"
+        _record_cuda_connections()
         if config_path:
             os.environ[config_env.CONFIG_VAR] = config_path
         logger.info("harvest enabled (config: %s)", config_path or "defaults")
@@ -86,6 +94,27 @@ def _from_cli_args(original, cls, args):
 
 
 _problems: list[str] = []
+
+
+def _record_cuda_connections() -> None:
+    """Launcher: the CUDA_DEVICE_MAX_CONNECTIONS harvest's processes start CUDA with."""
+    from harvest.compute import device
+
+    value = device.default_cuda_connections()  # the operator's value wins
+    os.environ[config_env.CUDA_CONNECTIONS_VAR] = value
+
+
+def _restore_cuda_connections() -> None:
+    """Subprocess of a harvest launcher, before CUDA starts: undo SGLang's 8."""
+    value = config_env.cuda_connections()
+    if value is None:
+        return
+    from harvest.compute import device
+
+    before = os.environ.get(device.CUDA_CONNECTIONS_VAR)
+    if before != value:
+        os.environ[device.CUDA_CONNECTIONS_VAR] = value
+        logger.info("%s=%s for harvest's streams (was %s)", device.CUDA_CONNECTIONS_VAR, value, before)
 
 
 def _refuse_if_broken() -> None:
@@ -99,6 +128,8 @@ def load() -> bool:
 
     from harvest.sglang import hooks
 
+    if config_env.harvest_enabled():
+        _restore_cuda_connections()
     version = importlib.metadata.version("sglang")
     _problems.clear()
     problem = version_problem(version)
