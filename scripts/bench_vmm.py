@@ -18,6 +18,16 @@ The last stdout line is one JSON object. What each figure measures:
       run made (all the work below included). Must be 0.
   lend_us_median, reclaim_us_median
       Wall time of one lend / reclaim of one chunk (median of 50).
+  under_load_*
+      The same lend/reclaim while decode-like kernels read the KV cache: reductions over
+      every layer's K and V slices of the chunks that stay with decode (8 of 12), back
+      to back from a thread (on a side stream with CUDA, as fast as its launch queue
+      takes them), for the whole time chunks 8-11 are lent and reclaimed (50 rounds). under_load_lend_us_median /
+      under_load_reclaim_us_median; under_load_busy_fraction: share of the lend/reclaim
+      calls that began and ended with the kernels still running (1.0: every call was
+      made under load); under_load_passes: reductions completed; under_load_fault: the
+      CUDA error the side stream raised, else null; under_load_checksum_ok: every
+      reduction read the values decode wrote (lending other chunks changed nothing).
   small_alloc_free_ns_median, small_vs_malloc_ratio
       Timed in C++ (hvmm_bench_small_pool): one random sequence of 200,000 allocations
       and frees (sizes log-uniform in [512 B, 256 KiB], up to 256 live), replayed on the
@@ -39,12 +49,18 @@ The last stdout line is one JSON object. What each figure measures:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import json
+import os
 import random
 import statistics
 import sys
 import time
+
+# Before CUDA starts: harvest's streams (two per green-context level) need more hardware
+# queues than the driver's default 8; 32 is the maximum (harvest.compute.device).
+os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
 
 MIB = 1 << 20
 
@@ -57,6 +73,8 @@ def parse_args(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num-layers", type=int, default=4,
                         help="layers of the lend/reclaim geometry (32: Llama-3-8B's; default 4)")
+    parser.add_argument("--out", default=None,
+                        help="also write the result here after every measurement (\"complete\": false until the end)")
     args = parser.parse_args(argv)
     if args.num_layers < 1:
         parser.error(f"--num-layers={args.num_layers} must be at least 1")
@@ -111,6 +129,86 @@ def measure_lend(backend: str, num_layers: int = 4) -> dict:
         "lend_us_median": round(statistics.median(lend_us), 1),
         "reclaim_us_median": round(statistics.median(reclaim_us), 1),
     }
+    creates = alloc.counters().create_calls_after_init
+    alloc.close()
+    return result, creates
+
+
+def measure_lend_under_load(backend: str, num_layers: int = 4, rounds: int = 50) -> tuple[dict, int]:
+    import threading
+
+    import torch
+
+    alloc = llama_like(backend, chunks=12, small_pool_bytes=0, num_layers=num_layers)
+    g = alloc.geometry
+    owned = 8 * g.page_bytes // 4  # float32 elements of chunks 0-7 in one K or V range
+    slices = [alloc.kv_tensor(layer, kind, torch.float32)[:owned] for layer in range(num_layers) for kind in ("k", "v")]
+    for layer_slice in slices:
+        layer_slice.fill_(1.0)
+    del layer_slice
+    expected = float(owned * len(slices))
+    on_cuda = backend == "cuda"
+    stream = torch.cuda.Stream() if on_cuda else None
+    if on_cuda:
+        torch.cuda.synchronize()
+    sums: list = []
+    stop, started = threading.Event(), threading.Event()
+    errors: list[str] = []
+
+    def one_pass():
+        total = torch.zeros((), dtype=torch.float64, device=slices[0].device)
+        for view in slices:
+            total += view.sum(dtype=torch.float64)
+        sums.append(total)
+
+    def decode():  # a decode-like loop: on CUDA it enqueues on a side stream as fast as the launch queue takes
+        try:
+            with torch.cuda.stream(stream) if on_cuda else contextlib.nullcontext():
+                while not stop.is_set():
+                    one_pass()
+                    started.set()
+        except Exception as exc:  # noqa: BLE001 - a fault on the side stream, reported below
+            errors.append(f"{type(exc).__name__}: {exc}")
+            started.set()
+
+    thread = threading.Thread(target=decode, daemon=True)
+    thread.start()
+    started.wait(60)
+
+    def under_load() -> bool:
+        return thread.is_alive() and (not on_cuda or not stream.query())
+
+    lend_us, reclaim_us, loaded = [], [], []
+    try:
+        for _ in range(rounds):
+            for move, times in ((alloc.lend, lend_us), (alloc.reclaim, reclaim_us)):
+                was_loaded = under_load()
+                t0 = time.perf_counter()
+                move([8, 9, 10, 11])
+                times.append((time.perf_counter() - t0) * 1e6)
+                loaded.append(was_loaded and under_load())
+    finally:
+        stop.set()
+        thread.join()
+    try:
+        if on_cuda:
+            stream.synchronize()  # an illegal address on the side stream surfaces here
+        values = [float(total) for total in sums]
+    except RuntimeError as exc:
+        errors.append(f"{type(exc).__name__}: {exc}")
+        values = []
+    fault = "; ".join(errors) or None
+    alloc.check_integrity()
+    result = {
+        "under_load_lend_us_median": round(statistics.median(lend_us), 1),
+        "under_load_reclaim_us_median": round(statistics.median(reclaim_us), 1),
+        "under_load_chunks_per_call": 4,
+        "under_load_busy_fraction": round(sum(loaded) / len(loaded), 3),
+        "under_load_passes": len(values),
+        "under_load_fault": fault,
+        "under_load_checksum_ok": fault is None and bool(values) and all(v == expected for v in values),
+    }
+    del slices, sums
     creates = alloc.counters().create_calls_after_init
     alloc.close()
     return result, creates
@@ -227,10 +325,11 @@ def main(argv=None) -> int:
         if not gpus:
             print(f"bench_vmm: --backend cuda needs an NVIDIA GPU: {reason}", file=sys.stderr)
             return 2
-    result: dict = {"backend": args.backend}
+    result: dict = {"backend": args.backend, "complete": False}
     creates = 0
     for name, measure in (
         ("lend/reclaim call counts", lambda: measure_lend(args.backend, args.num_layers)),
+        ("lend/reclaim under decode kernels", lambda: measure_lend_under_load(args.backend, args.num_layers)),
         ("small pool vs malloc", lambda: measure_small_pool(args.backend, args.seed)),
         ("fragmentation trace", lambda: measure_fragmentation(args.backend, args.seed)),
         ("fuzz", lambda: measure_fuzz(args.backend, args.fuzz_ops, args.seed)),
@@ -238,15 +337,28 @@ def main(argv=None) -> int:
         part, made = measure()
         creates += made
         result.update(part)
+        if args.backend == "cuda" and "device" not in result:
+            import torch
+
+            result["device"] = torch.cuda.get_device_name()
+        _write(args.out, result)  # what is measured survives a timeout
         if not args.json:
             print(f"{name}: {json.dumps(part)}")
     result["create_calls_after_init"] = creates
-    if args.backend == "cuda":
-        import torch
-
-        result["device"] = torch.cuda.get_device_name()
+    result["complete"] = True
+    _write(args.out, result)
     print(json.dumps(result))
-    return 0 if result["fuzz_violations"] == 0 and creates == 0 else 1
+    ok = result["fuzz_violations"] == 0 and creates == 0 and result["under_load_fault"] is None
+    return 0 if ok and result["under_load_checksum_ok"] else 1
+
+
+def _write(path, result: dict) -> None:
+    if path is None:
+        return
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(result, f, indent=1)
+    os.replace(tmp, path)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 trace, with the layer-split LoRA trainer beside it. The last stdout line is one JSON object.
 
     python scripts/colocate_gpu.py --model-path DIR --random-weights --device cuda \\
-        --profile PROFILE.json [--modes decode-alone,harvest,static,trainer-alone]
+        --profile PROFILE.json [--modes decode-alone,harvest,static,trainer-alone] [--out-dir DIR]
 
 Modes, run one after another in one process over the same requests:
   decode-alone   decode on the whole device, no trainer (the TPOT baseline);
@@ -13,7 +13,23 @@ Modes, run one after another in one process over the same requests:
                  idle) and the QoS controller choose the SM level before every step and
                  open or close the trainer's gate; idle gaps give the trainer the most SMs;
   static         StaticMode: the ladder level nearest 60% decode SMs, trainer always on;
-  trainer-alone  the trainer alone on the whole device for --trainer-alone-s seconds.
+  trainer-alone  the trainer alone on the whole device for --trainer-alone-s seconds;
+  harvest-tight  harvest under a tight TPOT target (--tight-target-tpot-ms, else
+                 --tight-target-factor x decode-alone's TPOT p50 in this run); every
+                 serving mode also reports its violation rate at both targets;
+  level-graphs   no trace, no trainer (issue 18, claim c): a static-cache decode step
+                 (StaticDecodeBatch) per batch size and ladder level, eager on the level's
+                 decode stream, then captured there as a CUDA graph (one per (level, batch
+                 size), one shared pool: harvest.compute.level_graphs) and replayed; the
+                 graph's logits checked against eager's, graph-on-level-k vs eager-on-level-k
+                 vs graph-on-the-whole-GPU, memory each capture added. Without CUDA only
+                 the eager figures are measured (the JSON says why).
+
+Results are written as they exist (--out-dir): NAME-<mode>.json when a mode ends,
+NAME.json the summary so far ("complete": false until the end), NAME-progress.json what
+the running mode has measured, every 2 s. SIGINT or SIGTERM (a timeout) ends the run
+early: the interrupted mode's partial figures and the summary are written first, the
+last stdout line is still the summary, and the exit status is 130.
 
 Requests (harvest.replay's model): a window of the trace, arrival times scaled by
 --time-scale, context and output lengths capped (--max-context, --max-generated). A
@@ -22,15 +38,16 @@ clock) and leaves after ``generated - 1`` decode steps (its prefill ran on a pre
 instance and produced the first token). Its KV cache arrives as random values: a step's
 cost does not depend on them (as with the model's random weights).
 
-Engine: one forward of the Hugging Face model per step for the whole batch (greedy
-token). Requests of different lengths share a left-padded KV cache (transformers'
-DynamicCache, attention mask over the padding), so a step costs what a uniform batch of
-the longest request costs; the load the scheduler sees is that padded Σctx, n × (longest
-+ 1), the quantity a transformers-engine profile measures. TPOT = a step's latency,
-CUDA events on the decode stream around the forward (host timer on CPU), as the scheduler
-sees it; ITL = the wall time between a request's tokens (control decision, joins and
-leaves included). The stream is synchronised after each step, as a serving loop reading
-its tokens does.
+Engine of the serving modes: one forward of the Hugging Face model per step for the
+whole batch (greedy token), eager (no CUDA graphs: requests join and leave, so shapes
+change every step). Requests of different lengths share a left-padded KV cache
+(transformers' DynamicCache, attention mask over the padding), so a step costs what a
+uniform batch of the longest request costs; the load the scheduler sees is that padded
+Σctx, n × (longest + 1), the quantity a transformers-engine profile measures. TPOT = a
+step's latency, CUDA events on the decode stream around the forward (host timer on CPU),
+as the scheduler sees it; ITL = the wall time between a request's tokens (control
+decision, joins and leaves included). The stream is synchronised after each step, as a
+serving loop reading its tokens does.
 
 Trainer: harvest's LayerSplitTrainer (harvest.train.build.assemble_trainer, no
 LlamaFactory) with LoRA on every linear layer of the served model, its frozen weights
@@ -39,7 +56,8 @@ batches; hosted by harvest.colocate.TrainerHost. Trainer tokens/s = tokens of co
 optimizer steps over the mode's wall time (granularity: one step, see trainer_steps).
 
 On a CPU (--device cpu) the ladder is one shared level; the run exercises the same code
-paths (tests/test_gpu_scripts.py runs it with the tiny model).
+paths (tests/test_gpu_scripts.py runs it with the tiny model). Nothing here imports
+sglang or llamafactory.
 """
 
 from __future__ import annotations
@@ -57,11 +75,15 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Before CUDA starts: harvest's streams (two per green-context level) need more hardware
+# queues than the driver's default 8; 32 is the maximum (harvest.compute.device).
+os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # a source checkout on PYTHONPATH-less runs
     sys.path.insert(0, str(ROOT))
 
-MODES = ("decode-alone", "harvest", "static", "trainer-alone")
+MODES = ("decode-alone", "harvest", "static", "trainer-alone", "harvest-tight", "level-graphs")
+DEFAULT_MODES = ("decode-alone", "harvest", "static", "trainer-alone")
 STATIC_DECODE_FRACTION = 0.6
 
 
@@ -191,6 +213,105 @@ class RaggedDecodeBatch:
         self._mask, self._next_ids = mask, next_ids
 
 
+class StaticDecodeBatch:
+    """``batch_size`` requests of ``context_length`` tokens decoding together through a
+    transformers ``StaticCache`` with room for ``max_steps`` more tokens, for CUDA graphs:
+    every tensor a step reads or writes keeps its address (token ids, positions, a 4-D
+    boolean attention mask, the cache and its write position), and a step reads nothing
+    back to the host, so :meth:`decode_step` can be captured once per ladder level and
+    replayed (harvest.compute.level_graphs). The context is random KV (a step's cost does
+    not depend on it) or, in tests, the prefill of equal-length ``prompts``.
+
+    Host bookkeeping stays outside the captured step: :meth:`run` counts the tokens and
+    calls :meth:`reset` (write position back to the context) when the cache is full."""
+
+    def __init__(self, model, device, batch_size: int, context_length: int, max_steps: int, *, prompts=None,
+                 seed: int = 0):
+        import torch
+        from transformers import StaticCache
+
+        self._torch = torch
+        config = model.config
+        self.model, self.device = model, torch.device(device)
+        self.batch_size, self.context_length = batch_size, context_length
+        self.max_length = context_length + max_steps
+        kv_heads = config.num_key_value_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.cache = StaticCache(config=config, max_cache_len=self.max_length)
+        long = dict(dtype=torch.long, device=self.device)
+        with torch.inference_mode():
+            self.ids = torch.zeros((batch_size, 1), **long)
+            self.positions = torch.full((batch_size, 1), context_length, **long)
+            self.write_position = torch.full((1,), context_length, **long)
+            self.mask = torch.zeros((batch_size, 1, 1, self.max_length), dtype=torch.bool, device=self.device)
+            self.last_logits = torch.zeros((batch_size, config.vocab_size), dtype=model.dtype, device=self.device)
+            if prompts is None:
+                generator = torch.Generator(device=self.device).manual_seed(seed)
+                probe = torch.zeros((batch_size, kv_heads, 1, head_dim), dtype=model.dtype, device=self.device)
+                for layer in self.cache.layers:
+                    layer.lazy_initialization(probe, probe)
+                    layer.keys[:, :, :context_length].normal_(generator=generator)
+                    layer.values[:, :, :context_length].normal_(generator=generator)
+                    layer.cumulative_length.fill_(context_length)
+                self.ids.random_(0, config.vocab_size, generator=generator)
+            else:
+                prompt_ids = torch.tensor(prompts, **long)
+                if prompt_ids.shape != (batch_size, context_length):
+                    raise ValueError(f"prompts: {batch_size} lists of {context_length} token ids expected")
+                out = model(input_ids=prompt_ids, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+                self.ids.copy_(out.logits[:, -1].argmax(-1, keepdim=True))
+            self.mask[..., :context_length] = True
+            self.first_ids = self.ids.clone()
+        self.length = context_length  # tokens in the cache (host count; the device's is write_position)
+
+    @property
+    def steps_left(self) -> int:
+        return self.max_length - self.length
+
+    def decode_step(self) -> None:
+        """One token for every request, on the current stream; capturable (no host read,
+        fixed addresses)."""
+        torch = self._torch
+        with torch.inference_mode():
+            self.mask.index_fill_(-1, self.write_position, True)  # the new token sees itself
+            out = self.model(input_ids=self.ids, past_key_values=self.cache, attention_mask=self.mask,
+                             position_ids=self.positions, use_cache=True, logits_to_keep=1)
+            logits = out.logits[:, -1, :]
+            self.last_logits.copy_(logits)
+            self.ids.copy_(logits.argmax(dim=-1, keepdim=True))
+            self.positions.add_(1)
+            self.write_position.add_(1)
+
+    def reset(self) -> None:
+        """Back to the state after the context (the tokens decoded since are dropped, the
+        next tokens are the first ones again), on the current stream: the steps after a
+        reset compute what the steps after the previous one did."""
+        with self._torch.inference_mode():
+            self.ids.copy_(self.first_ids)
+            for layer in self.cache.layers:
+                layer.cumulative_length.fill_(self.context_length)
+            self.write_position.fill_(self.context_length)
+            self.positions.fill_(self.context_length)
+            self.mask[..., self.context_length:] = False
+        self.length = self.context_length
+
+    def run(self, graphs, level_index: int, stream, graph: bool = True) -> bool:
+        """One step on level ``level_index``: its graph for this batch size (eager where
+        there is none, or with ``graph=False``) on ``stream``, the level's decode stream.
+        Returns whether a graph ran."""
+        if self.steps_left <= 0:
+            with on_stream(stream):
+                self.reset()
+        if graph:
+            replayed = graphs.replay(level_index, self.batch_size, eager=self.decode_step)
+        else:
+            with on_stream(stream):
+                self.decode_step()
+            replayed = False
+        self.length += 1
+        return replayed
+
+
 def build_shared_trainer(decode_model, device, *, lora_rank=16, seq_len=512, samples_per_step=4, micro_batch=2, seed=0):
     """harvest's LayerSplitTrainer for LoRA on ``decode_model``'s own frozen weights (no
     copy), built without LlamaFactory; synthetic batches of ``seq_len`` random tokens."""
@@ -229,6 +350,11 @@ def build_shared_trainer(decode_model, device, *, lora_rank=16, seq_len=512, sam
 
 
 # -- what each mode does around a decode step ------------------------------------------------
+# These adapt the step timer (harvest.colocate.step_timer) to serve(): they depend on its
+# shape in two places only, ``timer.time(stream, run)`` and ``timer.completed()`` yielding
+# step latencies in seconds, oldest first, which serve().record pairs with its queue of
+# unmeasured steps in order (FIFO). A timer whose completed() yields (tag, seconds) pairs
+# changes RecordingTimer.completed and serve().record, nothing else.
 class FixedLevel:
     """decode-alone (the whole-device level, no trainer) and static (one partial level,
     trainer always on): the step on that level's decode stream, timed."""
@@ -240,7 +366,7 @@ class FixedLevel:
     def run_step(self, load, step) -> None:
         self.timer.time(self.level.decode_stream, step)
 
-    def completed(self) -> list[float]:
+    def completed(self) -> list:
         return list(self.timer.completed())
 
     flush = completed
@@ -284,13 +410,13 @@ class HarvestMode:
     def run_step(self, load, step) -> None:
         self.colocation.run_step(load, step)
 
-    def completed(self) -> list[float]:
+    def completed(self) -> list:
         """The latencies the colocation has fed back since the last call (a late timer's
         arrive at the next step)."""
         measured, self.timer.measured = self.timer.measured, []
         return measured
 
-    def flush(self) -> list[float]:
+    def flush(self) -> list:
         """At the end: the last step's latency too (it feeds no decision)."""
         self.timer.completed()
         return self.completed()
@@ -309,15 +435,17 @@ def static_level_index(ladder) -> int:
     return min(partial, key=lambda i: abs(ladder.decode_fraction(i) - STATIC_DECODE_FRACTION))
 
 
-def serve(requests, batch, policy, max_batch_size) -> dict:
+def serve(requests, batch, policy, max_batch_size, steps=None, on_progress=None, progress_every_s=2.0) -> dict:
     """Replay ``requests`` in wall-clock time through ``batch`` under ``policy``. Every
     change to the batch runs on the decode stream in force and is synchronised, so the
-    next step may run on another level's stream."""
+    next step may run on another level's stream. Measured steps are appended to
+    ``steps`` (the caller's list: what was measured survives an interrupt);
+    ``on_progress(steps, wall_s)`` is called every ``progress_every_s`` seconds."""
     from harvest.colocate import StepLoad
 
     arrivals, queue = collections.deque(requests), collections.deque()
     left: dict[int, int] = {}
-    steps = []
+    steps = [] if steps is None else steps
     unmeasured = collections.deque()  # steps whose latency has not arrived yet, oldest first
 
     def record(measured_s: float) -> None:
@@ -325,9 +453,13 @@ def serve(requests, batch, policy, max_batch_size) -> dict:
         steps.append((step_start, measured_s, itl_s, batch_size, real_sum, padded_sum, level_index, trainer_ran))
 
     start = time.perf_counter()
+    next_progress = progress_every_s
     last_token = None  # when the batch last produced tokens (or stopped being empty)
     while arrivals or queue or batch.num_requests:
         now = time.perf_counter() - start
+        if on_progress is not None and now >= next_progress:
+            on_progress(steps, now)
+            next_progress = now + progress_every_s
         while arrivals and arrivals[0].arrival_s <= now:
             queue.append(arrivals.popleft())
         joining = [queue.popleft() for _ in range(min(len(queue), max_batch_size - batch.num_requests))]
@@ -382,21 +514,24 @@ def on_stream(stream):
     return torch.cuda.stream(stream)
 
 
-def summarize(served: dict, target_ms: float, num_requests: int) -> dict:
+def summarize(served: dict, target_ms: float, num_requests: int, targets: dict | None = None) -> dict:
     """TPOT = a decode step's latency (CUDA events on the decode stream), as Harli and the
     scheduler measure it. ITL = the inter-token latency the batch's requests see: wall time
     from the previous step's end (or the batch's first join) to this step's end, so it adds
-    the control decision, joins and leaves between steps."""
+    the control decision, joins and leaves between steps. ``targets`` (name -> ms): the
+    violation rate at each of them too (``violation_rate_at``)."""
     import numpy as np
 
     steps = served["steps"]
+    if not steps:
+        return {"steps": 0, "requests": num_requests, "wall_s": round(served["wall_s"], 2)}
     tpot_ms, itl_ms = np.array([s[1] for s in steps]) * 1e3, np.array([s[2] for s in steps]) * 1e3
     sizes = [s[3] for s in steps]
 
     def ms(values, q):
         return round(float(np.percentile(values, q)), 3)
 
-    return {
+    result = {
         "tpot_ms_p50": ms(tpot_ms, 50), "tpot_ms_p99": ms(tpot_ms, 99), "tpot_ms_max": round(float(tpot_ms.max()), 3),
         "violation_rate": round(float(np.mean(tpot_ms > target_ms)), 5),
         "itl_ms_p50": ms(itl_ms, 50), "itl_ms_p99": ms(itl_ms, 99),
@@ -409,91 +544,285 @@ def summarize(served: dict, target_ms: float, num_requests: int) -> dict:
         "steps_by_level": {str(k): v for k, v in sorted(collections.Counter(s[6] for s in steps).items())},
         "wall_s": round(served["wall_s"], 2),
     }
+    if targets:
+        result["violation_rate_at"] = {name: {"target_ms": round(value, 3),
+                                              "violation_rate": round(float(np.mean(tpot_ms > value)), 5)}
+                                       for name, value in targets.items()}
+    return result
+
+
+# -- per-level CUDA graphs of a static-cache decode step (issue 18, claim c) ------------------
+def _median_step_ms(batch, graphs, level_index, stream, graph: bool, warmup: int, repeats: int, on_cuda: bool) -> float:
+    """Median latency of one step of ``batch`` on level ``level_index`` (graph replay or
+    eager on its decode stream): CUDA events on that stream, a host timer on CPU."""
+    import statistics
+
+    import torch
+
+    with on_stream(stream):
+        batch.reset()
+    for _ in range(warmup):
+        batch.run(graphs, level_index, stream, graph=graph)
+    samples = []
+    for _ in range(repeats):
+        if on_cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(stream)
+            batch.run(graphs, level_index, stream, graph=graph)
+            end.record(stream)
+            end.synchronize()
+            samples.append(start.elapsed_time(end))
+        else:
+            started = time.perf_counter()
+            batch.run(graphs, level_index, stream, graph=graph)
+            samples.append((time.perf_counter() - started) * 1e3)
+    return round(statistics.median(samples), 4)
+
+
+def graph_verdict(row: dict, whole: dict, min_eager_slowdown: float = 1.2) -> tuple[bool | None, str]:
+    """Does the graph replayed on a partial level keep to its SMs? It must show at least
+    half the slowdown (vs the whole GPU) that eager decode shows on that level; a level
+    where eager decode is not clearly slower cannot tell."""
+    eager = row["eager_ms"] / whole["eager_ms"]
+    if row.get("graph_ms") is None or whole.get("graph_ms") is None:
+        return None, "no graph measured"
+    graph = row["graph_ms"] / whole["graph_ms"]
+    if eager < min_eager_slowdown:
+        return None, f"inconclusive: eager decode is only x{eager:.2f} slower here than on the whole GPU"
+    respected = graph >= 1 + 0.5 * (eager - 1)
+    verb = "keeps to" if respected else "escapes"
+    return respected, f"graph x{graph:.2f} vs eager x{eager:.2f} slower than on the whole GPU: the graph {verb} the level"
+
+
+def measure_level_graphs(args, ctx) -> dict:
+    """Claim (c) (and (b) for a real decode step): for each batch size and ladder level, a
+    static-cache decode step eager on the level's stream, then captured there (one graph
+    per (level, batch size), one pool) and replayed; the graph's tokens checked against
+    eager's; graph-on-level-k vs eager-on-level-k vs graph-on-the-whole-GPU."""
+    import torch
+
+    from harvest.compute.level_graphs import LevelGraphs
+
+    partitioner, model, on_cuda = ctx["partitioner"], ctx["model"], ctx["device_type"] == "cuda"
+    ladder = partitioner.ladder
+    graphs = LevelGraphs(ladder.levels)
+    warmup, repeats = 2, args.graph_repeats
+    result = {"engine": "transformers StaticCache, 4-D boolean mask, greedy token (decode_step of StaticDecodeBatch)",
+              "context_length": args.graph_context, "repeats": repeats, "graphs_unavailable": graphs.unavailable,
+              "whole_device_level": ladder.whole_device_index, "batch_sizes": {}}
+    ctx["live"] = result  # what an interrupt leaves
+    sink = ctx["sink"]
+    try:
+        for batch_size in args.graph_batch_sizes:
+            batch = StaticDecodeBatch(model, ctx["device"], batch_size, args.graph_context,
+                                      max_steps=warmup + repeats + 2, seed=args.seed)
+            rows: list[dict] = []
+            result["batch_sizes"][str(batch_size)] = {"levels": rows}
+            for index, level in enumerate(ladder.levels):
+                stream = level.decode_stream
+                row = {"level": index, "decode_sms": level.decode_sms, "trainer_sms": level.trainer_sms}
+                rows.append(row)
+                row["eager_ms"] = _median_step_ms(batch, graphs, index, stream, False, warmup, repeats, on_cuda)
+                with on_stream(stream):
+                    batch.reset()
+                    batch.run(graphs, index, stream, graph=False)
+                    eager_logits = batch.last_logits.float().clone()
+                capture = graphs.capture(index, batch_size, batch.decode_step)
+                if capture is not None:
+                    row["capture_s"] = round(capture.seconds, 3)
+                    row["capture_reserved_bytes"] = capture.reserved_bytes
+                    row["capture_allocated_bytes"] = capture.allocated_bytes
+                    with on_stream(stream):
+                        batch.reset()
+                    batch.run(graphs, index, stream, graph=True)
+                    if stream is not None:
+                        stream.synchronize()
+                    row["graph_max_abs_diff_vs_eager"] = float((batch.last_logits.float() - eager_logits).abs().max())
+                    row["graph_ms"] = _median_step_ms(batch, graphs, index, stream, True, warmup, repeats, on_cuda)
+                    row["graph_over_eager"] = round(row["graph_ms"] / row["eager_ms"], 4)
+                sink.progress("level-graphs", result)
+            whole = rows[ladder.whole_device_index]
+            for row in rows:
+                row["eager_over_whole_eager"] = round(row["eager_ms"] / whole["eager_ms"], 4)
+                if row.get("graph_ms") is not None:
+                    row["graph_over_whole_graph"] = round(row["graph_ms"] / whole["graph_ms"], 4)
+                if row is not whole:
+                    row["partition_respected"], row["verdict"] = graph_verdict(row, whole)
+            del batch
+            if on_cuda:
+                torch.cuda.synchronize()
+    finally:
+        result["memory_by_level"] = {str(k): v for k, v in graphs.memory_by_level().items()}
+        graphs.close()
+    if graphs.unavailable is not None:
+        result["skipped"] = f"graph figures: {graphs.unavailable}; eager decode per level measured"
+    return result
+
+
+# -- results written as they exist -------------------------------------------------------------
+class ResultSink:
+    """Writes results the moment they exist (nothing when ``out_dir`` is None):
+    ``NAME-<mode>.json`` when a mode finishes (or is interrupted), ``NAME.json`` the summary
+    so far (``complete`` false until the end), ``NAME-progress.json`` what the running mode
+    has measured, every few seconds. Each file is replaced atomically."""
+
+    def __init__(self, out_dir: Path | None, name: str, min_interval_s: float = 2.0):
+        self.out_dir, self.name, self.min_interval_s = out_dir, name, min_interval_s
+        self._last_progress = 0.0
+        if out_dir is not None:
+            out_dir.mkdir(parents=True, exist_ok=True)
+
+    def _write(self, filename: str, data) -> None:
+        if self.out_dir is None:
+            return
+        path = self.out_dir / filename
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(data, indent=1))
+        os.replace(tmp, path)
+
+    def progress(self, mode: str, data, force: bool = False) -> None:
+        now = time.monotonic()
+        if force or now - self._last_progress >= self.min_interval_s:
+            self._last_progress = now
+            self._write(f"{self.name}-progress.json", {"mode": mode, "at": time.strftime("%H:%M:%S"), "so_far": data})
+
+    def mode_done(self, mode: str, result: dict) -> None:
+        self._write(f"{self.name}-{mode}.json", result)
+
+    def summary(self, summary: dict) -> None:
+        self._write(f"{self.name}.json", summary)
+
+
+# -- the modes --------------------------------------------------------------------------------
+SERVING_MODES = ("decode-alone", "harvest", "static", "harvest-tight")
+TRAINER_MODES = ("harvest", "static", "trainer-alone", "harvest-tight")
+PROFILE_MODES = ("harvest", "harvest-tight")
+
+
+def target_for(mode: str, args, ctx) -> float:
+    if mode != "harvest-tight":
+        return args.target_tpot_ms
+    tight = ctx["targets"].get("tight")
+    if tight is None:
+        raise RuntimeError("harvest-tight: no tight target (give --tight-target-tpot-ms, or run decode-alone first "
+                           "for --tight-target-factor x its TPOT p50)")
+    return tight
 
 
 def run_mode(mode, args, ctx) -> dict:
+    if mode == "level-graphs":
+        return measure_level_graphs(args, ctx)
     import torch
 
     from harvest.colocate import TrainerHost, make_step_timer
     from harvest.schedule import TrainerState
 
-    trainer, partitioner = ctx["trainer"], ctx["partitioner"]
+    trainer, partitioner, sink = ctx["trainer"], ctx["partitioner"], ctx["sink"]
     job = Path(f"colocated-lora-{mode}")
+    target = target_for(mode, args, ctx)
     colocation = host = None
-    if mode == "harvest":  # the system the server runs, from the same composition root
+    if mode in PROFILE_MODES:  # the system the server runs, from the same composition root
         from harvest.colocate.assemble import EngineAdapter, assemble
 
         engine = EngineAdapter(device=ctx["device"], model_path=args.model_path, model_dtype=ctx["dtype"],
                                build_trainer=lambda _job: trainer, jobs=(job,))
-        colocation = assemble(harvest_config(args), engine, partitioner=partitioner)
+        colocation = assemble(harvest_config(args, target), engine, partitioner=partitioner)
         colocation.start()
         host = colocation.trainer_host
     elif mode != "decode-alone":
         host = TrainerHost([job], build=lambda _job: trainer)
         host.start()
-    if host is not None:
-        deadline = time.monotonic() + 60
-        while host.scheduler_state() is TrainerState.BUILDING and time.monotonic() < deadline:
-            time.sleep(0.01)
-    before = trainer.stats()
-    if ctx["device_type"] == "cuda":
-        torch.cuda.reset_peak_memory_stats()
+    interrupted = False
     try:
-        if mode == "trainer-alone":
-            host.apply(True, ctx["alone_stream"])
-            started = time.perf_counter()
-            time.sleep(args.trainer_alone_s)
-            host.apply(False)
-            wall_s = time.perf_counter() - started
-            result = {"wall_s": round(wall_s, 2)}
-        else:
-            if mode == "decode-alone":
-                policy = FixedLevel(partitioner, partitioner.ladder.whole_device_index, False,
-                                    make_step_timer(ctx["device_type"]))
-            elif mode == "static":
-                policy = FixedLevel(partitioner, static_level_index(partitioner.ladder), True,
-                                    make_step_timer(ctx["device_type"]))
-                host.apply(True, policy.level.trainer_stream)
+        if host is not None:
+            deadline = time.monotonic() + 60
+            while host.scheduler_state() is TrainerState.BUILDING and time.monotonic() < deadline:
+                time.sleep(0.01)
+        before = trainer.stats()
+        if ctx["device_type"] == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        steps: list = []
+        started = time.perf_counter()
+        result = {"target_tpot_ms": round(target, 3)}
+        try:
+            if mode == "trainer-alone":
+                host.apply(True, ctx["alone_stream"])
+                try:
+                    time.sleep(args.trainer_alone_s)
+                finally:
+                    host.apply(False)
             else:
-                policy = HarvestMode(colocation)
-            served = serve(ctx["requests"], ctx["batch"], policy, args.max_batch_size)
-            wall_s = served["wall_s"]
-            result = summarize(served, args.target_tpot_ms, len(ctx["requests"]))
-            ctx["step_log"][mode] = served["steps"]
+                if mode == "decode-alone":
+                    policy = FixedLevel(partitioner, partitioner.ladder.whole_device_index, False,
+                                        make_step_timer(ctx["device_type"]))
+                elif mode == "static":
+                    policy = FixedLevel(partitioner, static_level_index(partitioner.ladder), True,
+                                        make_step_timer(ctx["device_type"]))
+                    host.apply(True, policy.level.trainer_stream)
+                else:
+                    policy = HarvestMode(colocation)
+
+                def progress(so_far, wall_s):
+                    sink.progress(mode, summarize({"wall_s": wall_s, "steps": so_far}, target, len(ctx["requests"])))
+
+                serve(ctx["requests"], ctx["batch"], policy, args.max_batch_size, steps=steps, on_progress=progress)
+        except KeyboardInterrupt:
+            interrupted = True
+            result["interrupted"] = True
+        wall_s = time.perf_counter() - started
+        if mode != "trainer-alone":
+            if mode == "decode-alone" and steps and args.tight_target_tpot_ms is None:
+                import numpy as np
+
+                p50 = float(np.percentile([s[1] for s in steps], 50)) * 1e3
+                ctx["targets"]["tight"] = round(args.tight_target_factor * p50, 3)
+            result.update(summarize({"wall_s": wall_s, "steps": steps}, target, len(ctx["requests"]),
+                                    targets=ctx["targets"]))
+            result["decode_engine"] = "transformers eager, DynamicCache (no CUDA graphs in the serving loop)"
+            ctx["step_log"][mode] = steps
             if colocation is not None:
                 result.update(qos=colocation.control.qos.stats().to_dict(), prediction_error=colocation.refiner.error,
                               control_us_per_step=round(colocation.profiler.summary()["hook_overhead_us_per_step"], 2))
+        else:
+            result["wall_s"] = round(wall_s, 2)
+        after = trainer.stats()  # before the trainer stops: work after wall_s is not counted
+        result.update(trainer_tokens_per_s=None, trainer_steps=0)
+        if host is not None:
+            result.update(trainer_tokens_per_s=round((after.tokens_seen - before.tokens_seen) / wall_s, 1),
+                          trainer_steps=after.global_step - before.global_step)
+        if ctx["device_type"] == "cuda":
+            result["max_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+        if interrupted:  # written before the trainer's shutdown, which may outlast the kill
+            ctx["record_interrupted"](mode, result)
+            raise KeyboardInterrupt
     finally:
+        timeout_s = 5.0 if interrupted else 60.0
         if colocation is not None:
-            colocation.close(trainer_timeout_s=60.0)
+            colocation.close(trainer_timeout_s=timeout_s)
         elif host is not None:
-            host.shutdown()
-    after = trainer.stats()
-    result.update(trainer_tokens_per_s=None, trainer_steps=0)
+            host.shutdown(timeout_s=timeout_s)
     if host is not None:
         status = host.status()
-        result.update(trainer_tokens_per_s=round((after.tokens_seen - before.tokens_seen) / wall_s, 1),
-                      trainer_steps=after.global_step - before.global_step, trainer_state=status.state)
+        result["trainer_state"] = status.state
         if status.error:
             result["trainer_error"] = status.error
-    if ctx["device_type"] == "cuda":
-        result["max_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     return result
 
 
-def harvest_config(args):
+def harvest_config(args, target_tpot_ms: float | None = None):
     """The harvest.yaml this run stands for: the QoS target and the profile (jobs are
     built here, not from files)."""
     from harvest.config import HarvestConfig
     from harvest.schedule import SchedulerConfig
 
-    return HarvestConfig(qos=SchedulerConfig(target_tpot_ms=args.target_tpot_ms), profile=args.profile,
+    target = args.target_tpot_ms if target_tpot_ms is None else target_tpot_ms
+    return HarvestConfig(qos=SchedulerConfig(target_tpot_ms=target), profile=args.profile,
                          allow_profile_mismatch=args.allow_profile_mismatch)
 
 
 def warm_up(batch, trainer, partitioner, on_cuda) -> None:
     """First launches on each green context load kernels and create handles: keep them out
-    of the timed modes."""
+    of the timed modes. ``trainer`` None: decode only."""
     import torch
 
     for level in partitioner.ladder.levels:
@@ -502,10 +831,22 @@ def warm_up(batch, trainer, partitioner, on_cuda) -> None:
             for _ in range(3):
                 batch.step()
             batch.leave([-1, -2])
-        for _ in range(3):
-            trainer.run_one_unit(level.trainer_stream)  # None: the current stream (all SMs)
+        if trainer is not None:
+            for _ in range(3):
+                trainer.run_one_unit(level.trainer_stream)  # None: the current stream (all SMs)
         if on_cuda:
             torch.cuda.synchronize()
+
+
+def _int_list(text: str) -> list[int]:
+    values = [int(v) for v in text.split(",") if v.strip()]
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: positive integers, comma-separated")
+    return values
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt
 
 
 def main(argv=None) -> int:
@@ -514,11 +855,14 @@ def main(argv=None) -> int:
     parser.add_argument("--random-weights", action="store_true", help="build the model from config.json with random weights")
     parser.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu")
     parser.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto", help="auto: bfloat16 on GPU, float32 on CPU")
-    parser.add_argument("--profile", type=Path, default=None, help="latency profile (`harvest profile`) for the harvest mode")
+    parser.add_argument("--profile", type=Path, default=None, help="latency profile (`harvest profile`) for the harvest modes")
     parser.add_argument("--allow-profile-mismatch", action="store_true", help="use a profile of another device/model/ladder (warns)")
     parser.add_argument("--levels", type=int, default=5, help="SM ladder levels (must match the profile's; default 5)")
-    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, from {', '.join(MODES)}")
+    parser.add_argument("--modes", default=",".join(DEFAULT_MODES), help=f"comma-separated, from {', '.join(MODES)}")
     parser.add_argument("--target-tpot-ms", type=float, default=40.0)
+    parser.add_argument("--tight-target-tpot-ms", type=float, default=None,
+                        help="harvest-tight's target (default: --tight-target-factor x decode-alone's TPOT p50)")
+    parser.add_argument("--tight-target-factor", type=float, default=1.25)
     parser.add_argument("--trace", type=Path, default=None, help="Azure-format trace CSV (default: the bundled sample)")
     parser.add_argument("--trace-start-s", type=float, default=0.0)
     parser.add_argument("--trace-seconds", type=float, default=30.0, help="length of the trace window replayed per mode")
@@ -531,7 +875,14 @@ def main(argv=None) -> int:
     parser.add_argument("--trainer-seq-len", type=int, default=512)
     parser.add_argument("--trainer-batch", type=int, default=4, help="samples per optimizer step")
     parser.add_argument("--trainer-micro-batch", type=int, default=2)
+    parser.add_argument("--graph-batch-sizes", type=_int_list, default=[8, 32],
+                        help="level-graphs: batch sizes, one graph per (level, batch size)")
+    parser.add_argument("--graph-context", type=int, default=512, help="level-graphs: context tokens per request")
+    parser.add_argument("--graph-repeats", type=int, default=20, help="level-graphs: timed steps per measurement")
     parser.add_argument("--steps-out", type=Path, default=None, help="write every step of every mode here (JSON)")
+    parser.add_argument("--out-dir", type=Path, default=None,
+                        help="write NAME.json (summary so far), NAME-<mode>.json and NAME-progress.json here as they exist")
+    parser.add_argument("--name", default="colocate", help="file name prefix under --out-dir")
     parser.add_argument("--torch-threads", type=int, default=None,
                         help="CPU intra-op threads (1 is steadier on a small shared machine)")
     parser.add_argument("--seed", type=int, default=0)
@@ -540,8 +891,10 @@ def main(argv=None) -> int:
     unknown = [m for m in modes if m not in MODES]
     if unknown or not modes:
         parser.error(f"--modes: {','.join(unknown) or 'empty'} (choose from {', '.join(MODES)})")
-    if "harvest" in modes and args.profile is None:
+    if any(m in PROFILE_MODES for m in modes) and args.profile is None:
         parser.error("--profile is required for the harvest mode (make one with `harvest profile`)")
+
+    import signal
 
     import torch
 
@@ -552,6 +905,7 @@ def main(argv=None) -> int:
     if device_type == "cuda" and not torch.cuda.is_available():
         print(f"colocate_gpu: --device {args.device}: no CUDA device here", file=sys.stderr)
         return 2
+    signal.signal(signal.SIGTERM, _raise_interrupt)  # a timeout's TERM ends the run as INT does: results first
     device = str(torch.device(args.device, 0) if args.device == "cuda" else torch.device(args.device))
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device_type == "cuda" else "float32")
     torch.manual_seed(args.seed)
@@ -561,52 +915,112 @@ def main(argv=None) -> int:
         from harvest.colocate.colocation import leave_cores_to_trainer
 
         leave_cores_to_trainer(harvest_config(args).trainer.cpu_threads)
-    partitioner = create_partitioner(device, levels=args.levels)
-    ctx = {"device_type": device_type, "device": device, "dtype": dtype, "partitioner": partitioner, "step_log": {},
-           "alone_stream": torch.cuda.Stream(device) if device_type == "cuda" else None}
+    sink = ResultSink(args.out_dir, args.name)
+    targets = {"target": args.target_tpot_ms}
+    if args.tight_target_tpot_ms is not None:
+        targets["tight"] = args.tight_target_tpot_ms
+    ctx = {"device_type": device_type, "device": device, "dtype": dtype, "step_log": {}, "sink": sink,
+           "targets": targets, "requests": [], "trainer": None}
+    results: dict = {}
+    interrupted = False
+    partitioner = None
+    started = time.perf_counter()
+
+    def summary(complete: bool, cut: bool = False) -> dict:
+        return make_summary(args, ctx, results, complete, interrupted or cut, time.perf_counter() - started)
+
+    def record_interrupted(mode: str, result: dict) -> None:
+        results[mode] = result
+        sink.mode_done(mode, result)
+        sink.summary(summary(False, cut=True))
+        write_steps(args.steps_out, ctx["step_log"])
+
+    ctx["record_interrupted"] = record_interrupted
+
     try:
-        ctx["requests"] = load_requests(args.trace, args.trace_start_s, args.trace_seconds, args.time_scale,
-                                        args.max_context, args.max_generated)
-        model = load_causal_lm(args.model_path, device, dtype, args.random_weights).requires_grad_(False)
+        partitioner = ctx["partitioner"] = create_partitioner(device, levels=args.levels)
+        ctx["alone_stream"] = torch.cuda.Stream(device) if device_type == "cuda" else None
+        if any(m in SERVING_MODES or m in TRAINER_MODES for m in modes):
+            ctx["requests"] = load_requests(args.trace, args.trace_start_s, args.trace_seconds, args.time_scale,
+                                            args.max_context, args.max_generated)
+        model = ctx["model"] = load_causal_lm(args.model_path, device, dtype, args.random_weights).requires_grad_(False)
         ctx["batch"] = RaggedDecodeBatch(model, device, seed=args.seed)
-        ctx["trainer"] = build_shared_trainer(model, device, lora_rank=args.lora_rank, seq_len=args.trainer_seq_len,
-                                              samples_per_step=args.trainer_batch, micro_batch=args.trainer_micro_batch,
-                                              seed=args.seed)
-        warm_up(ctx["batch"], ctx["trainer"], partitioner, device_type == "cuda")
-        results = {}
+        if any(m in TRAINER_MODES for m in modes):
+            ctx["trainer"] = build_shared_trainer(model, device, lora_rank=args.lora_rank, seq_len=args.trainer_seq_len,
+                                                  samples_per_step=args.trainer_batch,
+                                                  micro_batch=args.trainer_micro_batch, seed=args.seed)
+        if any(m != "level-graphs" for m in modes):
+            warm_up(ctx["batch"], ctx["trainer"], partitioner, device_type == "cuda")
+        sink.summary(summary(False))
         for mode in modes:  # a failed mode is recorded; the others still run
             print(f"colocate_gpu: mode {mode} ...", file=sys.stderr, flush=True)
+            ctx["live"] = None
             try:  # a bad profile fails the harvest mode only
                 results[mode] = run_mode(mode, args, ctx)
+            except KeyboardInterrupt:
+                if mode not in results:  # cut outside a serving loop (level-graphs, start-up of a mode)
+                    record_interrupted(mode, {**(ctx.get("live") or {}), "interrupted": True})
+                raise
             except Exception as exc:  # noqa: BLE001
                 traceback.print_exc()
                 results[mode] = {"error": f"{type(exc).__name__}: {exc}"}
                 ctx["batch"].leave(list(ctx["batch"].request_ids))
+            sink.mode_done(mode, results[mode])
+            sink.summary(summary(False))
+            write_steps(args.steps_out, ctx["step_log"])
             print(f"colocate_gpu: {mode}: {json.dumps(results[mode])}", file=sys.stderr, flush=True)
+    except KeyboardInterrupt:
+        interrupted = True
+        print("colocate_gpu: interrupted; writing what was measured", file=sys.stderr, flush=True)
     finally:
-        partitioner.close()
-    if args.steps_out is not None:
-        fields = ("start_s", "tpot_s", "itl_s", "batch_size", "sum_context", "padded_sum_context", "level", "trainer_ran")
-        args.steps_out.write_text(json.dumps({m: [dict(zip(fields, s)) for s in steps] for m, steps in ctx["step_log"].items()}))
+        final = summary(complete=not interrupted)
+        sink.summary(final)
+        write_steps(args.steps_out, ctx["step_log"])
+        print(json.dumps(final), flush=True)
+        if partitioner is not None:
+            partitioner.close()
+    if interrupted:
+        return 130
+    return 1 if any("error" in result for result in results.values()) else 0
+
+
+def write_steps(path: Path | None, step_log: dict) -> None:
+    if path is None:
+        return
+    fields = ("start_s", "tpot_s", "itl_s", "batch_size", "sum_context", "padded_sum_context", "level", "trainer_ran")
+    path.write_text(json.dumps({m: [dict(zip(fields, s)) for s in steps] for m, steps in step_log.items()}))
+
+
+def make_summary(args, ctx, results: dict, complete: bool, interrupted: bool, wall_s: float) -> dict:
+    import torch
+
+    partitioner = ctx.get("partitioner")
+    trainer = ctx.get("trainer")
     summary = {
-        "device": torch.cuda.get_device_name(device) if device_type == "cuda" else "cpu",
-        "model": Path(args.model_path).name, "dtype": dtype, "engine": "transformers", "target_tpot_ms": args.target_tpot_ms,
-        "ladder": [(lv.decode_sms, lv.trainer_sms) for lv in partitioner.ladder.levels], "partitioner": partitioner.description,
-        "static_level": static_level_index(partitioner.ladder), "profile": str(args.profile) if args.profile else None,
+        "complete": complete, "interrupted": interrupted, "wall_s": round(wall_s, 1),
+        "device": torch.cuda.get_device_name(ctx["device"]) if ctx["device_type"] == "cuda" else "cpu",
+        "model": Path(args.model_path).name, "dtype": ctx["dtype"], "engine": "transformers",
+        "target_tpot_ms": args.target_tpot_ms, "targets_ms": dict(ctx["targets"]),
+        "cuda_device_max_connections": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"),
+        "profile": str(args.profile) if args.profile else None,
         "trace": {"path": str(args.trace) if args.trace else "bundled sample", "start_s": args.trace_start_s,
                   "seconds": args.trace_seconds, "time_scale": args.time_scale, "requests": len(ctx["requests"]),
                   "max_context": args.max_context, "max_generated": args.max_generated},
-        "trainer": {"lora_rank": args.lora_rank, "seq_len": args.trainer_seq_len, "samples_per_step": args.trainer_batch,
-                    "micro_batch": ctx["trainer"].micro_batch_size, "weights": "shared with the decode model"},
         "modes": results,
     }
+    if partitioner is not None:
+        summary.update(ladder=[(lv.decode_sms, lv.trainer_sms) for lv in partitioner.ladder.levels],
+                       partitioner=partitioner.description, static_level=static_level_index(partitioner.ladder))
+    if trainer is not None:
+        summary["trainer"] = {"lora_rank": args.lora_rank, "seq_len": args.trainer_seq_len,
+                              "samples_per_step": args.trainer_batch, "micro_batch": trainer.micro_batch_size,
+                              "weights": "shared with the decode model"}
     rate = {mode: result.get("trainer_tokens_per_s") for mode, result in results.items()}
     for mode, baseline, name in (("harvest", "trainer-alone", "alone"), ("static", "trainer-alone", "alone"),
-                                 ("harvest", "static", "static")):
+                                 ("harvest", "static", "static"), ("harvest-tight", "trainer-alone", "alone")):
         if rate.get(mode) is not None and rate.get(baseline):
             summary[f"{mode}_trainer_vs_{name}"] = round(rate[mode] / rate[baseline], 4)
-    print(json.dumps(summary))
-    return 1 if any("error" in result for result in results.values()) else 0
+    return summary
 
 
 if __name__ == "__main__":

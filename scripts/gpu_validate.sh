@@ -1,47 +1,58 @@
 #!/usr/bin/env bash
-# GPU validation of harvest (issue 9; docs/gpu-validation.md): build the native libraries,
-# run the GPU tests and the CUDA benchmarks, profile a Llama-3-8B-shaped model with random
-# weights and run the co-location experiment. Every result (JSON, PNG, logs) goes into
-# OUT_DIR; a failed step is recorded (exit code + log) and the next step still runs;
-# OUT_DIR/summary.json lists every step and the figures it produced.
+# GPU validation of harvest (issues 9 and 18; docs/gpu-validation.md): the steps of
+# scripts/gpu_validate_plan.tsv for one part, each with its timeout, in the plan's order.
+# Every result goes into OUT_DIR the moment it exists: a step's files as it writes them,
+# steps.tsv and summary.json after every step, the archive (--archive) after every step;
+# a failed or timed-out step is recorded (exit code + log) and the next step still runs.
 #
-#   scripts/gpu_validate.sh OUT_DIR [--part core|colocate|all] [--budget-s N] [--archive FILE]
+#   scripts/gpu_validate.sh OUT_DIR [--part 1|2|all] [--device auto|cuda|cpu] [--budget-s N] [--archive FILE]
 #
-#   --part core      build, doctor, GPU tests, bench_vmm (CUDA), bench_trainer (CUDA)
-#   --part colocate  build, doctor, harvest profile, bench_predictor, colocate_gpu
-#   --part all       both (default); estimated (never run): core 7-8 min, colocate 6
-#   --budget-s N     stop starting steps so the whole run ends within N seconds (default
-#                    570 for one part: a device-tool call is limited to 600 s; 1200 for
-#                    all); a step that would not fit is recorded as skipped
-#   --archive FILE   after every step, write OUT_DIR as a .tar.gz to FILE (so a run cut
-#                    short still returns what it measured)
+#   --part 1       build, doctor, green contexts, per-level CUDA graphs, VMM bench, GPU tests
+#   --part 2       build, doctor, harvest profile, bench_predictor, co-location
+#                  (each part fits one device call: see the plan's limits)
+#   --part all     both, one after the other
+#   --device       auto (default): cuda when torch sees one, else cpu: the CPU rehearsal
+#                  (tiny model, host VMM backend; GPU tests skip themselves, the JSON of
+#                  each step says what it could not measure)
+#   --budget-s N   start no step that would not end within N seconds of the start
+#                  (default: the plan's part_budget_s per part); skipped steps are recorded
+#   --archive FILE after every step, write OUT_DIR as a .tar.gz to FILE
 #
-# Needs: python3 with torch (CUDA), transformers, peft, scikit-learn, numpy, matplotlib,
-# pytest; cmake and a C++ compiler; the CUDA headers. Not sglang, not LlamaFactory.
+# Needs: python3 with torch, transformers, peft, scikit-learn, numpy, matplotlib, pytest;
+# cmake and a C++ compiler; the CUDA headers. Not sglang, not LlamaFactory, no network.
 # Re-runnable: steps overwrite their own files; the native build is incremental.
 set -u -o pipefail
 
-usage() { sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { sed -n '2,24p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 
 [[ $# -ge 1 && $1 != -* ]] || usage
 OUT_DIR=$1
 shift
 PART=all
+DEVICE=auto
 BUDGET_S=
 ARCHIVE=
 while [[ $# -gt 0 ]]; do
   case $1 in
     --part) PART=${2:-}; shift 2 ;;
+    --device) DEVICE=${2:-}; shift 2 ;;
     --budget-s) BUDGET_S=${2:-}; shift 2 ;;
     --archive) ARCHIVE=${2:-}; shift 2 ;;
     *) usage ;;
   esac
 done
-case $PART in core | colocate | all) ;; *) echo "gpu_validate: --part $PART: one of core, colocate, all" >&2; exit 2 ;; esac
-[[ -n $BUDGET_S ]] || { [[ $PART == all ]] && BUDGET_S=1200 || BUDGET_S=570; }
-[[ $BUDGET_S =~ ^[0-9]+$ ]] || { echo "gpu_validate: --budget-s $BUDGET_S: a whole number of seconds" >&2; exit 2; }
+case $PART in 1 | 2 | all) ;; *) echo "gpu_validate: --part $PART: one of 1, 2, all" >&2; exit 2 ;; esac
+case $DEVICE in auto | cuda | cpu) ;; *) echo "gpu_validate: --device $DEVICE: one of auto, cuda, cpu" >&2; exit 2 ;; esac
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+PLAN=$ROOT/scripts/gpu_validate_plan.tsv
+limit() { sed -n "s/^# limits:.* $1=\([0-9][0-9]*\).*/\1/p" "$PLAN"; }
+PART_BUDGET_S=$(limit part_budget_s)
+KILL_AFTER_S=$(limit kill_after_s)
+SUMMARY_RESERVE_S=$(limit summary_reserve_s) # kept back for the summary and the archive
+[[ -n $BUDGET_S ]] || { [[ $PART == all ]] && BUDGET_S=$((2 * PART_BUDGET_S)) || BUDGET_S=$PART_BUDGET_S; }
+[[ $BUDGET_S =~ ^[0-9]+$ ]] || { echo "gpu_validate: --budget-s $BUDGET_S: a whole number of seconds" >&2; exit 2; }
+
 PYTHON=${PYTHON:-python3}
 [[ -z $ARCHIVE || $ARCHIVE == /* ]] || ARCHIVE=$PWD/$ARCHIVE
 mkdir -p "$OUT_DIR"
@@ -49,54 +60,31 @@ OUT_DIR=$(cd "$OUT_DIR" && pwd)
 cd "$ROOT" || exit 2
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export HF_HUB_OFFLINE=1 DISABLE_VERSION_CHECK=1 TOKENIZERS_PARALLELISM=false
+# Before anything starts CUDA: harvest's streams (two per green-context level, plus the
+# trainer's copy stream and the engine's own) need more hardware queues than the driver's
+# default 8, or kernels in disjoint green contexts can serialise; 32 is the maximum. An
+# operator's value wins.
+export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-32}
 STARTED=$(date +%s)
 STEPS_TSV=$OUT_DIR/steps.tsv
-printf 'step\tstatus\trc\tseconds\tstdout\tstderr\n' >"$STEPS_TSV"
-SUMMARY_RESERVE_S=20 # kept back for the summary and the archive
+printf 'step\tstatus\trc\tseconds\ttimeout_s\tpart\tdevice\tclaims\tstdout\tstderr\n' >"$STEPS_TSV"
+
+DEVICE_REASON="asked for with --device $DEVICE"
+if [[ $DEVICE == auto ]]; then
+  if "$PYTHON" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' >/dev/null 2>&1; then
+    DEVICE=cuda DEVICE_REASON="torch.cuda.is_available()"
+  else
+    DEVICE=cpu DEVICE_REASON="no CUDA device for torch here"
+  fi
+fi
 
 archive() {
   [[ -n $ARCHIVE ]] || return 0
   tar -czf "$ARCHIVE.tmp" -C "$(dirname "$OUT_DIR")" "$(basename "$OUT_DIR")" && mv -f "$ARCHIVE.tmp" "$ARCHIVE"
 }
 
-# step NAME TIMEOUT_S MIN_S -- COMMAND...: run COMMAND with stdout/stderr in OUT_DIR/NAME.*,
-# its last stdout line saved as OUT_DIR/NAME.json when it is a JSON object.
-step() {
-  local name=$1 timeout_s=$2 min_s=$3
-  shift 4
-  local left=$((BUDGET_S - SUMMARY_RESERVE_S - ($(date +%s) - STARTED)))
-  ((timeout_s > left)) && timeout_s=$left
-  local stdout=$OUT_DIR/$name.stdout.txt stderr=$OUT_DIR/$name.stderr.txt status rc
-  rm -f "$OUT_DIR/$name.json"
-  if ((timeout_s < min_s)); then
-    printf '%s\tskipped (budget: %ss left)\t\t0\t\t\n' "$name" "$left" >>"$STEPS_TSV"
-    echo "== $name: skipped, ${left}s of the budget left (needs ${min_s}s)"
-    return
-  fi
-  echo "== $name (timeout ${timeout_s}s): $*"
-  local began
-  began=$(date +%s)
-  timeout --signal=INT --kill-after=20 "$timeout_s" "$@" >"$stdout" 2>"$stderr"
-  rc=$?
-  case $rc in
-    0) status=ok ;;
-    124 | 137) status="timeout (${timeout_s}s)" ;;
-    *) status=failed ;;
-  esac
-  "$PYTHON" - "$stdout" >"$OUT_DIR/$name.json" 2>/dev/null <<'PY' || rm -f "$OUT_DIR/$name.json"
-import json, sys
-text = open(sys.argv[1]).read().strip()
-try:
-    result = json.loads(text)  # the whole output (harvest doctor --json) ...
-except ValueError:
-    result = json.loads(text.splitlines()[-1])  # ... or its last line (the benchmarks)
-assert isinstance(result, dict)
-json.dump(result, sys.stdout, indent=1)
-PY
-  printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$name" "$status" "$rc" "$(($(date +%s) - began))" "$name.stdout.txt" "$name.stderr.txt" >>"$STEPS_TSV"
-  echo "   $status (rc $rc, $(($(date +%s) - began))s)"
-  [[ $status == ok ]] || tail -n 5 "$stderr" | sed 's/^/   | /'
-  archive
+summarize() {
+  "$PYTHON" scripts/gpu_validate_summary.py "$OUT_DIR" >"$OUT_DIR/summary.stdout.txt" 2>&1
 }
 
 # A plain CMake build (no pip, no scikit-build-core), installed outside the source tree;
@@ -127,89 +115,128 @@ write_model_config() {
 JSON
 }
 
-MODEL_DIR=$OUT_DIR/model/llama3-8b
-PROFILE=$OUT_DIR/cuda-llama3-8b-transformers.json
 LEVELS=5 # 24/56/80/104 decode SMs + whole GPU on a 132-SM H100/H200; 80 is the 60/40 StaticMode level
+if [[ $DEVICE == cuda ]]; then
+  MODEL_DIR=$OUT_DIR/model/llama3-8b
+  write_model_config "$MODEL_DIR"
+  MODEL_ARGS=(--model-path "$MODEL_DIR" --random-weights)
+  PROFILE=$OUT_DIR/cuda-llama3-8b-transformers.json
+else # the CPU rehearsal: harvest's tiny Llama (built once into harvest's cache)
+  MODEL_DIR=$("$PYTHON" -c 'from harvest.tiny_model import TINY_LLAMA, ensure_tiny_model; print(ensure_tiny_model(TINY_LLAMA))' 2>/dev/null | tail -n 1)
+  MODEL_ARGS=(--model-path "${MODEL_DIR:-tiny-llama-unavailable}")
+  PROFILE=$OUT_DIR/cpu-tiny-llama-transformers.json
+fi
 
-echo "gpu_validate: part $PART, budget ${BUDGET_S}s, results in $OUT_DIR"
+# The command of step $1 on $DEVICE, into CMD. Every step of the plan has an arm here
+# (tests/test_gpu_validate_plan.py checks both ways).
+command_for() {
+  local cuda=0
+  [[ $DEVICE == cuda ]] && cuda=1
+  case $1 in
+    build) CMD=(bash -c build_native) ;;
+    doctor) CMD=("$PYTHON" -m harvest.cli doctor --json) ;;
+    greenctx) CMD=("$PYTHON" -m pytest -m gpu -s -rA -p no:cacheprovider --junitxml="$OUT_DIR/greenctx.xml"
+      tests/compute/test_greenctx_gpu.py) ;;
+    level-graphs)
+      local sizes=(--graph-batch-sizes "8,32" --graph-context 512 --graph-repeats 20)
+      ((cuda)) || sizes=(--graph-batch-sizes "2,4" --graph-context 32 --graph-repeats 5 --torch-threads 1)
+      CMD=("$PYTHON" scripts/colocate_gpu.py "${MODEL_ARGS[@]}" --device "$DEVICE" --levels "$LEVELS"
+        --modes level-graphs "${sizes[@]}" --out-dir "$OUT_DIR" --name level-graphs) ;;
+    bench-vmm)
+      local backend=cuda
+      ((cuda)) || backend=host
+      CMD=("$PYTHON" scripts/bench_vmm.py --backend "$backend" --num-layers 32 --fuzz-ops 20000 --json
+        --out "$OUT_DIR/bench-vmm.json") ;;
+    gpu-tests) CMD=("$PYTHON" -m pytest -m gpu -s -rA -p no:cacheprovider --continue-on-collection-errors
+      --junitxml="$OUT_DIR/gpu-tests.xml" tests/memory tests/test_native.py tests/train tests/test_gpu_scripts.py
+      tests/compute/test_level_graphs.py) ;;
+    profile)
+      rm -f "$PROFILE" # never co-locate with a stale profile (an interrupted run resumes from its .partial.jsonl)
+      local grid=(--dtype bfloat16 --batch-sizes "4,16,32" --context-lengths "64,256,512" --warmup 2 --repeats 8
+        --lora-rank 16 --trainer-micro-batch 2 --trainer-seq-len 512 --trainer-alone-s 2)
+      ((cuda)) || grid=(--dtype float32 --batch-sizes "1,2,4" --context-lengths "32,64" --warmup 1 --repeats 3
+        --lora-rank 4 --trainer-micro-batch 1 --trainer-seq-len 32 --trainer-alone-s 1 --torch-threads 1)
+      CMD=("$PYTHON" -m harvest.cli profile "${MODEL_ARGS[@]}" --engine transformers --device "$DEVICE"
+        --levels "$LEVELS" "${grid[@]}" --out "$PROFILE") ;;
+    bench-predictor) CMD=("$PYTHON" scripts/bench_predictor.py --profile "$PROFILE" --json) ;;
+    colocate)
+      # Without a profile the harvest modes cannot run; the baselines still can.
+      local modes=(--modes "decode-alone,harvest,static,trainer-alone,harvest-tight" --profile "$PROFILE")
+      [[ -f $PROFILE ]] || modes=(--modes "decode-alone,static,trainer-alone")
+      local run=(--trace-seconds 20 --max-context 512 --max-generated 128 --trainer-alone-s 15 --lora-rank 16
+        --trainer-seq-len 512 --trainer-batch 4 --trainer-micro-batch 2)
+      ((cuda)) || run=(--trace-seconds 10 --time-scale 0.2 --max-generated 24 --trainer-alone-s 1.5 --lora-rank 4
+        --trainer-seq-len 32 --trainer-batch 2 --trainer-micro-batch 1 --torch-threads 1)
+      CMD=("$PYTHON" scripts/colocate_gpu.py "${MODEL_ARGS[@]}" --device "$DEVICE" "${modes[@]}" --levels "$LEVELS"
+        --target-tpot-ms 40 --tight-target-factor 1.25 "${run[@]}" --steps-out "$OUT_DIR/colocate-steps.json"
+        --out-dir "$OUT_DIR" --name colocate) ;;
+    *) return 1 ;;
+  esac
+}
+
+# step PART NAME TIMEOUT_S MIN_S CLAIMS: run the step's command with stdout/stderr in
+# OUT_DIR/NAME.*; its last stdout line, when a JSON object, becomes OUT_DIR/NAME.json (a
+# step that writes NAME.json itself keeps its own file when it printed none).
+step() {
+  local part=$1 name=$2 timeout_s=$3 min_s=$4 claims=$5
+  local left=$((BUDGET_S - SUMMARY_RESERVE_S - KILL_AFTER_S - ($(date +%s) - STARTED)))
+  ((timeout_s > left)) && timeout_s=$left
+  local stdout=$OUT_DIR/$name.stdout.txt stderr=$OUT_DIR/$name.stderr.txt status rc began
+  rm -f "$OUT_DIR/$name.json"
+  if ((timeout_s < min_s)); then
+    printf '%s\tskipped (budget: %ss left)\t\t0\t%s\t%s\t%s\t%s\t\t\n' "$name" "$left" "$3" "$part" "$DEVICE" "$claims" >>"$STEPS_TSV"
+    echo "== $name: skipped, ${left}s of the budget left (needs ${min_s}s)"
+    return
+  fi
+  if ! command_for "$name"; then
+    printf '%s\tfailed (no command for this step)\t2\t0\t%s\t%s\t%s\t%s\t\t\n' "$name" "$3" "$part" "$DEVICE" "$claims" >>"$STEPS_TSV"
+    return
+  fi
+  echo "== $name (part $part, timeout ${timeout_s}s, $DEVICE): ${CMD[*]}"
+  began=$(date +%s)
+  timeout --signal=INT --kill-after="$KILL_AFTER_S" "$timeout_s" "${CMD[@]}" </dev/null >"$stdout" 2>"$stderr"
+  rc=$?
+  case $rc in
+    0) status=ok ;;
+    124 | 137) status="timeout (${timeout_s}s)" ;;
+    *) status=failed ;;
+  esac
+  "$PYTHON" - "$stdout" "$OUT_DIR/$name.json" 2>/dev/null <<'PY'
+import json, os, sys
+text = open(sys.argv[1]).read().strip()
+try:
+    result = json.loads(text)  # the whole output (harvest doctor --json) ...
+except ValueError:
+    result = json.loads(text.splitlines()[-1])  # ... or its last line (the benchmarks)
+assert isinstance(result, dict)
+with open(sys.argv[2] + ".tmp", "w") as f:
+    json.dump(result, f, indent=1)
+os.replace(sys.argv[2] + ".tmp", sys.argv[2])
+PY
+  printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$name" "$status" "$rc" "$(($(date +%s) - began))" "$3" "$part" \
+    "$DEVICE" "$claims" "$name.stdout.txt" "$name.stderr.txt" >>"$STEPS_TSV"
+  echo "   $status (rc $rc, $(($(date +%s) - began))s)"
+  [[ $status == ok ]] || tail -n 5 "$stderr" | sed 's/^/   | /'
+  summarize
+  archive
+}
+
+printf '{"part": "%s", "device": "%s", "device_reason": "%s", "budget_s": %s, "profile": "%s", "model": "%s", "started": "%s"}\n' \
+  "$PART" "$DEVICE" "$DEVICE_REASON" "$BUDGET_S" "$(basename "$PROFILE")" "$(basename "${MODEL_DIR:-none}")" \
+  "$(date -u +%Y-%m-%dT%H:%M:%SZ)" >"$OUT_DIR/run.json"
+echo "gpu_validate: part $PART on $DEVICE ($DEVICE_REASON), budget ${BUDGET_S}s, results in $OUT_DIR"
 export -f build_native
 export PYTHON BUILD_DIR NATIVE_DIR
-step build 240 30 -- bash -c build_native
-[[ -d $NATIVE_DIR ]] && export HARVEST_NATIVE_DIR=$NATIVE_DIR
-step doctor 60 10 -- "$PYTHON" -m harvest.cli doctor --json
 nvidia-smi >"$OUT_DIR/nvidia-smi.txt" 2>&1 || true
+while IFS=$'\t' read -r -u 3 part name timeout_s min_s claims needs what; do
+  [[ -z $part || $part == \#* ]] && continue
+  [[ $PART == all || $PART == "$part" ]] || continue
+  step "$part" "$name" "$timeout_s" "$min_s" "$claims"
+  [[ $name == build && -d $NATIVE_DIR ]] && export HARVEST_NATIVE_DIR=$NATIVE_DIR
+  : "$needs" "$what" # documentation columns
+done 3<"$PLAN"
 
-if [[ $PART == core || $PART == all ]]; then
-  step gpu-tests 300 60 -- "$PYTHON" -m pytest -m gpu -s -rA -p no:cacheprovider --continue-on-collection-errors \
-    --junitxml="$OUT_DIR/gpu-tests.xml" tests/memory tests/compute tests/train tests/test_native.py tests/test_gpu_scripts.py
-  # Lend/reclaim on Llama-3-8B's KV geometry (32 layers: 64 pages of 2 MiB per chunk); the
-  # on-device fuzz keeps to the GPU test's 20k operations (100k run on the host backend).
-  step bench-vmm 150 30 -- "$PYTHON" scripts/bench_vmm.py --backend cuda --num-layers 32 --fuzz-ops 20000 --json
-  step bench-trainer 360 120 -- "$PYTHON" scripts/bench_trainer.py --device cuda --model llama3-8b --rounds 6 --json
-fi
-
-if [[ $PART == colocate || $PART == all ]]; then
-  write_model_config "$MODEL_DIR"
-  rm -f "$PROFILE" # never co-locate with a stale profile (an interrupted profile resumes from its .partial.jsonl)
-  step profile 330 120 -- "$PYTHON" -m harvest.cli profile --model-path "$MODEL_DIR" --random-weights \
-    --engine transformers --device cuda --dtype bfloat16 --levels "$LEVELS" --batch-sizes 4,16,32 \
-    --context-lengths 64,256,512 --warmup 2 --repeats 8 --lora-rank 16 --trainer-micro-batch 2 \
-    --trainer-seq-len 512 --out "$PROFILE"
-  step bench-predictor 60 10 -- "$PYTHON" scripts/bench_predictor.py --profile "$PROFILE" --json
-  # Without a profile the harvest mode cannot run; the baselines still can.
-  modes=(--modes "decode-alone,harvest,static,trainer-alone" --profile "$PROFILE")
-  [[ -f $PROFILE ]] || modes=(--modes "decode-alone,static,trainer-alone")
-  step colocate 330 90 -- "$PYTHON" scripts/colocate_gpu.py --model-path "$MODEL_DIR" --random-weights \
-    --device cuda "${modes[@]}" --levels "$LEVELS" --target-tpot-ms 40 --trace-seconds 30 \
-    --max-context 512 --max-generated 128 --trainer-alone-s 20 --lora-rank 16 --trainer-seq-len 512 \
-    --trainer-batch 4 --trainer-micro-batch 2 --steps-out "$OUT_DIR/colocate-steps.json"
-fi
-
-# The summary: every step's status and the figures docs/gpu-validation.md asks for.
-"$PYTHON" - "$OUT_DIR" <<'PY' >"$OUT_DIR/summary.stdout.txt" 2>&1
-import csv, json, sys, xml.etree.ElementTree as ET
-from pathlib import Path
-
-out = Path(sys.argv[1])
-def load(name):
-    path = out / name
-    try:
-        return json.loads(path.read_text()) if path.is_file() else None
-    except ValueError:
-        return None
-steps = list(csv.DictReader((out / "steps.tsv").open(), delimiter="\t"))
-summary = {"steps": steps, "doctor": load("doctor.json"), "bench_vmm": load("bench-vmm.json"),
-           "bench_trainer": load("bench-trainer.json"), "bench_predictor": load("bench-predictor.json"),
-           "colocate": load("colocate.json")}
-tests = out / "gpu-tests.xml"
-if tests.is_file():
-    cases = ET.parse(tests).getroot().iter("testcase")
-    outcome = {}
-    for case in cases:
-        kind = next((c.tag for c in case if c.tag in ("failure", "error", "skipped")), "passed")
-        outcome[f"{case.get('classname')}::{case.get('name')}"] = kind
-    summary["gpu_tests"] = {"counts": {k: list(outcome.values()).count(k) for k in set(outcome.values())},
-                            "not_passed": {k: v for k, v in outcome.items() if v != "passed"}}
-log = out / "gpu-tests.stdout.txt"
-if log.is_file():  # the numbers tests/compute/test_greenctx_gpu.py prints (ladder, scaling, isolation, graph)
-    summary["gpu_validation"] = [{"name": line.split(" ", 2)[1], "values": json.loads(line.split(" ", 2)[2])}
-                                 for line in log.read_text().splitlines() if line.startswith("GPU-VALIDATION ")]
-profile = load("cuda-llama3-8b-transformers.json")
-if profile:
-    levels = profile["ladder"]["levels"]
-    biggest = max((s["batch_size"], s["context_length"]) for s in profile["samples"])
-    summary["profile"] = {
-        "stage1_quality": [lv["quality"] for lv in profile["stage1"]],
-        "stage2_quality": profile["stage2"]["combined"]["quality"],
-        # Issue 4: a decode step of the model, time vs decode SMs (solo, largest grid point).
-        "decode_step_ms_vs_decode_sms": [
-            [levels[s["level"]]["decode_sms"], round(s["latency_s"] * 1e3, 3)] for s in profile["samples"]
-            if s["stage"] == "solo" and (s["batch_size"], s["context_length"]) == biggest],
-        "largest_point": biggest}
-(out / "summary.json").write_text(json.dumps(summary, indent=1))
-for s in steps:
-    print(f"{s['step']:16} {s['status']:28} {s['seconds']:>5}s")
-PY
+summarize
 cat "$OUT_DIR/summary.stdout.txt"
 archive
 echo "gpu_validate: done in $(($(date +%s) - STARTED))s; summary: $OUT_DIR/summary.json"

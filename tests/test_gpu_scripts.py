@@ -68,6 +68,7 @@ def test_validate_script_is_shellcheck_clean():
 
 
 @pytest.mark.parametrize("args, message", [([], "gpu_validate.sh OUT_DIR [--part"), (["out", "--part", "gpu"], "--part gpu"),
+                                           (["out", "--device", "tpu"], "--device tpu"),
                                            (["out", "--budget-s", "ten"], "--budget-s ten")])
 def test_validate_script_refuses_bad_arguments(args, message, tmp_path):
     result = subprocess.run(["bash", str(VALIDATE), *args], capture_output=True, text=True, cwd=tmp_path)
@@ -93,53 +94,99 @@ def _validate_with_fakes(tmp_path, *args):
 @pytest.mark.timeout(120)
 def test_validate_script_records_each_failed_step_and_goes_on(tmp_path):
     out, archive = tmp_path / "out", tmp_path / "run.tar.gz"
-    result, rows = _validate_with_fakes(tmp_path, out, "--part", "colocate", "--archive", archive)
+    result, rows = _validate_with_fakes(tmp_path, out, "--part", "2", "--device", "cuda", "--archive", archive)
     assert result.returncode == 1, result.stdout + result.stderr
     assert list(rows) == ["build", "doctor", "profile", "bench-predictor", "colocate"]
     for name, row in rows.items():
         assert row[1:3] == ["failed", "3"], row
+        assert row[5:8] == ["2", "cuda", {"profile": "d", "bench-predictor": "d", "colocate": "e,f"}.get(name, "-")], row
         assert "not here" in (out / f"{name}.stderr.txt").read_text()
     assert (out / "model" / "llama3-8b" / "config.json").is_file()
+    assert json.loads((out / "run.json").read_text())["budget_s"] == 540
     assert archive.is_file() and not (tmp_path / "run.tar.gz.tmp").exists()
     assert not (tmp_path / "native" / "install").exists()
 
 
 @pytest.mark.timeout(120)
 def test_validate_script_skips_steps_that_do_not_fit_the_budget(tmp_path):
-    result, rows = _validate_with_fakes(tmp_path, tmp_path / "out", "--part", "core", "--budget-s", "50")
+    result, rows = _validate_with_fakes(tmp_path, tmp_path / "out", "--part", "1", "--budget-s", "35")
     assert result.returncode == 1
-    assert rows["build"][1] == "failed" and rows["doctor"][1] == "failed"  # 30 s left: enough for these
-    for name in ("gpu-tests", "bench-trainer"):  # they need at least 60 and 120 s
+    assert rows["build"][1] == "failed" and rows["doctor"][1] == "failed"  # 15 s left: enough for these
+    for name in ("greenctx", "level-graphs", "bench-vmm", "gpu-tests"):  # they need at least 20 to 40 s
         assert rows[name][1].startswith("skipped (budget"), rows[name]
+    assert rows["build"][6] == "cpu"  # the fake python has no torch: the CPU rehearsal
+
+
+def _result_folder(tmp_path, device: str) -> Path:
+    """A result folder as a part-1 and part-2 run leave it (figures made up for the test)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "run.json").write_text(json.dumps({"part": "all", "device": device, "device_reason": "test",
+                                              "budget_s": 1080, "profile": "cuda-llama3-8b-transformers.json"}))
+    (out / "steps.tsv").write_text(
+        "step\tstatus\trc\tseconds\ttimeout_s\tpart\tdevice\tclaims\tstdout\tstderr\n"
+        f"build\tok\t0\t12\t60\t1\t{device}\t-\tb.out\tb.err\n"
+        f"greenctx\tok\t0\t40\t90\t1\t{device}\tb\tg.out\tg.err\n"
+        f"level-graphs\tok\t0\t80\t150\t1\t{device}\tb,c\tl.out\tl.err\n"
+        f"bench-vmm\tok\t0\t30\t75\t1\t{device}\ta\tv.out\tv.err\n"
+        f"gpu-tests\tfailed\t1\t90\t90\t1\t{device}\ta\tt.out\tt.err\n"
+        f"profile\ttimeout (220s)\t124\t220\t220\t2\t{device}\td\tp.out\tp.err\n")
+    (out / "bench-vmm.json").write_text(json.dumps({"backend": device if device == "cuda" else "host",
+                                                    "lend_us_median": 812.5, "under_load_fault": None}))
+    (out / "greenctx.stdout.txt").write_text('noise\nGPU-VALIDATION ladder {"realised": [[24, 108], [132, 0]]}\n'
+                                             'GPU-VALIDATION scaling {"ratio": 5.4}\n')
+    (out / "gpu-tests.xml").write_text(
+        '<testsuites><testsuite><testcase classname="tests.a" name="t1"/><testcase classname="tests.memory.b" name="t2">'
+        '<failure message="x"/></testcase><testcase classname="tests.b" name="t3"><skipped message="no GPU"/></testcase>'
+        '</testsuite></testsuites>')
+    level = {"levels": [{"level": 0, "decode_sms": 24, "trainer_sms": 108, "eager_ms": 30.0, "graph_ms": 28.0,
+                         "graph_over_whole_graph": 3.5, "partition_respected": True, "verdict": "keeps to"},
+                        {"level": 1, "decode_sms": 132, "trainer_sms": 0, "eager_ms": 10.0, "graph_ms": 8.0}]}
+    (out / "level-graphs.json").write_text(json.dumps({"modes": {"level-graphs": {
+        "graphs_unavailable": None, "batch_sizes": {"32": level}, "memory_by_level": {"0": {"graphs": 1}}}}}))
+    return out
 
 
 def test_validate_summary_collects_the_figures(tmp_path):
-    """The summary code of gpu_validate.sh on a result folder laid out as a run leaves it."""
-    code = VALIDATE.read_text().split("<<'PY' >\"$OUT_DIR/summary.stdout.txt\" 2>&1\n", 1)[1].split("\nPY\n", 1)[0]
-    out = tmp_path / "out"
-    out.mkdir()
-    (out / "steps.tsv").write_text("step\tstatus\trc\tseconds\tstdout\tstderr\nbuild\tok\t0\t12\tb.out\tb.err\n"
-                                   "gpu-tests\tfailed\t1\t90\tg.out\tg.err\n")
-    (out / "bench-vmm.json").write_text(json.dumps({"lend_us_median": 812.5}))
-    (out / "gpu-tests.stdout.txt").write_text('noise\nGPU-VALIDATION ladder {"realised": [[24, 108], [132, 0]]}\n')
-    (out / "gpu-tests.xml").write_text(
-        '<testsuites><testsuite><testcase classname="tests.a" name="t1"/><testcase classname="tests.a" name="t2">'
-        '<failure message="x"/></testcase><testcase classname="tests.b" name="t3"><skipped/></testcase>'
-        '</testsuite></testsuites>')
+    out = _result_folder(tmp_path, "cuda")
     shutil.copy(CPU_PROFILE, out / "cuda-llama3-8b-transformers.json")
-    result = subprocess.run([sys.executable, "-", str(out)], input=code, capture_output=True, text=True)
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_validate_summary.py"), str(out)],
+                            capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     summary = json.loads((out / "summary.json").read_text())
-    assert [s["status"] for s in summary["steps"]] == ["ok", "failed"]
-    assert summary["bench_vmm"] == {"lend_us_median": 812.5} and summary["colocate"] is None
-    assert summary["gpu_tests"] == {"counts": {"passed": 1, "failure": 1, "skipped": 1},
-                                    "not_passed": {"tests.a::t2": "failure", "tests.b::t3": "skipped"}}
-    assert summary["gpu_validation"] == [{"name": "ladder", "values": {"realised": [[24, 108], [132, 0]]}}]
+    assert [s["status"] for s in summary["steps"]][-2:] == ["failed", "timeout (220s)"]
+    assert summary["bench_vmm"]["lend_us_median"] == 812.5 and summary["colocate"] is None
+    assert summary["gpu_tests"]["counts"] == {"passed": 1, "failure": 1, "skipped": 1}
+    assert summary["gpu_tests"]["skip_reasons"] == {"no GPU": 1}
+    assert summary["gpu_validation"][0] == {"name": "ladder", "values": {"realised": [[24, 108], [132, 0]]}}
     profile = json.loads(CPU_PROFILE.read_text())
     largest = max((s["batch_size"], s["context_length"]) for s in profile["samples"])
     solo = [s for s in profile["samples"] if s["stage"] == "solo" and (s["batch_size"], s["context_length"]) == largest]
     assert summary["profile"]["decode_step_ms_vs_decode_sms"] == [[1, round(solo[0]["latency_s"] * 1e3, 3)]]
     assert summary["profile"]["stage2_quality"] == profile["stage2"]["combined"]["quality"]
+    claims = summary["claims"]
+    assert claims["a"]["figures"]["lend_us_median"] == 812.5 and "not_measured" not in claims["a"]
+    assert claims["a"]["figures"]["device_allocator_tests_not_passed"] == {"tests.memory.b::t2": "failure"}
+    assert [line["name"] for line in claims["b"]["figures"]["spin_kernel"]] == ["ladder", "scaling"]
+    assert claims["c"]["figures"]["by_batch_size"]["32"][0]["partition_respected"] is True
+    assert "not_measured" not in claims["c"] and "figures" in claims["d"]
+    assert claims["e"]["not_measured"] == "step not run in this part"
+    assert "(a) measured" in result.stdout and "(e) step not run" in result.stdout
+
+
+def test_validate_summary_never_calls_a_cpu_figure_measured(tmp_path):
+    out = _result_folder(tmp_path, "cpu")
+    level = json.loads((out / "level-graphs.json").read_text())
+    level["modes"]["level-graphs"] = {"graphs_unavailable": "CUDA graphs need a CUDA device", "batch_sizes": {
+        "2": {"levels": [{"level": 0, "decode_sms": 1, "trainer_sms": 1, "eager_ms": 3.0}]}}}
+    (out / "level-graphs.json").write_text(json.dumps(level))
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_validate_summary.py"), str(out)], check=True,
+                   capture_output=True)
+    claims = json.loads((out / "summary.json").read_text())["claims"]
+    assert claims["a"]["not_measured"].startswith("bench-vmm ran the host backend")
+    assert "CPU rehearsal (test): not a GPU figure" in claims["b"]["not_measured"]
+    assert claims["c"]["not_measured"] == "CUDA graphs need a CUDA device" and "figures" not in claims["c"]
+    assert claims["d"]["not_measured"].startswith("no figures in")  # the profile step timed out
 
 
 def test_llama3_8b_config_has_the_8b_shape(tmp_path):
@@ -298,3 +345,222 @@ def test_colocate_runs_every_mode_on_cpu(tiny_llama_path, tmp_path):
     logged = json.loads(steps_out.read_text())
     assert {name: len(rows) for name, rows in logged.items()} == {n: modes[n]["steps"] for n in ("decode-alone", "harvest", "static")}
     assert all(row["itl_s"] >= row["tpot_s"] > 0 for rows in logged.values() for row in rows)
+
+
+# -- per-level CUDA graphs of a static-cache decode step (claim c) ----------------------------
+HOST_READS = {"_local_scalar_dense", "nonzero", "masked_select", "_unique2", "unique_dim", "unique_consecutive",
+              "repeat_interleave"}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_static_batch_decodes_each_request_as_if_alone(colocate, tiny_llama_path, device, one_thread):
+    import torch
+
+    model = _model(tiny_llama_path, device)
+    prompts = [[5 + 7 * j % 300 for j in range(6)], [9 + 11 * j % 300 for j in range(6)]]
+    batch = colocate.StaticDecodeBatch(model, device, 2, 6, max_steps=3, prompts=prompts)
+    seen = []
+    for _ in range(5):  # the cache holds 3 new tokens: the fourth step starts over from the context
+        batch.run(None, 0, None, graph=False)
+        seen.append(batch.last_logits.float().cpu().clone())
+    for row, prompt in enumerate(prompts):
+        reference = _solo_logits(model, prompt, 3, device)
+        got = [seen[0][row], seen[1][row], seen[2][row]]
+        assert torch.allclose(torch.stack(got), torch.stack(reference), atol=1e-4, rtol=1e-4), row
+    assert batch.length == 8 and batch.steps_left == 1
+
+
+def test_a_static_decode_step_reads_nothing_back_to_the_host(colocate, tiny_llama_path, one_thread):
+    """What would break a CUDA graph capture (a sync: .item(), bool(tensor), nonzero, ...)
+    shows on CPU as the aten op that reads a value to the host."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class HostReads(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.__name__.split(".")[0] in HOST_READS:
+                self.seen.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    batch = colocate.StaticDecodeBatch(_model(tiny_llama_path, "cpu"), "cpu", 3, 8, max_steps=4)
+    with HostReads() as mode:
+        batch.decode_step()
+        batch.decode_step()
+    assert mode.seen == []
+    with HostReads() as mode:  # the detector does see one
+        bool(torch.ones(1).any())
+    assert mode.seen == ["_local_scalar_dense.default"]
+
+
+class EmulatedGraphBackend:
+    """'Graphs' that re-run the captured step (CPU): the measurement's capture, replay,
+    check and report run as on a GPU."""
+
+    unavailable = None
+
+    def __init__(self):
+        self.next_run, self.used = None, 0
+
+    def new_pool(self):
+        return "pool"
+
+    def new_graph(self):
+        return {"run": None}
+
+    def capture(self, graph, stream, pool):
+        import contextlib
+
+        graph["run"] = self.next_run
+        return contextlib.nullcontext()
+
+    def on_stream(self, stream):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def wait(self, stream, other):
+        pass
+
+    def synchronize(self, stream):
+        pass
+
+    def replay(self, graph):
+        graph["run"]()
+
+    def memory(self):
+        self.used += 1 << 20
+        return self.used // 2, self.used
+
+
+def _emulated_graphs():
+    from harvest.compute.level_graphs import LevelGraphs
+
+    class EmulatedGraphs(LevelGraphs):
+        def __init__(self, levels):
+            super().__init__(levels, EmulatedGraphBackend())
+
+        def capture(self, level, batch_size, run):
+            self.backend.next_run = run
+            return super().capture(level, batch_size, run)
+
+    return EmulatedGraphs
+
+
+def test_level_graph_measurement_compares_graph_eager_and_whole_gpu(colocate, tiny_llama_path, monkeypatch, one_thread):
+    import argparse
+
+    from harvest.compute import level_graphs
+    from harvest.ladder import GREEN_CONTEXTS, Ladder, Level
+
+    class TwoLevels:
+        ladder = Ladder(2, (Level(1, 1), Level(2, 0)), GREEN_CONTEXTS)
+
+    monkeypatch.setattr(level_graphs, "LevelGraphs", _emulated_graphs())
+    sink = colocate.ResultSink(None, "x")
+    ctx = {"partitioner": TwoLevels(), "model": _model(tiny_llama_path, "cpu"), "device_type": "cpu", "device": "cpu",
+           "sink": sink}
+    args = argparse.Namespace(graph_batch_sizes=[2, 3], graph_context=8, graph_repeats=3, seed=0)
+    result = colocate.measure_level_graphs(args, ctx)
+    assert result["graphs_unavailable"] is None and "skipped" not in result
+    for bs in ("2", "3"):
+        partial, whole = result["batch_sizes"][bs]["levels"]
+        for row in (partial, whole):
+            assert row["eager_ms"] > 0 and row["graph_ms"] > 0 and row["graph_max_abs_diff_vs_eager"] == 0.0
+        assert whole["graph_over_whole_graph"] == 1.0 and "verdict" not in whole
+        assert partial["partition_respected"] is None or isinstance(partial["partition_respected"], bool)
+        assert partial["capture_reserved_bytes"] > 0
+    per_level = {"graphs": 2, "allocated_bytes": 2 * (1 << 19), "reserved_bytes": 2 * (1 << 20)}  # 2 batch sizes
+    assert result["memory_by_level"] == {"0": per_level, "1": per_level}
+
+
+@pytest.mark.parametrize("eager, graph, respected, words", [
+    (3.0, 3.0, True, "keeps to"), (3.0, 1.1, False, "escapes"), (1.05, 1.0, None, "inconclusive")])
+def test_graph_verdict(colocate, eager, graph, respected, words):
+    whole = {"eager_ms": 10.0, "graph_ms": 8.0}
+    verdict = colocate.graph_verdict({"eager_ms": 10.0 * eager, "graph_ms": 8.0 * graph}, whole)
+    assert verdict[0] is respected and words in verdict[1]
+
+
+@pytest.mark.gpu
+def test_each_levels_graph_replays_the_eager_step_on_its_own_stream(colocate, tiny_llama_path):
+    """On the GPU: one graph per level of a real ladder, each replayed on its level's
+    stream, gives the logits of the eager step (the measurement's correctness half)."""
+    import torch
+
+    from harvest.compute import create_partitioner
+    from harvest.compute.level_graphs import LevelGraphs
+
+    model = _model(tiny_llama_path, "cuda:0")
+    with create_partitioner("cuda:0", levels=4) as partitioner:
+        graphs = LevelGraphs(partitioner.ladder.levels)
+        batch = colocate.StaticDecodeBatch(model, "cuda:0", 4, 16, max_steps=8)
+        for index, level in enumerate(partitioner.ladder.levels):
+            with torch.cuda.stream(level.decode_stream):
+                batch.reset()
+                batch.decode_step()
+            level.decode_stream.synchronize()
+            eager = batch.last_logits.clone()
+            assert graphs.capture(index, 4, batch.decode_step) is not None
+            with torch.cuda.stream(level.decode_stream):
+                batch.reset()
+            assert graphs.replay(index, 4) is True
+            level.decode_stream.synchronize()
+            assert torch.equal(batch.last_logits, eager), index
+        assert set(graphs.memory_by_level()) == set(range(len(partitioner.ladder.levels)))
+        graphs.close()
+
+
+# -- results written as they exist -------------------------------------------------------------
+@pytest.mark.timeout(300)
+def test_colocate_writes_each_mode_as_it_ends_and_an_interrupt_keeps_what_was_measured(tiny_llama_path, tmp_path):
+    import signal
+    import time
+
+    out = tmp_path / "out"
+    launcher = ("import runpy, sys; sys.modules.update(sglang=None, llamafactory=None); "
+                f"sys.argv = [{str(COLOCATE)!r}] + sys.argv[1:]; runpy.run_path({str(COLOCATE)!r}, run_name='__main__')")
+    proc = subprocess.Popen(
+        [sys.executable, "-c", launcher, "--model-path", str(tiny_llama_path), "--device", "cpu", "--torch-threads", "1",
+         "--modes", "decode-alone,trainer-alone", "--trace-seconds", "4", "--time-scale", "0.25", "--max-generated", "8",
+         "--trainer-alone-s", "120", "--lora-rank", "4", "--trainer-seq-len", "16", "--trainer-batch", "2",
+         "--trainer-micro-batch", "1", "--out-dir", str(out), "--steps-out", str(tmp_path / "steps.json")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        deadline = time.monotonic() + 240
+        while not (out / "colocate-decode-alone.json").exists() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+        first = json.loads((out / "colocate-decode-alone.json").read_text())  # written when the mode ended
+        assert first["steps"] > 0 and "interrupted" not in first
+        assert json.loads((out / "colocate.json").read_text())["complete"] is False  # the summary so far
+        assert "decode-alone" in json.loads((tmp_path / "steps.json").read_text())
+        time.sleep(3)  # inside the 120 s trainer-alone mode
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, stderr[-3000:]
+    cut = json.loads((out / "colocate-trainer-alone.json").read_text())
+    assert cut["interrupted"] is True and cut["wall_s"] < 60
+    summary = json.loads((out / "colocate.json").read_text())
+    assert summary["complete"] is False and summary["interrupted"] is True
+    assert set(summary["modes"]) == {"decode-alone", "trainer-alone"}
+    assert json.loads(stdout.strip().splitlines()[-1]) == summary
+
+
+def test_bench_vmm_writes_each_measurement_as_it_has_it(tmp_path):
+    """The host backend (the CUDA one runs in gpu_validate.sh's bench-vmm step): lend and
+    reclaim under a decode-like reader, and the result file rewritten after each part."""
+    out = tmp_path / "bench-vmm.json"
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_vmm.py"), "--backend", "host", "--num-layers",
+                             "2", "--fuzz-ops", "200", "--json", "--out", str(out)], capture_output=True, text=True,
+                            timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    written = json.loads(out.read_text())
+    assert written == json.loads(result.stdout.strip().splitlines()[-1]) and written["complete"] is True
+    assert written["under_load_fault"] is None and written["under_load_checksum_ok"] is True
+    assert written["under_load_passes"] >= 1 and 0 < written["under_load_busy_fraction"] <= 1

@@ -3,7 +3,8 @@
 ``ladder`` plans the levels (pure Python, returning harvest.ladder's types),
 ``greenctx_lib`` binds csrc/greenctx, ``partitioner`` defines the interface and the
 whole-device fallback, ``green_partitioner`` builds the ladder with CUDA green contexts,
-and ``factory`` picks one. Nothing here imports torch at module level.
+``factory`` picks one, and ``level_graphs`` keeps decode CUDA graphs per level.
+Nothing here imports torch at module level.
 """
 
 from harvest.compute.factory import create_partitioner
