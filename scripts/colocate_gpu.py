@@ -236,17 +236,21 @@ class FixedLevel:
     def __init__(self, partitioner, level_index: int, trainer_runs: bool, timer):
         self.level_index, self.trainer_runs, self.timer = level_index, trainer_runs, timer
         self.level = partitioner.select(level_index)
+        self.num_steps = 0  # the tag of the latest step's measurement
 
     def run_step(self, load, step) -> None:
-        self.timer.time(self.level.decode_stream, step)
+        self.num_steps += 1
+        self.timer.time(self.num_steps, self.level.decode_stream, step)
 
-    def completed(self) -> list[float]:
+    def completed(self) -> list:
+        """Measurements (tag, seconds) of the steps finished since the last call."""
         return list(self.timer.completed())
 
     flush = completed
 
-    def last_step(self) -> tuple[int, bool]:
-        return self.level_index, self.trainer_runs
+    def last_step(self) -> tuple[int, int, bool]:
+        """(measurement tag, level index, trainer ran) of the latest step."""
+        return self.num_steps, self.level_index, self.trainer_runs
 
     def idle(self) -> None:
         pass
@@ -258,8 +262,12 @@ class RecordingTimer:
     def __init__(self, timer):
         self.timer, self.measures_late, self.measured = timer, timer.measures_late, []
 
-    def time(self, stream, run, *args, **kwargs):
-        return self.timer.time(stream, run, *args, **kwargs)
+    def time(self, tag, stream, run, *args, **kwargs):
+        return self.timer.time(tag, stream, run, *args, **kwargs)
+
+    @property
+    def outstanding(self) -> int:
+        return self.timer.outstanding
 
     def completed(self):
         done = self.timer.completed()
@@ -284,20 +292,21 @@ class HarvestMode:
     def run_step(self, load, step) -> None:
         self.colocation.run_step(load, step)
 
-    def completed(self) -> list[float]:
-        """The latencies the colocation has fed back since the last call (a late timer's
-        arrive at the next step)."""
+    def completed(self) -> list:
+        """The measurements (tag, seconds) the colocation has fed back since the last
+        call (a late timer's arrive at the next step)."""
         measured, self.timer.measured = self.timer.measured, []
         return measured
 
-    def flush(self) -> list[float]:
+    def flush(self) -> list:
         """At the end: the last step's latency too (it feeds no decision)."""
         self.timer.completed()
         return self.completed()
 
-    def last_step(self) -> tuple[int, bool]:
+    def last_step(self) -> tuple[int, int, bool]:
+        """(measurement tag, level index, trainer ran) of the latest step."""
         decision = self.colocation.control.last_decision
-        return decision.level_index, decision.trainer_action is self._run
+        return decision.step, decision.level_index, decision.trainer_action is self._run
 
     def idle(self) -> None:
         self.colocation.on_idle()
@@ -318,11 +327,15 @@ def serve(requests, batch, policy, max_batch_size) -> dict:
     arrivals, queue = collections.deque(requests), collections.deque()
     left: dict[int, int] = {}
     steps = []
-    unmeasured = collections.deque()  # steps whose latency has not arrived yet, oldest first
+    unmeasured: dict[int, tuple] = {}  # steps whose latency has not arrived yet, by measurement tag
 
-    def record(measured_s: float) -> None:
-        step_start, itl_s, batch_size, real_sum, padded_sum, level_index, trainer_ran = unmeasured.popleft()
-        steps.append((step_start, measured_s, itl_s, batch_size, real_sum, padded_sum, level_index, trainer_ran))
+    def record(measurement) -> None:
+        # Paired by tag: a measurement the timer dropped leaves its step out, never shifts the others.
+        entry = unmeasured.pop(measurement.tag, None)
+        if entry is not None:
+            step_start, itl_s, batch_size, real_sum, padded_sum, level_index, trainer_ran = entry
+            steps.append((step_start, measurement.seconds, itl_s, batch_size, real_sum, padded_sum, level_index,
+                          trainer_ran))
 
     start = time.perf_counter()
     last_token = None  # when the batch last produced tokens (or stopped being empty)
@@ -353,8 +366,9 @@ def serve(requests, batch, policy, max_batch_size) -> dict:
         if level.decode_stream is not None:
             level.decode_stream.synchronize()
         step_end = time.perf_counter() - start
-        unmeasured.append((step_start, step_end - last_token, load.batch_size, real_sum, load.sum_context,
-                           *policy.last_step()))
+        tag, level_index, trainer_ran = policy.last_step()
+        unmeasured[tag] = (step_start, step_end - last_token, load.batch_size, real_sum, load.sum_context,
+                           level_index, trainer_ran)
         for measured in policy.completed():
             record(measured)
         last_token = step_end
@@ -371,7 +385,7 @@ def serve(requests, batch, policy, max_batch_size) -> dict:
     wall_s = time.perf_counter() - start
     for measured in policy.flush():  # a late timer's last step
         record(measured)
-    return {"wall_s": wall_s, "steps": steps}
+    return {"wall_s": wall_s, "steps": steps, "unmeasured_steps": len(unmeasured)}
 
 
 def on_stream(stream):
@@ -408,6 +422,7 @@ def summarize(served: dict, target_ms: float, num_requests: int) -> dict:
         "trainer_step_fraction": round(float(np.mean([s[7] for s in steps])), 4),
         "steps_by_level": {str(k): v for k, v in sorted(collections.Counter(s[6] for s in steps).items())},
         "wall_s": round(served["wall_s"], 2),
+        "unmeasured_steps": served["unmeasured_steps"],
     }
 
 

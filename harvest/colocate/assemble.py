@@ -54,6 +54,10 @@ class EngineAdapter:
     build_trainer: Callable[[Any], Any] | None = None
     weight_source_for: Callable[[Any], Any] | None = None
     jobs: tuple | None = None  # None: config.jobs
+    # True: the engine hands each step's forward to Colocation.run_forward itself (its
+    # scheduler moves the forward onto a stream of its own inside the step, as SGLang's
+    # does); False: the whole step run_step is given is the forward.
+    places_forward: bool = False
 
     @property
     def device_type(self) -> str:
@@ -115,7 +119,8 @@ def _assemble(config, engine: EngineAdapter, partitioner, jobs: tuple):
     return Colocation(config=config, partitioner=partitioner, control=control, trainer_host=trainer_host,
                       lending=lending, timer=make_step_timer(engine.device_type), metrics=metrics, refiner=refiner,
                       gpu_sampler=_gpu_sampler(engine), device_type=engine.device_type,
-                      refit_min_interval_s=config.online.refit_min_interval_s)
+                      refit_min_interval_s=config.online.refit_min_interval_s,
+                      engine_places_forward=engine.places_forward)
 
 
 def build_partitioner(config, device: str):

@@ -14,6 +14,9 @@ import dataclasses
 from harvest import config_env
 
 SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
+# The target model's forward of a step (forward + sampling), wherever the scheduler calls
+# it from (overlap or not): it runs on the chosen level's decode stream.
+FORWARD = "sglang.srt.managers.tp_worker.TpModelWorker.forward_batch_generation"
 
 # Every SGLang attribute harvest hooks; the plugin resolves each at load and refuses to
 # enable harvest if one is missing (another SGLang version moved it).
@@ -24,6 +27,7 @@ FULL_POOL_INVARIANT = "sglang.srt.managers.scheduler_components.invariant_checke
 TARGETS = [
     f"{SCHEDULER}.__init__",
     f"{SCHEDULER}.run_batch",
+    FORWARD,
     f"{SCHEDULER}.on_idle",
     KV_POOL_CREATE,
     f"{TOKEN_ALLOCATOR}.alloc",
@@ -39,7 +43,9 @@ def _scheduler_init(result, scheduler, *args, **kwargs):
         return result
     from harvest.sglang.runtime import HarvestRuntime
 
-    setattr(scheduler, RUNTIME_ATTR, HarvestRuntime.attach(scheduler))
+    runtime = HarvestRuntime.attach(scheduler)
+    setattr(scheduler, RUNTIME_ATTR, runtime)
+    setattr(scheduler.tp_worker, RUNTIME_ATTR, runtime)  # the forward hook's
     return result
 
 
@@ -48,6 +54,13 @@ def _run_batch(original, scheduler, batch, *args, **kwargs):
     if runtime is None:
         return original(scheduler, batch, *args, **kwargs)
     return runtime.run_step(original, scheduler, batch, *args, **kwargs)
+
+
+def _forward(original, worker, *args, **kwargs):
+    runtime = getattr(worker, RUNTIME_ATTR, None)
+    if runtime is None:
+        return original(worker, *args, **kwargs)
+    return runtime.run_forward(original, worker, *args, **kwargs)
 
 
 def _on_idle(result, scheduler, *args, **kwargs):
@@ -102,6 +115,7 @@ def register(registry, hook_type) -> None:
 
     registry.register(f"{SCHEDULER}.__init__", _scheduler_init, hook_type.AFTER)
     registry.register(f"{SCHEDULER}.run_batch", _run_batch, hook_type.AROUND)
+    registry.register(FORWARD, _forward, hook_type.AROUND)
     registry.register(f"{SCHEDULER}.on_idle", _on_idle, hook_type.AFTER)
     registry.register(KV_POOL_CREATE, kv_backing._create_buffers_normal, hook_type.AROUND)
     registry.register(f"{TOKEN_ALLOCATOR}.alloc", _token_alloc, hook_type.AROUND)

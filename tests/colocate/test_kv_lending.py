@@ -321,9 +321,11 @@ def test_the_idle_tick_catches_a_corrupted_state_and_stops_lending_and_the_train
     tokens, lending = kv
     stops = []
     host = types.SimpleNamespace(operator_stop=lambda: stops.append(True), on_unit=None, on_fault=None)
-    control = types.SimpleNamespace(on_idle=lambda: None, record_steps=lambda: None)
+    from harvest.colocate.step_timer import CpuStepTimer
+
+    control = types.SimpleNamespace(on_idle=lambda: None, record_steps=lambda: None, forget_unmeasured=lambda: None)
     colocation = Colocation(config=None, partitioner=None, control=control, trainer_host=host, lending=lending,
-                            timer=None, metrics=None, refiner=None)
+                            timer=CpuStepTimer(), metrics=None, refiner=None)
     lending.integrity_interval_s = 0.0  # every idle tick
     colocation.on_idle()
     assert lending.num_lent and colocation.integrity_error is None and not stops

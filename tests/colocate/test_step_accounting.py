@@ -35,8 +35,9 @@ class _Control:
     def before_step(self, load):
         self.loads.append(load)
         _spin(DECIDE_S)
+        return types.SimpleNamespace(step=len(self.loads))
 
-    def after_step(self, measured_s):
+    def after_step(self, step, measured_s):
         self.measured.append(measured_s)
         _spin(FEEDBACK_S)
 
