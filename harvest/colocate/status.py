@@ -61,6 +61,7 @@ class StatusReporter:
             "kv": {**colo.lending.stats(), "integrity_error": colo.integrity_error},
             "qos": {"target_tpot_ms": config.qos.target_tpot_ms, **control.qos.stats().to_dict()},
             "steps": colo.profiler.num_steps,
+            "unmeasured_steps": control.unmeasured_steps,
             **colo.profiler.summary(),
             "prediction_error": colo.refiner.error if colo.refiner is not None else None,
             "prediction_drift": colo.refiner.drift if colo.refiner is not None else None,

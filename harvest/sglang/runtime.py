@@ -136,7 +136,12 @@ class HarvestRuntime:
 
     # -- control endpoint (harvest.sglang.control.Controllable) --------------------------
     def status(self) -> dict:
-        return self.reporter.status()
+        status = self.reporter.status()
+        graphs = self.level_graphs
+        status["decode_graphs"] = None if graphs is None else {
+            "per_level": True, "capture_s": round(graphs.capture_seconds, 2),
+            "extra_bytes_by_level": [capture.extra_bytes for capture in graphs.captures]}
+        return status
 
     def recent_steps(self) -> list:
         return self.reporter.recent_steps()
