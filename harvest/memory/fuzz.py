@@ -206,7 +206,8 @@ class _Fuzzer:
             self.release_fences()
         lent_now = self.alloc.lend(chunks, wait=wait)
         if self.host and lent_now == self.held:
-            self.violation(f"lend({chunks}, wait={wait}) returned {lent_now} with fences {'held' if self.held else 'passing'}")
+            fences = "held" if self.held else "passing"
+            self.violation(f"lend({chunks}, wait={wait}) returned {lent_now} with fences {fences}")
         if lent_now:
             s.lent.update(chunks)
         else:
