@@ -29,7 +29,8 @@ class KvPool:
     ``lending_controller(policy, budget, memory, metrics)`` builds the engine's lending
     mechanism: it moves whole free chunks out of and back into the engine's free lists,
     as the ``memory`` settings say, and publishes what is lent and what it wants back on
-    ``budget`` (harvest.memory.lent_budget), which the trainer's window follows."""
+    ``budget`` (harvest.memory.lent_budget), which the trainer's window follows. The
+    allocator's fence streams are set here (:func:`kv_fence_streams`)."""
 
     allocator: Any  # harvest.memory.UnifiedAllocator backing the engine's K/V buffers
     num_tokens: int  # token slots in the engine's pool
@@ -99,6 +100,9 @@ def _assemble(config, engine: EngineAdapter, partitioner, jobs: tuple):
 
         budget = LentMemoryBudget()
         lending = engine.kv.lending_controller(lending_policy(config, engine.kv), budget, config.memory, metrics)
+        # Lend and reclaim unmap KV pages only after the kernels queued on these streams
+        # have passed them (cuMemUnmap does not wait for queued work).
+        engine.kv.allocator.set_fence_streams(kv_fence_streams(partitioner.ladder, engine.device))
     trainer_host = None
     if jobs:
         from harvest.colocate.trainer_host import TrainerHost
@@ -148,6 +152,20 @@ def _refiner(config, engine: EngineAdapter, partitioner):
     identity = running_identity(engine, partitioner.ladder)
     profile = load_for(config.profile, identity, allow_mismatch=config.allow_profile_mismatch)
     return OnlineRefiner.from_profile(profile, config.online)
+
+
+def kv_fence_streams(ladder, device: str) -> list:
+    """The streams whose queued kernels may touch the engine's KV memory, for the unified
+    allocator's fences: every level's decode stream and the engine thread's current
+    stream (where it runs outside a level, and what a level without a stream of its own
+    means). Empty on a CPU, where work is done when the call returns."""
+    if not device.startswith("cuda"):
+        return []
+    import torch
+
+    streams = [level.decode_stream for level in ladder.levels if level.decode_stream is not None]
+    streams.append(torch.cuda.current_stream(torch.device(device)))
+    return streams
 
 
 def lending_policy(config, kv: KvPool):

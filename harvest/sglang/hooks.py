@@ -99,13 +99,14 @@ def _took_lent_chunks_back(allocator, need_tokens: int) -> bool:
 
 
 def _full_pool_invariant(original, checker, pool_stats, *args, **kwargs):
-    # SGLang's leak check: available + evictable + ... == total. Lent slots are out of the
-    # free list but accounted for (the trainer holds them until reclaimed).
+    # SGLang's leak check: available + evictable + ... == total. Lent slots, and those of
+    # lends waiting for their fences, are out of the free list but accounted for (the
+    # trainer holds them until reclaimed; a pending lend until it completes or is cancelled).
     from harvest.sglang.kv_lending import lending_of
 
     lending = lending_of(checker.token_to_kv_pool_allocator)
-    if lending is not None and lending.num_lent:
-        lent_tokens = lending.num_lent * lending.tokens_per_chunk
+    if lending is not None and lending.num_taken:
+        lent_tokens = lending.num_taken * lending.tokens_per_chunk
         pool_stats = dataclasses.replace(pool_stats, full_available_size=pool_stats.full_available_size + lent_tokens)
     return original(checker, pool_stats, *args, **kwargs)
 
