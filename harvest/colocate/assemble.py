@@ -36,6 +36,9 @@ class KvPool:
     num_tokens: int  # token slots in the engine's pool
     max_batch_size: int  # the engine's cap on running requests
     lending_controller: Callable[..., Any]
+    # The engine's own streams whose queued kernels may touch KV memory (SGLang: its
+    # forward and schedule streams), fenced besides the ladder's decode streams.
+    engine_streams: tuple = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,7 +105,8 @@ def _assemble(config, engine: EngineAdapter, partitioner, jobs: tuple):
         lending = engine.kv.lending_controller(lending_policy(config, engine.kv), budget, config.memory, metrics)
         # Lend and reclaim unmap KV pages only after the kernels queued on these streams
         # have passed them (cuMemUnmap does not wait for queued work).
-        engine.kv.allocator.set_fence_streams(kv_fence_streams(partitioner.ladder, engine.device))
+        engine.kv.allocator.set_fence_streams(kv_fence_streams(partitioner.ladder, engine.device,
+                                                              engine.kv.engine_streams))
     trainer_host = None
     if jobs:
         from harvest.colocate.trainer_host import TrainerHost
@@ -154,16 +158,18 @@ def _refiner(config, engine: EngineAdapter, partitioner):
     return OnlineRefiner.from_profile(profile, config.online)
 
 
-def kv_fence_streams(ladder, device: str) -> list:
+def kv_fence_streams(ladder, device: str, engine_streams=()) -> list:
     """The streams whose queued kernels may touch the engine's KV memory, for the unified
-    allocator's fences: every level's decode stream and the engine thread's current
-    stream (where it runs outside a level, and what a level without a stream of its own
-    means). Empty on a CPU, where work is done when the call returns."""
+    allocator's fences: every level's decode stream, the engine's own streams, and the
+    engine thread's current stream (where it runs outside a level, and what a level
+    without a stream of its own means). Empty on a CPU, where work is done when the call
+    returns."""
     if not device.startswith("cuda"):
         return []
     import torch
 
     streams = [level.decode_stream for level in ladder.levels if level.decode_stream is not None]
+    streams.extend(stream for stream in engine_streams if stream is not None)
     streams.append(torch.cuda.current_stream(torch.device(device)))
     return streams
 

@@ -184,8 +184,14 @@ def sglang_engine(scheduler, config):
         # It sets itself on the token allocator, where the allocation hooks find it.
         return KvLendingController(token_allocator, allocator, policy, budget, memory, metrics=metrics)
 
+    engine_streams = ()
+    if device.startswith("cuda"):
+        # SGLang's overlap scheduler prepares and consumes a step on these; a lend or
+        # reclaim unmaps only after what they have queued.
+        engine_streams = (scheduler.tp_worker.model_runner.forward_stream, scheduler.schedule_stream)
     kv = KvPool(allocator=allocator, num_tokens=token_allocator.size,
-                max_batch_size=int(scheduler.max_running_requests), lending_controller=lending_controller)
+                max_batch_size=int(scheduler.max_running_requests), lending_controller=lending_controller,
+                engine_streams=engine_streams)
     weight_source_for = None
     if config.share_served_weights:
         weight_source_for = _served_weights(model_path, scheduler.tp_worker.model_runner.model,

@@ -110,6 +110,8 @@ def test_kv_fence_streams_are_every_levels_decode_stream_and_the_engines_current
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device: seen_devices.append(device) or current)
     assert kv_fence_streams(ladder, "cuda:1") == [decode[0], decode[1], current]
     assert seen_devices == [torch.device("cuda", 1)]
+    engine_own = object()  # SGLang's forward stream, say
+    assert kv_fence_streams(ladder, "cuda:1", (engine_own, None)) == [decode[0], decode[1], engine_own, current]
     assert kv_fence_streams(Ladder.whole_device(1, "CPU device"), "cpu") == []  # host work is synchronous
 
 
@@ -121,17 +123,17 @@ def test_the_composition_root_registers_the_kv_fence_streams_on_the_allocator(ti
                              page_bytes=16 * 1024)
     asked = []
 
-    def fence_streams(ladder, device):
-        asked.append((ladder, device))
+    def fence_streams(ladder, device, engine_streams):
+        asked.append((ladder, device, engine_streams))
         return [5, None]
 
     monkeypatch.setattr("harvest.colocate.assemble.kv_fence_streams", fence_streams)
     kv = KvPool(allocator=alloc, num_tokens=8 * 128 - 1, max_batch_size=4,
-                lending_controller=lambda policy, budget, memory, metrics: NoKvLending())
+                lending_controller=lambda policy, budget, memory, metrics: NoKvLending(), engine_streams=("own",))
     engine = EngineAdapter(device="cpu", model_path=str(tiny_llama_path), model_dtype="float32", kv=kv, jobs=())
     colocation = assemble(_config(), engine)
     try:
-        assert asked == [(colocation.partitioner.ladder, "cpu")]
+        assert asked == [(colocation.partitioner.ladder, "cpu", ("own",))]
         assert alloc.fence_streams == (5, 0)  # None: the legacy default stream
     finally:
         colocation.close(trainer_timeout_s=5.0)

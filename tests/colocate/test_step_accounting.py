@@ -26,6 +26,7 @@ def _spin(seconds: float) -> None:
 
 class _Control:
     decode_stream = None
+    unmeasured_steps = 0
     level = types.SimpleNamespace(index=0, decode_sms=1, trainer_sms=1)
     qos = types.SimpleNamespace(stats=lambda: types.SimpleNamespace(to_dict=dict))
 
