@@ -351,10 +351,9 @@ def build_shared_trainer(decode_model, device, *, lora_rank=16, seq_len=512, sam
 
 # -- what each mode does around a decode step ------------------------------------------------
 # These adapt the step timer (harvest.colocate.step_timer) to serve(): they depend on its
-# shape in two places only, ``timer.time(stream, run)`` and ``timer.completed()`` yielding
-# step latencies in seconds, oldest first, which serve().record pairs with its queue of
-# unmeasured steps in order (FIFO). A timer whose completed() yields (tag, seconds) pairs
-# changes RecordingTimer.completed and serve().record, nothing else.
+# shape in two places only, ``timer.time(tag, stream, run)`` and ``timer.completed()``
+# yielding measurements with ``.tag`` and ``.seconds``, which serve().record pairs with
+# the step that carried the tag (``last_step()``'s first item).
 class FixedLevel:
     """decode-alone (the whole-device level, no trainer) and static (one partial level,
     trainer always on): the step on that level's decode stream, timed."""
@@ -362,17 +361,21 @@ class FixedLevel:
     def __init__(self, partitioner, level_index: int, trainer_runs: bool, timer):
         self.level_index, self.trainer_runs, self.timer = level_index, trainer_runs, timer
         self.level = partitioner.select(level_index)
+        self.num_steps = 0  # the tag of the latest step's measurement
 
     def run_step(self, load, step) -> None:
-        self.timer.time(self.level.decode_stream, step)
+        self.num_steps += 1
+        self.timer.time(self.num_steps, self.level.decode_stream, step)
 
     def completed(self) -> list:
+        """Measurements (tag, seconds) of the steps finished since the last call."""
         return list(self.timer.completed())
 
     flush = completed
 
-    def last_step(self) -> tuple[int, bool]:
-        return self.level_index, self.trainer_runs
+    def last_step(self) -> tuple[int, int, bool]:
+        """(measurement tag, level index, trainer ran) of the latest step."""
+        return self.num_steps, self.level_index, self.trainer_runs
 
     def idle(self) -> None:
         pass
@@ -384,8 +387,12 @@ class RecordingTimer:
     def __init__(self, timer):
         self.timer, self.measures_late, self.measured = timer, timer.measures_late, []
 
-    def time(self, stream, run, *args, **kwargs):
-        return self.timer.time(stream, run, *args, **kwargs)
+    def time(self, tag, stream, run, *args, **kwargs):
+        return self.timer.time(tag, stream, run, *args, **kwargs)
+
+    @property
+    def outstanding(self) -> int:
+        return self.timer.outstanding
 
     def completed(self):
         done = self.timer.completed()
@@ -411,8 +418,8 @@ class HarvestMode:
         self.colocation.run_step(load, step)
 
     def completed(self) -> list:
-        """The latencies the colocation has fed back since the last call (a late timer's
-        arrive at the next step)."""
+        """The measurements (tag, seconds) the colocation has fed back since the last
+        call (a late timer's arrive at the next step)."""
         measured, self.timer.measured = self.timer.measured, []
         return measured
 
@@ -421,9 +428,10 @@ class HarvestMode:
         self.timer.completed()
         return self.completed()
 
-    def last_step(self) -> tuple[int, bool]:
+    def last_step(self) -> tuple[int, int, bool]:
+        """(measurement tag, level index, trainer ran) of the latest step."""
         decision = self.colocation.control.last_decision
-        return decision.level_index, decision.trainer_action is self._run
+        return decision.step, decision.level_index, decision.trainer_action is self._run
 
     def idle(self) -> None:
         self.colocation.on_idle()
@@ -446,11 +454,15 @@ def serve(requests, batch, policy, max_batch_size, steps=None, on_progress=None,
     arrivals, queue = collections.deque(requests), collections.deque()
     left: dict[int, int] = {}
     steps = [] if steps is None else steps
-    unmeasured = collections.deque()  # steps whose latency has not arrived yet, oldest first
+    unmeasured: dict[int, tuple] = {}  # steps whose latency has not arrived yet, by measurement tag
 
-    def record(measured_s: float) -> None:
-        step_start, itl_s, batch_size, real_sum, padded_sum, level_index, trainer_ran = unmeasured.popleft()
-        steps.append((step_start, measured_s, itl_s, batch_size, real_sum, padded_sum, level_index, trainer_ran))
+    def record(measurement) -> None:
+        # Paired by tag: a measurement the timer dropped leaves its step out, never shifts the others.
+        entry = unmeasured.pop(measurement.tag, None)
+        if entry is not None:
+            step_start, itl_s, batch_size, real_sum, padded_sum, level_index, trainer_ran = entry
+            steps.append((step_start, measurement.seconds, itl_s, batch_size, real_sum, padded_sum, level_index,
+                          trainer_ran))
 
     start = time.perf_counter()
     next_progress = progress_every_s
@@ -485,8 +497,9 @@ def serve(requests, batch, policy, max_batch_size, steps=None, on_progress=None,
         if level.decode_stream is not None:
             level.decode_stream.synchronize()
         step_end = time.perf_counter() - start
-        unmeasured.append((step_start, step_end - last_token, load.batch_size, real_sum, load.sum_context,
-                           *policy.last_step()))
+        tag, level_index, trainer_ran = policy.last_step()
+        unmeasured[tag] = (step_start, step_end - last_token, load.batch_size, real_sum, load.sum_context,
+                           level_index, trainer_ran)
         for measured in policy.completed():
             record(measured)
         last_token = step_end
@@ -503,7 +516,7 @@ def serve(requests, batch, policy, max_batch_size, steps=None, on_progress=None,
     wall_s = time.perf_counter() - start
     for measured in policy.flush():  # a late timer's last step
         record(measured)
-    return {"wall_s": wall_s, "steps": steps}
+    return {"wall_s": wall_s, "steps": steps, "unmeasured_steps": len(unmeasured)}
 
 
 def on_stream(stream):
@@ -543,6 +556,7 @@ def summarize(served: dict, target_ms: float, num_requests: int, targets: dict |
         "trainer_step_fraction": round(float(np.mean([s[7] for s in steps])), 4),
         "steps_by_level": {str(k): v for k, v in sorted(collections.Counter(s[6] for s in steps).items())},
         "wall_s": round(served["wall_s"], 2),
+        "unmeasured_steps": served.get("unmeasured_steps"),  # None: cut short before the count
     }
     if targets:
         result["violation_rate_at"] = {name: {"target_ms": round(value, 3),
@@ -742,6 +756,7 @@ def run_mode(mode, args, ctx) -> dict:
         if ctx["device_type"] == "cuda":
             torch.cuda.reset_peak_memory_stats()
         steps: list = []
+        served: dict = {}  # serve()'s result, once it ends
         started = time.perf_counter()
         result = {"target_tpot_ms": round(target, 3)}
         try:
@@ -765,7 +780,8 @@ def run_mode(mode, args, ctx) -> dict:
                 def progress(so_far, wall_s):
                     sink.progress(mode, summarize({"wall_s": wall_s, "steps": so_far}, target, len(ctx["requests"])))
 
-                serve(ctx["requests"], ctx["batch"], policy, args.max_batch_size, steps=steps, on_progress=progress)
+                served = serve(ctx["requests"], ctx["batch"], policy, args.max_batch_size, steps=steps,
+                               on_progress=progress)
         except KeyboardInterrupt:
             interrupted = True
             result["interrupted"] = True
@@ -776,8 +792,8 @@ def run_mode(mode, args, ctx) -> dict:
 
                 p50 = float(np.percentile([s[1] for s in steps], 50)) * 1e3
                 ctx["targets"]["tight"] = round(args.tight_target_factor * p50, 3)
-            result.update(summarize({"wall_s": wall_s, "steps": steps}, target, len(ctx["requests"]),
-                                    targets=ctx["targets"]))
+            partial = {"wall_s": wall_s, "steps": steps, "unmeasured_steps": served.get("unmeasured_steps")}
+            result.update(summarize(partial, target, len(ctx["requests"]), targets=ctx["targets"]))
             result["decode_engine"] = "transformers eager, DynamicCache (no CUDA graphs in the serving loop)"
             ctx["step_log"][mode] = steps
             if colocation is not None:

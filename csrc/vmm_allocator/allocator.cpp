@@ -14,6 +14,11 @@ std::unique_ptr<Backend> make_backend(const hvmm_config_t& config) {
   return make_host_backend(page_bytes);
 }
 
+int status_of(const std::exception& error) {
+  const auto* typed = dynamic_cast<const Error*>(&error);
+  return typed != nullptr ? typed->status() : HVMM_ERR_INTERNAL;
+}
+
 std::string describe_runs(const std::vector<ChunkRun>& runs) {
   std::string text;
   for (const ChunkRun& run : runs) {
@@ -39,6 +44,10 @@ Allocator::Allocator(const hvmm_config_t& config)
     small_ = std::make_unique<SmallPool>(*backend_, pool_, geometry_, geometry_.small_page(0), geometry_.small_pages);
   }
   create_at_init_ = backend_->count(CallKind::kCreate);
+  // Until the caller names its streams: on a GPU the legacy default stream (what a
+  // single-stream program uses, and it waits for the blocking streams); host work is
+  // synchronous, so nothing to fence.
+  if (backend_kind_ == HVMM_BACKEND_CUDA) kv_streams_.push_back(0);
 }
 
 hvmm_geometry_t Allocator::describe() const {
@@ -83,18 +92,26 @@ hvmm_chunk_info_t Allocator::chunk_info(int64_t chunk) {
   check_chunk_id(chunk);
   hvmm_chunk_info_t info{};
   std::vector<FencePtr> fences;
+  std::vector<FencePtr> lend_fences;
   {
     std::lock_guard<std::mutex> lock(state_mu_);
     info.state = states_[chunk];
     info.live_slots = kv_->live_slots(chunk);
     info.used_pages = arena_->used_pages(chunk);
     fences = arena_->fences_locked(chunk);
+    for (const auto& pending : pending_lends_) {
+      for (const ChunkRun& run : pending->runs) {
+        if (static_cast<uint64_t>(chunk) >= run.first && static_cast<uint64_t>(chunk) < run.first + run.count) {
+          lend_fences = pending->fences;
+        }
+      }
+    }
   }
   std::vector<FencePtr> passed;
   for (const FencePtr& fence : fences) {
     if (backend_->fence_passed(fence->event)) passed.push_back(fence);
   }
-  info.fence_pending = passed.size() < fences.size() ? 1 : 0;
+  info.fence_pending = passed.size() < fences.size() || !all_passed(lend_fences) ? 1 : 0;
   if (!passed.empty()) {
     std::lock_guard<std::mutex> lock(state_mu_);
     arena_->drop_fences_locked(chunk, passed);
@@ -110,7 +127,8 @@ void Allocator::chunk_table(hvmm_chunk_info_t* out, int64_t capacity) {
   std::lock_guard<std::mutex> lock(state_mu_);
   for (chunk_id_t chunk = 0; chunk < geometry_.num_chunks; ++chunk) {
     out[chunk].state = states_[chunk];
-    out[chunk].fence_pending = arena_->has_fences_locked(chunk) ? 1 : 0;
+    // A chunk being lent waits on its lend's fences (none when no stream is fenced).
+    out[chunk].fence_pending = arena_->has_fences_locked(chunk) || states_[chunk] == HVMM_CHUNK_LENDING ? 1 : 0;
     out[chunk].live_slots = kv_->live_slots(chunk);
     out[chunk].used_pages = arena_->used_pages(chunk);
   }
@@ -142,6 +160,11 @@ std::vector<ChunkRun> Allocator::validate_chunks_locked(const int64_t* chunks, i
     const std::string name = "chunk " + std::to_string(chunk);
     if (state == HVMM_CHUNK_BUSY) throw_invalid(name + " is busy (another lend or reclaim is moving it)");
     if (state == HVMM_CHUNK_BROKEN) throw_invalid(name + " is broken by an earlier driver failure and cannot move");
+    if (state == HVMM_CHUNK_LENDING) {
+      throw_invalid(name + (lend ? " is already being lent" : " is not lent yet") +
+                    " (its lend waits for the KV streams' fences; finish_lends completes it once they pass, "
+                    "cancel_lends gives it back to the KV cache)");
+    }
     if (lend) {
       if (state == HVMM_CHUNK_LENT) throw_invalid(name + " is already lent");
       const uint64_t live = kv_->live_slots(chunk);
@@ -161,15 +184,7 @@ std::vector<ChunkRun> Allocator::validate_chunks_locked(const int64_t* chunks, i
       }
     }
   }
-  std::vector<ChunkRun> runs;
-  for (int64_t chunk : sorted) {
-    if (!runs.empty() && runs.back().first + runs.back().count == static_cast<uint64_t>(chunk)) {
-      ++runs.back().count;
-    } else {
-      runs.push_back({static_cast<chunk_id_t>(chunk), 1});
-    }
-  }
-  return runs;
+  return runs_of_sorted(sorted);
 }
 
 void Allocator::set_states_locked(const std::vector<ChunkRun>& runs, int32_t state) {
@@ -181,8 +196,7 @@ void Allocator::set_states_locked(const std::vector<ChunkRun>& runs, int32_t sta
 template <typename Undo>
 void Allocator::roll_back(const std::vector<ChunkRun>& runs, const std::exception& error, int32_t state_before,
                           Undo&& undo) {
-  const auto* typed = dynamic_cast<const Error*>(&error);
-  const int status = typed != nullptr ? typed->status() : HVMM_ERR_INTERNAL;
+  const int status = status_of(error);
   try {
     undo();
   } catch (const std::exception& undo_error) {
@@ -197,26 +211,165 @@ void Allocator::roll_back(const std::vector<ChunkRun>& runs, const std::exceptio
   throw Error(status, std::string(error.what()) + " (rolled back: chunks " + describe_runs(runs) + " unchanged)");
 }
 
-void Allocator::lend(const int64_t* chunks, int64_t count) {
-  std::lock_guard<std::mutex> remap(remap_mu_);
-  std::vector<ChunkRun> runs;
+void Allocator::set_fence_streams(const uint64_t* streams, int64_t count) {
+  if (count < 0 || (count > 0 && streams == nullptr)) {
+    throw_invalid("count=" + std::to_string(count) + " with " + (streams ? "a" : "no") + " stream array");
+  }
+  std::vector<stream_t> distinct;
+  for (int64_t i = 0; i < count; ++i) {
+    if (std::find(distinct.begin(), distinct.end(), streams[i]) == distinct.end()) distinct.push_back(streams[i]);
+  }
+  std::lock_guard<std::mutex> lock(state_mu_);
+  kv_streams_ = std::move(distinct);
+}
+
+std::vector<stream_t> Allocator::fence_streams() {
+  std::lock_guard<std::mutex> lock(state_mu_);
+  return kv_streams_;
+}
+
+std::vector<FencePtr> Allocator::record_kv_fences() {
+  std::vector<stream_t> streams;
   {
     std::lock_guard<std::mutex> lock(state_mu_);
-    runs = validate_chunks_locked(chunks, count, true);
+    streams = kv_streams_;
+  }
+  return record_fences(*backend_, streams);
+}
+
+void Allocator::move_to_arena(const std::vector<ChunkRun>& runs, int32_t state_before) {
+  {
+    std::lock_guard<std::mutex> lock(state_mu_);
     set_states_locked(runs, HVMM_CHUNK_BUSY);
   }
   try {
     kv_->converge_to_dummy(runs);
     arena_->converge_attached(runs);
   } catch (const std::exception& error) {
-    roll_back(runs, error, HVMM_CHUNK_MAPPED, [&] {
+    roll_back(runs, error, state_before, [&] {
       arena_->converge_detached(runs);
       kv_->converge_to_pages(runs);
     });
   }
+}
+
+bool Allocator::lend(const int64_t* chunks, int64_t count, bool wait) {
+  std::lock_guard<std::mutex> remap(remap_mu_);
+  std::vector<ChunkRun> runs;
+  {
+    std::lock_guard<std::mutex> lock(state_mu_);
+    runs = validate_chunks_locked(chunks, count, true);
+    set_states_locked(runs, HVMM_CHUNK_LENDING);
+  }
+  try {
+    // The serving side no longer hands these slots out, but kernels queued before now
+    // may still read or write them: no KV page leaves before every KV stream is past here.
+    std::vector<FencePtr> fences = record_kv_fences();
+    if (wait) {
+      for (const FencePtr& fence : fences) backend_->wait_fence(fence->event);
+    } else if (!all_passed(fences)) {
+      auto pending = std::make_shared<PendingLend>(PendingLend{runs, std::move(fences)});
+      std::lock_guard<std::mutex> lock(state_mu_);
+      pending_lends_.push_back(std::move(pending));
+      return false;
+    }
+  } catch (const std::exception& error) {
+    // Nothing was unmapped yet: the chunks simply back their KV slots again.
+    std::lock_guard<std::mutex> lock(state_mu_);
+    set_states_locked(runs, HVMM_CHUNK_MAPPED);
+    throw Error(status_of(error),
+                std::string(error.what()) + " (rolled back: chunks " + describe_runs(runs) + " unchanged)");
+  }
+  move_to_arena(runs, HVMM_CHUNK_MAPPED);
   std::lock_guard<std::mutex> lock(state_mu_);
   arena_->add_chunks_locked(runs);
   set_states_locked(runs, HVMM_CHUNK_LENT);
+  return true;
+}
+
+std::vector<int64_t> Allocator::finish_lends() {
+  std::lock_guard<std::mutex> remap(remap_mu_);
+  std::vector<std::shared_ptr<PendingLend>> pending;
+  {
+    std::lock_guard<std::mutex> lock(state_mu_);
+    pending = pending_lends_;
+  }
+  std::vector<std::shared_ptr<PendingLend>> ready;
+  std::vector<int64_t> chunks;
+  for (const auto& lend : pending) {
+    if (!all_passed(lend->fences)) continue;  // decode is still on it: a later call
+    ready.push_back(lend);
+    for (const ChunkRun& run : lend->runs) {
+      for (chunk_id_t chunk = run.first; chunk < run.first + run.count; ++chunk) {
+        chunks.push_back(static_cast<int64_t>(chunk));
+      }
+    }
+  }
+  if (ready.empty()) return chunks;
+  std::sort(chunks.begin(), chunks.end());
+  const std::vector<ChunkRun> runs = runs_of_sorted(chunks);  // neighbouring batches share calls
+  // On a failure the chunks are rolled back to LENDING with their batches still listed,
+  // unless the rollback failed too: broken chunks are no longer being lent.
+  try {
+    move_to_arena(runs, HVMM_CHUNK_LENDING);
+  } catch (...) {
+    std::lock_guard<std::mutex> lock(state_mu_);
+    keep_lending_chunks_locked();
+    throw;
+  }
+  std::lock_guard<std::mutex> lock(state_mu_);
+  auto is_ready = [&](const std::shared_ptr<PendingLend>& lend) {
+    return std::find(ready.begin(), ready.end(), lend) != ready.end();
+  };
+  pending_lends_.erase(std::remove_if(pending_lends_.begin(), pending_lends_.end(), is_ready), pending_lends_.end());
+  arena_->add_chunks_locked(runs);
+  set_states_locked(runs, HVMM_CHUNK_LENT);
+  return chunks;
+}
+
+void Allocator::cancel_lends(const int64_t* chunks, int64_t count) {
+  if (count <= 0 || chunks == nullptr) {
+    throw_invalid("count=" + std::to_string(count) + "; pass at least one chunk id");
+  }
+  std::lock_guard<std::mutex> remap(remap_mu_);
+  std::lock_guard<std::mutex> lock(state_mu_);
+  std::vector<int64_t> sorted(chunks, chunks + count);
+  std::sort(sorted.begin(), sorted.end());
+  for (int64_t i = 0; i < count; ++i) {
+    check_chunk_id(sorted[i]);
+    if (i > 0 && sorted[i - 1] == sorted[i]) throw_invalid("chunk " + std::to_string(sorted[i]) + " is listed twice");
+    if (states_[sorted[i]] != HVMM_CHUNK_LENDING) {
+      throw_invalid("chunk " + std::to_string(sorted[i]) + " is " + chunk_state_name(states_[sorted[i]]) +
+                    ", not being lent; only a lend still waiting for its fences can be cancelled");
+    }
+  }
+  // Their pages never left the KV slots: nothing to map back.
+  const std::vector<int32_t> states_before = states_;
+  set_states_locked(runs_of_sorted(sorted), HVMM_CHUNK_MAPPED);
+  try {
+    keep_lending_chunks_locked();
+  } catch (...) {
+    states_ = states_before;  // out of memory for the bookkeeping: nothing changed
+    throw;
+  }
+}
+
+void Allocator::keep_lending_chunks_locked() {
+  // Every batch's remainder is built before any changes, so a bad_alloc changes nothing.
+  std::vector<std::vector<ChunkRun>> remainders;
+  for (const auto& lend : pending_lends_) {
+    std::vector<int64_t> kept;
+    for (const ChunkRun& run : lend->runs) {
+      for (chunk_id_t chunk = run.first; chunk < run.first + run.count; ++chunk) {
+        if (states_[chunk] == HVMM_CHUNK_LENDING) kept.push_back(static_cast<int64_t>(chunk));
+      }
+    }
+    remainders.push_back(runs_of_sorted(kept));
+  }
+  for (size_t i = 0; i < pending_lends_.size(); ++i) pending_lends_[i]->runs = std::move(remainders[i]);
+  pending_lends_.erase(std::remove_if(pending_lends_.begin(), pending_lends_.end(),
+                                      [](const auto& lend) { return lend->runs.empty(); }),
+                       pending_lends_.end());
 }
 
 void Allocator::reclaim(const int64_t* chunks, int64_t count) {
@@ -235,11 +388,15 @@ void Allocator::reclaim(const int64_t* chunks, int64_t count) {
     }
   }
   try {
-    // Waiting on the recorded events (not a device-wide sync): the streams that used
-    // these pages must be past them before the pages leave the arena.
+    // Event waits (never a device-wide sync), before anything is unmapped: the streams
+    // that used these pages in the arena must be past the fences recorded at their free,
+    // and the KV streams past the work queued so far (a stray padded access to a lent
+    // chunk's slots reads the dummy page, which is about to leave them).
+    const std::vector<FencePtr> kv_fences = record_kv_fences();
     for (const auto& [chunk, list] : fences) {
       for (const FencePtr& fence : list) backend_->wait_fence(fence->event);
     }
+    for (const FencePtr& fence : kv_fences) backend_->wait_fence(fence->event);
     arena_->converge_detached(runs);
     kv_->converge_to_pages(runs);
   } catch (const std::exception& error) {
@@ -295,7 +452,20 @@ SmallPool& Allocator::small_pool() {
 
 va_t Allocator::small_allocate(int64_t num_bytes) { return small_pool().allocate(num_bytes); }
 
-void Allocator::small_free(va_t address) { small_pool().free(address); }
+void Allocator::small_free(va_t address, const uint64_t* streams, int64_t num_streams) {
+  if (num_streams < 0 || (num_streams > 0 && streams == nullptr)) {
+    throw_invalid("num_streams=" + std::to_string(num_streams) + " with " + (streams ? "a" : "no") + " stream array");
+  }
+  SmallPool& pool = small_pool();
+  if (num_streams == 0) {
+    pool.free(address);
+    return;
+  }
+  pool.check_free(address);  // validate before recording anything
+  pool.free_fenced(address, record_fences(*backend_, std::vector<stream_t>(streams, streams + num_streams)));
+}
+
+uint64_t Allocator::small_collect() { return small_pool().collect_passed(); }
 
 hvmm_stats_t Allocator::stats() {
   hvmm_stats_t out{};
@@ -313,11 +483,12 @@ hvmm_stats_t Allocator::stats() {
           if (used > 0 && used < per_chunk) out.fragmentation_bytes += (per_chunk - used) * geometry_.page_bytes;
           break;
         case HVMM_CHUNK_BUSY: ++out.chunks_busy; break;
+        case HVMM_CHUNK_LENDING: ++out.chunks_lending; break;
         default: ++out.chunks_broken; break;
       }
     }
     out.live_slots = kv_->total_live_slots();
-    out.pages_kv_mapped = out.chunks_mapped * per_chunk;
+    out.pages_kv_mapped = (out.chunks_mapped + out.chunks_lending) * per_chunk;
     out.pages_lent = out.chunks_lent * per_chunk;
     out.pages_lent_used = arena_->used_pages_total();
     out.bytes_lent = out.pages_lent * geometry_.page_bytes;
@@ -325,6 +496,7 @@ hvmm_stats_t Allocator::stats() {
     out.arena_used_bytes = arena_->used_pages_total() * geometry_.page_bytes;
     out.arena_largest_free_bytes = arena_->largest_free_run() * geometry_.page_bytes;
     out.fences_pending = arena_->num_fences_locked();
+    for (const auto& lend : pending_lends_) out.fences_pending += lend->fences.size();
   }
   if (small_) {
     const SmallPool::Usage usage = small_->usage();
@@ -333,6 +505,8 @@ hvmm_stats_t Allocator::stats() {
     out.small_requested_bytes = usage.requested_bytes;
     out.small_allocations = usage.allocations;
     out.small_largest_free_bytes = usage.largest_free_bytes;
+    out.small_pending_frees = usage.pending_frees;
+    out.small_pending_bytes = usage.pending_bytes;
   }
   return out;
 }
@@ -353,6 +527,24 @@ void Allocator::check_integrity() {
   std::string violation;
   kv_->check(states_, violation);
   if (violation.empty()) arena_->check(states_, violation);
+  if (violation.empty()) {
+    // Every chunk being lent is in exactly one pending batch, and only those are.
+    std::vector<uint32_t> batches(geometry_.num_chunks, 0);
+    for (const auto& lend : pending_lends_) {
+      for (const ChunkRun& run : lend->runs) {
+        for (chunk_id_t chunk = run.first; chunk < run.first + run.count && chunk < geometry_.num_chunks; ++chunk) {
+          ++batches[chunk];
+        }
+      }
+    }
+    for (chunk_id_t chunk = 0; chunk < geometry_.num_chunks && violation.empty(); ++chunk) {
+      const uint32_t want = states_[chunk] == HVMM_CHUNK_LENDING ? 1 : 0;
+      if (batches[chunk] != want) {
+        violation = "chunk " + std::to_string(chunk) + " (" + chunk_state_name(states_[chunk]) + ") is in " +
+                    std::to_string(batches[chunk]) + " pending lends, expected " + std::to_string(want);
+      }
+    }
+  }
   if (violation.empty() && small_) small_->check(violation);
   if (violation.empty()) {
     // Across the tables: every page is mapped exactly where its owner's state says, so
@@ -365,8 +557,12 @@ void Allocator::check_integrity() {
       if (kv_table.page_at(s) != kNoPage && !broken(s % geometry_.num_chunks)) ++seen[kv_table.page_at(s)];
     }
     const MappingTable& arena_table = arena_->table();
+    uint64_t arena_dummies = 0;
     for (uint64_t s = 0; s < arena_table.num_slots(); ++s) {
-      if (arena_table.page_at(s) != kNoPage && !broken(s / geometry_.pages_per_chunk)) ++seen[arena_table.page_at(s)];
+      if (arena_table.page_at(s) != kNoPage && !broken(s / geometry_.pages_per_chunk)) {
+        ++seen[arena_table.page_at(s)];
+        arena_dummies += arena_table.page_at(s) == geometry_.dummy_page();
+      }
     }
     if (small_) {
       for (uint64_t s = 0; s < small_->table().num_slots(); ++s) ++seen[small_->table().page_at(s)];
@@ -376,7 +572,9 @@ void Allocator::check_integrity() {
     for (uint64_t page = 0; page < seen.size() && violation.empty(); ++page) {
       const bool is_kv = page < geometry_.num_kv_pages();
       if (is_kv && broken(page % geometry_.num_chunks)) continue;
-      const uint64_t want = page == geometry_.dummy_page() ? lent * geometry_.pages_per_chunk : 1;
+      // The dummy page: in every KV slice of the lent chunks and every arena slot of the
+      // reclaimed ones (GeneralArena::check says which arena slots may hold it).
+      const uint64_t want = page == geometry_.dummy_page() ? lent * geometry_.pages_per_chunk + arena_dummies : 1;
       if (seen[page] != want) {
         violation = "page " + std::to_string(page) + " is mapped " + std::to_string(seen[page]) + " times, expected " +
                     std::to_string(want) + (seen[page] > want ? " (owned twice)" : " (leaked)");

@@ -7,6 +7,15 @@
 // the mappings with only remap_mu_ held (arena alloc/free and slot marking go on
 // meanwhile), then publishes the new state. On a driver failure the move is undone by
 // the opposite convergence; if that fails too the chunks are marked broken.
+//
+// KV fences: no move unmaps a KV slice before the work queued on every KV stream (the
+// streams set with set_fence_streams: decode's) at the time of the move has finished. A
+// lend records an event on each of them and either waits on the events (lend with wait)
+// or leaves the batch pending (state LENDING: its pages still back the KV slots, which
+// the serving side no longer hands out) for finish_lends to complete once every event has
+// passed, without blocking the caller; cancel_lends gives pending chunks back untouched.
+// A reclaim records and waits the same way before it unmaps the dummy page from the KV
+// slots (and on the arena fences before the arena slots change).
 #pragma once
 
 #include <memory>
@@ -36,13 +45,23 @@ class Allocator {
   void chunk_table(hvmm_chunk_info_t* out, int64_t capacity);
   bool can_lend(int64_t chunk);
   bool can_reclaim(int64_t chunk);
-  void lend(const int64_t* chunks, int64_t count);
+  // True when the chunks are lent on return; false (only without `wait`) when their KV
+  // fences have not all passed yet: the batch is pending (LENDING) for finish_lends.
+  bool lend(const int64_t* chunks, int64_t count, bool wait);
+  // Completes every pending lend whose fences have all passed, as one batch; returns the
+  // chunks lent by this call, ascending.
+  std::vector<int64_t> finish_lends();
+  void cancel_lends(const int64_t* chunks, int64_t count);
   void reclaim(const int64_t* chunks, int64_t count);
+
+  void set_fence_streams(const uint64_t* streams, int64_t count);
+  std::vector<stream_t> fence_streams();
 
   va_t arena_allocate(int64_t num_bytes);  // 0: exhausted right now
   void arena_free(va_t address, const uint64_t* streams, int64_t num_streams);
   va_t small_allocate(int64_t num_bytes);  // 0: exhausted right now
-  void small_free(va_t address);
+  void small_free(va_t address, const uint64_t* streams, int64_t num_streams);
+  uint64_t small_collect();
   SmallPool& small_pool();
 
   hvmm_stats_t stats();
@@ -51,8 +70,21 @@ class Allocator {
   void check_integrity();
 
  private:
+  // A lend that recorded its KV fences and waits for them to pass.
+  struct PendingLend {
+    std::vector<ChunkRun> runs;
+    std::vector<FencePtr> fences;
+  };
+
   std::vector<ChunkRun> validate_chunks_locked(const int64_t* chunks, int64_t count, bool lend) const;
   void set_states_locked(const std::vector<ChunkRun>& runs, int32_t state);
+  std::vector<FencePtr> record_kv_fences();
+  // Drops from the pending lends every chunk no longer LENDING (cancelled, broken), and
+  // the batches left empty (their fences recycled).
+  void keep_lending_chunks_locked();
+  // The mapping move of a lend whose fences have passed: chunks in `state_before`
+  // (LENDING) become LENT, or are rolled back to it.
+  void move_to_arena(const std::vector<ChunkRun>& runs, int32_t state_before);
   void check_chunk_id(int64_t chunk) const;
   // Undo a failed move with `undo`; on success restore `state_before`, else mark broken.
   // Always throws: the original error, annotated.
@@ -75,6 +107,8 @@ class Allocator {
   std::mutex remap_mu_;
   std::mutex state_mu_;
   std::vector<int32_t> states_;  // hvmm_chunk_state per chunk
+  std::vector<stream_t> kv_streams_;  // state_mu_; fenced before any KV slice is unmapped
+  std::vector<std::shared_ptr<PendingLend>> pending_lends_;  // state_mu_; changed under remap_mu_ too
 };
 
 }  // namespace harvest::vmm

@@ -1,5 +1,5 @@
-// backend.cpp — call counting, failure injection, the fence-event pool and the RAII
-// handle types shared by both backends.
+// backend.cpp — call counting, failure injection, the call log, the fence-event pool and
+// the RAII handle types shared by both backends.
 #include "backend.h"
 
 #include "errors.h"
@@ -38,39 +38,70 @@ void Backend::before_call(CallKind kind) {
                                     call_kind_name(kind) + ")");
 }
 
+void Backend::log_call(const CallRecord& record) {
+  if (!logging_.load(std::memory_order_relaxed)) return;
+  std::lock_guard<std::mutex> lock(log_mu_);
+  log_.push_back(record);
+}
+
+void Backend::record_calls(bool on) {
+  std::lock_guard<std::mutex> lock(log_mu_);
+  if (on) log_.clear();
+  logging_.store(on);
+}
+
+std::vector<CallRecord> Backend::call_log() const {
+  std::lock_guard<std::mutex> lock(log_mu_);
+  return log_;
+}
+
+void Backend::hold_fences(bool) {
+  throw_invalid(std::string("holding fences is a test hook of the host backend; the ") + name() +
+                " backend's fences pass when the GPU gets there");
+}
+
 va_t Backend::reserve(uint64_t bytes) {
   before_call(CallKind::kReserve);
-  return do_reserve(bytes);
+  const va_t va = do_reserve(bytes);
+  log_call({CallKind::kReserve, 0, va, bytes, 0, 0});
+  return va;
 }
 
 void Backend::free_range(va_t va, uint64_t bytes) {
   before_call(CallKind::kFreeRange);
   do_free_range(va, bytes);
+  log_call({CallKind::kFreeRange, 0, va, bytes, 0, 0});
 }
 
 phys_handle_t Backend::create_page() {
   before_call(CallKind::kCreate);
-  return do_create_page();
+  const phys_handle_t page = do_create_page();
+  log_call({CallKind::kCreate, 0, 0, page_bytes_, 0, 0});
+  return page;
 }
 
 void Backend::release_page(phys_handle_t page) {
   before_call(CallKind::kRelease);
   do_release_page(page);
+  log_call({CallKind::kRelease, 0, 0, page_bytes_, 0, 0});
 }
 
 void Backend::map(va_t va, phys_handle_t page) {
   before_call(CallKind::kMap);
   do_map(va, page);
+  log_call({CallKind::kMap, 0, va, page_bytes_, 0, 0});
 }
 
 void Backend::unmap(va_t va, uint64_t bytes) {
   before_call(CallKind::kUnmap);
   do_unmap(va, bytes);
+  log_call({CallKind::kUnmap, 0, va, bytes, 0, 0});
 }
 
 void Backend::set_access(va_t va, uint64_t bytes) {
   before_call(CallKind::kSetAccess);
   do_set_access(va, bytes);
+  log_call({CallKind::kSetAccess, 0, va, bytes, 0, 0});
 }
 
 event_t Backend::record_fence(stream_t stream) {
@@ -85,6 +116,7 @@ event_t Backend::record_fence(stream_t stream) {
   if (event == 0) {
     before_call(CallKind::kEventCreate);
     event = do_create_event();
+    log_call({CallKind::kEventCreate, 0, 0, 0, 0, event});
   }
   try {
     before_call(CallKind::kFenceRecord);
@@ -93,17 +125,21 @@ event_t Backend::record_fence(stream_t stream) {
     release_fence(event);
     throw;
   }
+  log_call({CallKind::kFenceRecord, 0, 0, 0, stream, event});
   return event;
 }
 
 bool Backend::fence_passed(event_t event) {
   before_call(CallKind::kFenceQuery);
-  return do_fence_passed(event);
+  const bool passed = do_fence_passed(event);
+  log_call({CallKind::kFenceQuery, passed ? 1 : 0, 0, 0, 0, event});
+  return passed;
 }
 
 void Backend::wait_fence(event_t event) {
   before_call(CallKind::kFenceWait);
   do_wait_fence(event);
+  log_call({CallKind::kFenceWait, 0, 0, 0, 0, event});
 }
 
 void Backend::release_fence(event_t event) noexcept {
@@ -119,6 +155,28 @@ void Backend::destroy_pooled_events() noexcept {
   std::lock_guard<std::mutex> lock(event_pool_mu_);
   for (event_t event : event_pool_) do_destroy_event(event);
   event_pool_.clear();
+}
+
+std::vector<FencePtr> record_fences(Backend& backend, const std::vector<stream_t>& streams) {
+  std::vector<FencePtr> fences;
+  fences.reserve(streams.size());
+  for (stream_t stream : streams) {
+    const event_t event = backend.record_fence(stream);
+    try {
+      fences.push_back(std::make_shared<Fence>(backend, stream, event));
+    } catch (...) {
+      backend.release_fence(event);  // no Fence owns it yet
+      throw;
+    }
+  }
+  return fences;
+}
+
+bool all_passed(const std::vector<FencePtr>& fences) {
+  for (const FencePtr& fence : fences) {
+    if (!fence->backend.fence_passed(fence->event)) return false;
+  }
+  return true;
 }
 
 // ---------------------------------------------------------------------------- RAII

@@ -7,8 +7,11 @@
 // the streams that used memory. Which backend is in use changes nothing above this file.
 //
 // Every public call is counted by kind (hvmm_counters_t) so tests and the benchmark can
-// assert exactly how many driver calls an operation made, and can be made to fail on
-// purpose (inject_failure) to test rollback. Failures throw Error naming the call.
+// assert exactly how many driver calls an operation made, can be made to fail on
+// purpose (inject_failure) to test rollback, and, while a test asks for it, is appended
+// to a call log (kind, address, stream, event, outcome) so tests can check the order of
+// calls, e.g. that no unmap comes before the fence it must follow. Failures throw Error
+// naming the call.
 #pragma once
 
 #include <array>
@@ -44,6 +47,16 @@ enum class CallKind : int {
 constexpr int kNumCallKinds = static_cast<int>(CallKind::kCount);
 const char* call_kind_name(CallKind kind);
 
+// One backend call as the call log saw it (after it returned; failed calls are not logged).
+struct CallRecord {
+  CallKind kind;
+  int32_t result;   // fence_query: 1 passed, 0 not yet; otherwise 0
+  va_t address;     // reserve, free_range, map, unmap, set_access
+  uint64_t bytes;   // reserve, free_range, unmap, set_access (map: one page)
+  stream_t stream;  // fence_record
+  event_t event;    // event_create, fence_record, fence_query, fence_wait
+};
+
 class Backend {
  public:
   Backend(const Backend&) = delete;
@@ -65,6 +78,14 @@ class Backend {
   bool fence_passed(event_t event);
   void wait_fence(event_t event);
   void release_fence(event_t event) noexcept;
+
+  // Tests only. The call log: `on` clears it and starts recording, !on stops.
+  void record_calls(bool on);
+  std::vector<CallRecord> call_log() const;
+  // Tests only, host backend: while held, fences recorded stay pending (fence_passed
+  // answers false, wait_fence blocks) until released; releasing passes them all. The
+  // stand-in for a GPU stream still busy with queued work. The cuda backend refuses.
+  virtual void hold_fences(bool held);
 
   uint64_t count(CallKind kind) const { return counts_[static_cast<int>(kind)].load(std::memory_order_relaxed); }
   // The (after_calls + 1)-th next call of `kind` fails; after_calls < 0 disarms.
@@ -97,6 +118,7 @@ class Backend {
 
  private:
   void before_call(CallKind kind);
+  void log_call(const CallRecord& record);
 
   uint64_t page_bytes_;
   std::array<std::atomic<uint64_t>, kNumCallKinds> counts_{};
@@ -104,7 +126,30 @@ class Backend {
   std::atomic<bool> any_injection_{false};
   std::mutex event_pool_mu_;
   std::vector<event_t> event_pool_;  // recorded-and-passed events, ready for reuse
+  std::atomic<bool> logging_{false};
+  mutable std::mutex log_mu_;
+  std::vector<CallRecord> log_;
 };
+
+// One recorded event: "the work queued on `stream` up to here". Shared by everything it
+// fences (every chunk an arena allocation spanned, a lend batch, a small-pool block) and
+// recycled into the backend's event pool when the last holder drops it (RAII: the event
+// is destroyed with the pool at teardown).
+struct Fence {
+  Fence(Backend& backend, stream_t stream, event_t event) : backend(backend), stream(stream), event(event) {}
+  ~Fence() { backend.release_fence(event); }
+  Fence(const Fence&) = delete;
+  Fence& operator=(const Fence&) = delete;
+  Backend& backend;
+  stream_t stream;
+  event_t event;
+};
+using FencePtr = std::shared_ptr<Fence>;
+
+// A fence on each of `streams`; on a failure the ones already recorded are recycled.
+std::vector<FencePtr> record_fences(Backend& backend, const std::vector<stream_t>& streams);
+// Whether every fence has passed (one query each, stopping at the first pending one).
+bool all_passed(const std::vector<FencePtr>& fences);
 
 // page_bytes: a power of two, a multiple of the OS page size (host) or of the device's
 // VMM granularity (cuda); 0 picks the default. Throws Error on a bad value or when the

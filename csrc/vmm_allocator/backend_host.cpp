@@ -6,12 +6,17 @@
 // of the memfd, so the same physical page can appear at several addresses exactly as on
 // the device. Unmapping puts a PROT_NONE placeholder back (the range stays reserved;
 // munmap would hand the addresses to the next mmap). Host work is synchronous, so a fence
-// has passed as soon as it is recorded.
+// has passed as soon as it is recorded, except while a test holds fences (hold_fences):
+// then fences stay pending until released, as events on a GPU stream still busy with
+// queued kernels do, so the paths that poll or wait on fences run on CPU too.
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
 #include <cerrno>
+#include <condition_variable>
+#include <mutex>
+#include <unordered_set>
 
 #include "backend.h"
 #include "errors.h"
@@ -106,12 +111,42 @@ class HostBackend final : public Backend {
 
   event_t do_create_event() override { return next_event_.fetch_add(1); }
   void do_destroy_event(event_t) noexcept override {}
-  void do_record_fence(event_t, stream_t) override {}
-  bool do_fence_passed(event_t) override { return true; }
-  void do_wait_fence(event_t) override {}
+
+  void do_record_fence(event_t event, stream_t) override {
+    std::lock_guard<std::mutex> lock(fence_mu_);
+    if (held_) {
+      pending_.insert(event);
+    } else {
+      pending_.erase(event);  // a recycled event recorded again
+    }
+  }
+
+  bool do_fence_passed(event_t event) override {
+    std::lock_guard<std::mutex> lock(fence_mu_);
+    return pending_.count(event) == 0;
+  }
+
+  void do_wait_fence(event_t event) override {
+    std::unique_lock<std::mutex> lock(fence_mu_);
+    fence_passed_.wait(lock, [&] { return pending_.count(event) == 0; });
+  }
+
+ public:
+  void hold_fences(bool held) override {
+    {
+      std::lock_guard<std::mutex> lock(fence_mu_);
+      held_ = held;
+      if (!held) pending_.clear();
+    }
+    if (!held) fence_passed_.notify_all();
+  }
 
  private:
   int memfd_;
+  std::mutex fence_mu_;
+  std::condition_variable fence_passed_;
+  bool held_ = false;
+  std::unordered_set<event_t> pending_;  // recorded while held, not yet released
   std::atomic<uint64_t> next_offset_{0};
   std::atomic<event_t> next_event_{1};  // 0 means "no event"
 };

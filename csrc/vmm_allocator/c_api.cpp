@@ -73,8 +73,50 @@ int hvmm_can_reclaim(hvmm_allocator_t* allocator, int64_t chunk, int32_t* ok) {
   return guarded("can_reclaim", [&] { require(ok, "ok") = require(allocator, "allocator").impl.can_reclaim(chunk); });
 }
 
+int hvmm_set_fence_streams(hvmm_allocator_t* allocator, const uint64_t* streams, int64_t count) {
+  return guarded("set_fence_streams",
+                 [&] { require(allocator, "allocator").impl.set_fence_streams(streams, count); });
+}
+
+int hvmm_fence_streams(hvmm_allocator_t* allocator, uint64_t* out, int64_t capacity, int64_t* out_count) {
+  return guarded("fence_streams", [&] {
+    require(out_count, "out_count");
+    if (capacity < 0 || (capacity > 0 && out == nullptr)) {
+      harvest::vmm::throw_invalid("capacity=" + std::to_string(capacity) + " with " + (out ? "an" : "no") +
+                                  " output array");
+    }
+    const auto streams = require(allocator, "allocator").impl.fence_streams();
+    for (size_t i = 0; i < streams.size() && static_cast<int64_t>(i) < capacity; ++i) out[i] = streams[i];
+    *out_count = static_cast<int64_t>(streams.size());
+  });
+}
+
 int hvmm_lend(hvmm_allocator_t* allocator, const int64_t* chunks, int64_t count) {
-  return guarded("lend", [&] { require(allocator, "allocator").impl.lend(chunks, count); });
+  return guarded("lend", [&] { require(allocator, "allocator").impl.lend(chunks, count, true); });
+}
+
+int hvmm_lend_start(hvmm_allocator_t* allocator, const int64_t* chunks, int64_t count, int32_t* lent_now) {
+  return guarded("lend_start", [&] {
+    require(lent_now, "lent_now") = 0;
+    *lent_now = require(allocator, "allocator").impl.lend(chunks, count, false) ? 1 : 0;
+  });
+}
+
+int hvmm_lend_finish(hvmm_allocator_t* allocator, int64_t* out, int64_t capacity, int64_t* out_count) {
+  return guarded("lend_finish", [&] {
+    require(out_count, "out_count") = 0;
+    if (capacity < 0 || (capacity > 0 && out == nullptr)) {
+      harvest::vmm::throw_invalid("capacity=" + std::to_string(capacity) + " with " + (out ? "an" : "no") +
+                                  " output array");
+    }
+    const auto chunks = require(allocator, "allocator").impl.finish_lends();
+    for (size_t i = 0; i < chunks.size() && static_cast<int64_t>(i) < capacity; ++i) out[i] = chunks[i];
+    *out_count = static_cast<int64_t>(chunks.size());
+  });
+}
+
+int hvmm_lend_cancel(hvmm_allocator_t* allocator, const int64_t* chunks, int64_t count) {
+  return guarded("lend_cancel", [&] { require(allocator, "allocator").impl.cancel_lends(chunks, count); });
 }
 
 int hvmm_reclaim(hvmm_allocator_t* allocator, const int64_t* chunks, int64_t count) {
@@ -110,8 +152,16 @@ int hvmm_small_alloc(hvmm_allocator_t* allocator, int64_t num_bytes, uint64_t* o
   return status;
 }
 
-int hvmm_small_free(hvmm_allocator_t* allocator, uint64_t address) {
-  return guarded("small_free", [&] { require(allocator, "allocator").impl.small_free(address); });
+int hvmm_small_free(hvmm_allocator_t* allocator, uint64_t address, const uint64_t* streams, int64_t num_streams) {
+  return guarded("small_free",
+                 [&] { require(allocator, "allocator").impl.small_free(address, streams, num_streams); });
+}
+
+int hvmm_small_collect(hvmm_allocator_t* allocator, int64_t* out_collected) {
+  return guarded("small_collect", [&] {
+    require(out_collected, "out_collected") = 0;
+    *out_collected = static_cast<int64_t>(require(allocator, "allocator").impl.small_collect());
+  });
 }
 
 int hvmm_stats(hvmm_allocator_t* allocator, hvmm_stats_t* out) {
@@ -135,6 +185,33 @@ int hvmm_debug_inject_failure(hvmm_allocator_t* allocator, int32_t kind, int64_t
     require(allocator, "allocator").impl.backend().inject_failure(static_cast<harvest::vmm::CallKind>(kind),
                                                                  after_calls);
   });
+}
+
+int hvmm_debug_record_calls(hvmm_allocator_t* allocator, int32_t on) {
+  return guarded("hvmm_debug_record_calls",
+                 [&] { require(allocator, "allocator").impl.backend().record_calls(on != 0); });
+}
+
+int hvmm_debug_call_log(hvmm_allocator_t* allocator, hvmm_call_record_t* out, int64_t capacity, int64_t* out_count) {
+  return guarded("hvmm_debug_call_log", [&] {
+    require(out_count, "out_count") = 0;
+    if (capacity < 0 || (capacity > 0 && out == nullptr)) {
+      harvest::vmm::throw_invalid("capacity=" + std::to_string(capacity) + " with " + (out ? "an" : "no") +
+                                  " output array");
+    }
+    const auto log = require(allocator, "allocator").impl.backend().call_log();
+    for (size_t i = 0; i < log.size() && static_cast<int64_t>(i) < capacity; ++i) {
+      const harvest::vmm::CallRecord& record = log[i];
+      out[i] = hvmm_call_record_t{static_cast<int32_t>(record.kind), record.result, record.address, record.bytes,
+                                  record.stream, record.event};
+    }
+    *out_count = static_cast<int64_t>(log.size());
+  });
+}
+
+int hvmm_debug_hold_fences(hvmm_allocator_t* allocator, int32_t held) {
+  return guarded("hvmm_debug_hold_fences",
+                 [&] { require(allocator, "allocator").impl.backend().hold_fences(held != 0); });
 }
 
 }  // extern "C"

@@ -13,36 +13,42 @@ GeneralArena::GeneralArena(Backend& backend, const PagePool& pool, const Geometr
       used_pages_(geometry.num_chunks, 0),
       fences_(geometry.num_chunks) {}
 
-void GeneralArena::converge_attached(const std::vector<ChunkRun>& runs) {
-  const uint64_t per_chunk = geometry_.pages_per_chunk;
-  for (const ChunkRun& run : runs) {
-    bool all_accessible = true;
-    for (chunk_id_t chunk = run.first; chunk < run.first + run.count; ++chunk) {
-      for (uint64_t page = 0; page < per_chunk; ++page) {
-        const uint64_t s = chunk * per_chunk + page;
-        if (table_.page_at(s) == kNoPage) table_.map(s, geometry_.kv_page(chunk, page));
-        all_accessible = all_accessible && table_.accessible(s);
-      }
-    }
-    if (!all_accessible) table_.set_access_run(run.first * per_chunk, run.count * per_chunk);
-  }
-}
+void GeneralArena::converge_attached(const std::vector<ChunkRun>& runs) { converge(runs, false); }
 
-void GeneralArena::converge_detached(const std::vector<ChunkRun>& runs) {
+void GeneralArena::converge_detached(const std::vector<ChunkRun>& runs) { converge(runs, true); }
+
+void GeneralArena::converge(const std::vector<ChunkRun>& runs, bool to_dummy) {
   const uint64_t per_chunk = geometry_.pages_per_chunk;
+  const int64_t dummy = geometry_.dummy_page();
+  auto target = [&](uint64_t s) {
+    return to_dummy ? dummy : static_cast<int64_t>(geometry_.kv_page(s / per_chunk, s % per_chunk));
+  };
   for (const ChunkRun& run : runs) {
+    const uint64_t first = run.first * per_chunk;
     const uint64_t end = (run.first + run.count) * per_chunk;
-    uint64_t s = run.first * per_chunk;
+    // 1. Unmap what is there but should not be (one call per sub-run; normally the run).
+    uint64_t s = first;
     while (s < end) {
-      if (table_.page_at(s) == kNoPage) {
+      const int64_t page = table_.page_at(s);
+      if (page == kNoPage || page == target(s)) {
         ++s;
         continue;
       }
       uint64_t sub_end = s;
-      while (sub_end < end && table_.page_at(sub_end) != kNoPage) ++sub_end;
+      while (sub_end < end && table_.page_at(sub_end) != kNoPage && table_.page_at(sub_end) != target(sub_end)) {
+        ++sub_end;
+      }
       table_.unmap_run(s, sub_end - s);
       s = sub_end;
     }
+    // 2. Map the target page into every empty slot.
+    bool all_accessible = true;
+    for (s = first; s < end; ++s) {
+      if (table_.page_at(s) == kNoPage) table_.map(s, static_cast<page_id_t>(target(s)));
+      all_accessible = all_accessible && table_.accessible(s);
+    }
+    // 3. One access call over the whole run.
+    if (!all_accessible) table_.set_access_run(first, end - first);
   }
 }
 
@@ -243,15 +249,21 @@ void GeneralArena::check(const std::vector<int32_t>& chunk_states, std::string& 
     }
     for (uint64_t page = 0; page < per_chunk; ++page) {
       const uint64_t s = chunk * per_chunk + page;
-      const int64_t want = lent ? static_cast<int64_t>(geometry_.kv_page(chunk, page)) : kNoPage;
       if ((owner[s] != 0) != lent) {
         violation = "general arena: page slot " + std::to_string(s) + " of " + (lent ? "lent" : "unlent") +
                     " chunk " + std::to_string(chunk) + (lent ? " is neither free nor allocated" : " is in use");
         return;
       }
-      if (table_.page_at(s) != want || (lent && !table_.accessible(s))) {
-        violation = "general arena: slot " + std::to_string(s) + " holds page " + std::to_string(table_.page_at(s)) +
-                    (lent && !table_.accessible(s) ? " without access" : "") + ", expected " + std::to_string(want);
+      // Lent: its own page. Not lent: nothing (never lent) or the dummy (reclaimed).
+      const int64_t held = table_.page_at(s);
+      const int64_t own = static_cast<int64_t>(geometry_.kv_page(chunk, page));
+      const bool right_page = lent ? held == own : held == kNoPage || held == geometry_.dummy_page();
+      if (!right_page || (held != kNoPage && !table_.accessible(s))) {
+        violation = "general arena: slot " + std::to_string(s) + " holds page " + std::to_string(held) +
+                    (held != kNoPage && !table_.accessible(s) ? " without access" : "") + ", expected " +
+                    (lent ? std::to_string(own)
+                          : "none or the dummy page " + std::to_string(geometry_.dummy_page())) +
+                    " (chunk " + std::to_string(chunk) + " is " + (lent ? "lent" : "not lent") + ")";
         return;
       }
     }

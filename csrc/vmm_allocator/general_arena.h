@@ -10,6 +10,12 @@
 // can go back to the KV cache. A chunk is reclaimable once none of its pages is inside
 // a live allocation; reclaim first waits on the fences recorded when they were freed.
 //
+// A reclaimed chunk's arena slots show the shared dummy page (as a lent chunk's KV slices
+// do), not a hole: a tensor view the trainer kept past its free (a Python reference the
+// window dropped late, a stale view) then reads and writes the dummy instead of faulting,
+// which on a GPU would poison the CUDA context decode runs in, and never reaches the KV
+// data that page holds again. Slots of a chunk never lent hold nothing.
+//
 // Bookkeeping methods (*_locked) need the allocator's state mutex; attach/detach are
 // driver calls on chunks the caller owns (marked busy) and need no lock.
 #pragma once
@@ -24,19 +30,6 @@
 
 namespace harvest::vmm {
 
-// One recorded event; shared by every chunk an allocation spanned, recycled into the
-// backend's event pool when the last chunk drops it.
-struct Fence {
-  Fence(Backend& backend, stream_t stream, event_t event) : backend(backend), stream(stream), event(event) {}
-  ~Fence() { backend.release_fence(event); }
-  Fence(const Fence&) = delete;
-  Fence& operator=(const Fence&) = delete;
-  Backend& backend;
-  stream_t stream;
-  event_t event;
-};
-using FencePtr = std::shared_ptr<Fence>;
-
 class GeneralArena {
  public:
   GeneralArena(Backend& backend, const PagePool& pool, const Geometry& geometry);
@@ -46,7 +39,9 @@ class GeneralArena {
   const MappingTable& table() const { return table_; }
 
   // Driver side, on owned chunks; idempotent from any partial state (rollback = the other).
-  // Normal cost per run of n chunks: n * pages_per_chunk maps and one set_access / one unmap.
+  // Attached: the chunks' own pages; detached: the dummy page in every slot. Normal cost
+  // per run of n chunks and either direction: one unmap (none at a chunk's first lend),
+  // n * pages_per_chunk maps, one set_access.
   void converge_attached(const std::vector<ChunkRun>& runs);
   void converge_detached(const std::vector<ChunkRun>& runs);
 
@@ -74,6 +69,7 @@ class GeneralArena {
   void check(const std::vector<int32_t>& chunk_states, std::string& violation) const;
 
  private:
+  void converge(const std::vector<ChunkRun>& runs, bool to_dummy);
   std::string describe_address(va_t address) const;
   void insert_free_run_locked(uint64_t first, uint64_t length);  // coalesces with neighbours
 

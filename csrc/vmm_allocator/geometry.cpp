@@ -18,6 +18,29 @@ void require_positive(const char* field, int64_t value, const char* fix) {
 
 }  // namespace
 
+std::vector<ChunkRun> runs_of_sorted(const std::vector<int64_t>& chunks) {
+  std::vector<ChunkRun> runs;
+  for (int64_t chunk : chunks) {
+    if (!runs.empty() && runs.back().first + runs.back().count == static_cast<uint64_t>(chunk)) {
+      ++runs.back().count;
+    } else {
+      runs.push_back({static_cast<chunk_id_t>(chunk), 1});
+    }
+  }
+  return runs;
+}
+
+const char* chunk_state_name(int32_t state) {
+  switch (state) {
+    case HVMM_CHUNK_MAPPED: return "mapped";
+    case HVMM_CHUNK_LENT: return "lent";
+    case HVMM_CHUNK_BUSY: return "busy (a lend or reclaim is moving it)";
+    case HVMM_CHUNK_BROKEN: return "broken";
+    case HVMM_CHUNK_LENDING: return "being lent (its KV fences have not all passed)";
+    default: return "unknown";
+  }
+}
+
 void validate_config(const hvmm_config_t& config) {
   if (config.backend != HVMM_BACKEND_HOST && config.backend != HVMM_BACKEND_CUDA) {
     throw_invalid("backend=" + std::to_string(config.backend) + " is unknown; use 0 (host) or 1 (cuda)");

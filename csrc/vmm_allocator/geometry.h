@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "hvmm.h"
 #include "page_pool.h"
@@ -44,6 +45,12 @@ struct Geometry {
   page_id_t small_page(uint64_t index) const { return static_cast<page_id_t>(num_kv_pages() + 1 + index); }
   uint64_t total_pages() const { return num_kv_pages() + 1 + small_pages; }
 };
+
+// Ascending, distinct chunk ids as runs of neighbours.
+std::vector<ChunkRun> runs_of_sorted(const std::vector<int64_t>& chunks);
+
+// "mapped", "lent", ... for error messages.
+const char* chunk_state_name(int32_t state);
 
 // Checks the model-shape fields of `config` (everything but the page size, which the
 // backend validates); throws Error(HVMM_ERR_INVALID) naming the field, value and fix.

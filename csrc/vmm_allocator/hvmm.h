@@ -24,25 +24,38 @@
 //   lent       a chunk whose pages are mapped into the general arena instead; its KV
 //              slices show one shared dummy page (stray padding reads/writes never
 //              fault, they land in the dummy).
+//   lending    a chunk on its way to lent: the serving side no longer hands out its
+//              slots, but kernels queued before the lend may still touch its KV pages,
+//              so they stay mapped until the KV fences of the lend have passed.
 //   general arena  the trainer's virtual range; chunk c's pages appear at
 //              arena_base + c * chunk_bytes, so neighbouring lent chunks form one
 //              contiguous run and a tensor may span them. Allocations are whole pages.
+//              A reclaimed chunk's arena slots show the dummy page, so a tensor view
+//              that outlives its allocation's free and the reclaim reads and writes the
+//              dummy: it never faults and never reaches the KV data.
 //   small pool a statically sized, always-mapped range with a buddy allocator at
 //              2 KiB granularity for allocations under one page.
-//   fence      an event recorded on the streams that used freed arena pages; reclaim
-//              waits for it (an event wait, never a device-wide sync).
+//   fence      an event recorded on a stream: "the work queued there so far". Recorded
+//              on the KV streams (hvmm_set_fence_streams: every stream decode may run
+//              on) before a lend or reclaim unmaps anything from the KV ranges (cuMemUnmap
+//              does not wait for queued kernels; one that touched an unmapped page would
+//              fault and poison the context), on the streams that used freed arena pages
+//              (reclaim waits for them), and on the streams that used a freed small-pool
+//              block (it is reused only after they pass). Fences are event waits or
+//              queries, never a device-wide sync.
 // Backends: `cuda` (driver VMM API through dlopen("libcuda.so.1")) and `host` (memfd
 // pages mapped with mmap(MAP_SHARED|MAP_FIXED) into a reserved PROT_NONE range, so one
 // physical page really appears at two virtual addresses). Everything above the backend
-// is one code path. Lock order: GIL (released by ctypes) -> remap mutex (lend/reclaim,
-// check_integrity) -> state mutex (bookkeeping). The small pool has its own mutex.
-// Driver calls in lend/reclaim run outside the state mutex, on chunks marked busy, and
-// are rolled back on failure.
+// is one code path. Lock order: GIL (released by ctypes) -> remap mutex (lend, finish,
+// cancel, reclaim, check_integrity) -> state mutex (bookkeeping). The small pool has its
+// own mutex; no driver call runs under it. Driver calls in lend/reclaim run outside the
+// state mutex, on chunks marked lending or busy, and are rolled back on failure.
 //
 // Limitations. One device per allocator. Geometry is fixed at creation (per-token bytes
 // must divide the page size). A chunk's pages always return to the same chunk (no page
-// migration between chunks). The small pool does not fence: reusing a block across
-// streams is ordered by the caller (as with torch's record_stream). A driver failure
+// migration between chunks). The KV fences cover the streams the caller registered (by
+// default the legacy default stream on the cuda backend, none on the host backend); work
+// on any other stream that touches KV memory is not waited for. A driver failure
 // whose rollback also fails leaves that chunk `broken` (never lent again; reported in
 // the stats) rather than guessing.
 //
@@ -128,11 +141,13 @@ enum hvmm_chunk_state {
   HVMM_CHUNK_LENT = 1,        // mapped into the general arena
   HVMM_CHUNK_BUSY = 2,        // a lend or reclaim is moving it right now
   HVMM_CHUNK_BROKEN = 3,      // a driver failure left it unusable (see the stats)
+  HVMM_CHUNK_LENDING = 4,     // lend started, its KV pages wait for the lend's fences
 };
 
 typedef struct hvmm_chunk_info {
   int32_t state;              // hvmm_chunk_state
-  int32_t fence_pending;      // lent: some stream that used it has not passed its event
+  int32_t fence_pending;      // lent: some stream that used it has not passed its event;
+                              // lending: some KV stream has not passed the lend's event
   uint64_t live_slots;        // token slots marked live (mapped chunks only)
   uint64_t used_pages;        // arena pages of this chunk inside live allocations
 } hvmm_chunk_info_t;
@@ -145,7 +160,7 @@ typedef struct hvmm_stats {
   uint64_t chunks_busy;
   uint64_t chunks_broken;
   uint64_t live_slots;
-  uint64_t pages_kv_mapped;        // pages backing KV slots
+  uint64_t pages_kv_mapped;        // pages backing KV slots (mapped and lending chunks)
   uint64_t pages_lent;             // pages mapped into the general arena
   uint64_t pages_lent_used;        // ... inside live allocations
   uint64_t bytes_lent;
@@ -158,7 +173,10 @@ typedef struct hvmm_stats {
   uint64_t small_requested_bytes;  // as asked for
   uint64_t small_allocations;
   uint64_t small_largest_free_bytes;
-  uint64_t fences_pending;         // events not yet known to have passed
+  uint64_t fences_pending;         // arena and lend events not yet known to have passed
+  uint64_t chunks_lending;         // lends waiting for their KV fences (hvmm_lend_finish)
+  uint64_t small_pending_frees;    // small-pool blocks freed with fences not yet seen to pass
+  uint64_t small_pending_bytes;    // ... their bytes (neither used nor free)
 } hvmm_stats_t;
 
 // Backend calls by kind since creation, and how many creates start-up made.
@@ -202,10 +220,32 @@ HVMM_EXPORT int hvmm_chunk_table(hvmm_allocator_t* allocator, hvmm_chunk_info_t*
 // Query first, mutate second: *ok is 1 when lend/reclaim of this chunk would succeed.
 HVMM_EXPORT int hvmm_can_lend(hvmm_allocator_t* allocator, int64_t chunk, int32_t* ok);
 HVMM_EXPORT int hvmm_can_reclaim(hvmm_allocator_t* allocator, int64_t chunk, int32_t* ok);
+// The streams whose queued work may touch KV memory (CUstream values; 0 is the legacy
+// default stream): every stream decode may run on. Lend and reclaim record an event on
+// each before unmapping anything from the KV ranges. Replaces the previous set (duplicates
+// are dropped); count 0 fences nothing. Defaults: {0} on the cuda backend, none on host.
+HVMM_EXPORT int hvmm_set_fence_streams(hvmm_allocator_t* allocator, const uint64_t* streams, int64_t count);
+// The current set: *out_count streams, the first `capacity` of them copied to out.
+HVMM_EXPORT int hvmm_fence_streams(hvmm_allocator_t* allocator, uint64_t* out, int64_t capacity,
+                                   int64_t* out_count);
+
 // Lend / reclaim a set of chunks as one batch (access is set once per contiguous run).
-// Either every chunk moves or none does.
+// Either every chunk moves or none does. Both record a fence on every KV stream and wait
+// for it (an event wait) before unmapping anything from the KV ranges; reclaim also waits
+// for the fences of the chunks' arena frees.
 HVMM_EXPORT int hvmm_lend(hvmm_allocator_t* allocator, const int64_t* chunks, int64_t count);
 HVMM_EXPORT int hvmm_reclaim(hvmm_allocator_t* allocator, const int64_t* chunks, int64_t count);
+// A lend that never blocks: records the KV fences and queries them; *lent_now is 1 when
+// they had all passed and the chunks are lent, 0 when the batch is left LENDING (its
+// pages still back its KV slots; the arena cannot hand them out) for hvmm_lend_finish.
+HVMM_EXPORT int hvmm_lend_start(hvmm_allocator_t* allocator, const int64_t* chunks, int64_t count,
+                                int32_t* lent_now);
+// Completes, as one batch, every pending lend whose fences have all passed (one query per
+// fence, no wait). The chunks lent by this call, ascending: *out_count of them, the first
+// `capacity` copied to out (num_chunks always suffices). On a failure they stay LENDING.
+HVMM_EXPORT int hvmm_lend_finish(hvmm_allocator_t* allocator, int64_t* out, int64_t capacity, int64_t* out_count);
+// Gives LENDING chunks back to the KV cache (nothing was unmapped: no driver call).
+HVMM_EXPORT int hvmm_lend_cancel(hvmm_allocator_t* allocator, const int64_t* chunks, int64_t count);
 
 // General arena: whole pages, contiguous in virtual memory. HVMM_ERR_EXHAUSTED when no
 // run of lent pages is long enough (transient; nothing changed). Free records a fence
@@ -214,9 +254,16 @@ HVMM_EXPORT int hvmm_arena_alloc(hvmm_allocator_t* allocator, int64_t num_bytes,
 HVMM_EXPORT int hvmm_arena_free(hvmm_allocator_t* allocator, uint64_t address, const uint64_t* streams,
                                 int64_t num_streams);
 
-// Small pool: sizes 1 .. page_bytes-1, rounded up to 2 KiB * 2^k.
+// Small pool: sizes 1 .. page_bytes-1, rounded up to 2 KiB * 2^k. Free records a fence
+// on each given stream (CUstream values; ignored by the host backend) and the block is
+// reused only once all have passed (alloc collects such frees first, oldest first);
+// with no stream it is free at once (the caller orders reuse, e.g. one stream only).
 HVMM_EXPORT int hvmm_small_alloc(hvmm_allocator_t* allocator, int64_t num_bytes, uint64_t* out_address);
-HVMM_EXPORT int hvmm_small_free(hvmm_allocator_t* allocator, uint64_t address);
+HVMM_EXPORT int hvmm_small_free(hvmm_allocator_t* allocator, uint64_t address, const uint64_t* streams,
+                                int64_t num_streams);
+// Collects fenced frees whose fences have passed now (alloc does so too); *out_collected:
+// how many blocks became free.
+HVMM_EXPORT int hvmm_small_collect(hvmm_allocator_t* allocator, int64_t* out_collected);
 
 HVMM_EXPORT int hvmm_stats(hvmm_allocator_t* allocator, hvmm_stats_t* out);
 HVMM_EXPORT int hvmm_counters(hvmm_allocator_t* allocator, hvmm_counters_t* out);
@@ -228,6 +275,26 @@ HVMM_EXPORT int hvmm_check_integrity(hvmm_allocator_t* allocator);
 // would (kind: index of the field in hvmm_counters_t, reserve = 0 ... fence_wait = 10).
 // after_calls < 0 disarms.
 HVMM_EXPORT int hvmm_debug_inject_failure(hvmm_allocator_t* allocator, int32_t kind, int64_t after_calls);
+
+// Tests only: the backend call log. on = 1 clears it and starts recording every backend
+// call (after it returns), 0 stops; hvmm_debug_call_log copies the first `capacity`
+// records to out and says how many there are.
+typedef struct hvmm_call_record {
+  int32_t kind;      // as for hvmm_debug_inject_failure: reserve = 0 ... fence_wait = 10
+  int32_t result;    // fence_query: 1 passed, 0 not yet; otherwise 0
+  uint64_t address;  // reserve, free_range, map, unmap, set_access
+  uint64_t bytes;    // reserve, free_range, map (one page), unmap, set_access
+  uint64_t stream;   // fence_record
+  uint64_t event;    // event_create, fence_record, fence_query, fence_wait
+} hvmm_call_record_t;
+
+HVMM_EXPORT int hvmm_debug_record_calls(hvmm_allocator_t* allocator, int32_t on);
+HVMM_EXPORT int hvmm_debug_call_log(hvmm_allocator_t* allocator, hvmm_call_record_t* out, int64_t capacity,
+                                    int64_t* out_count);
+// Tests only, host backend: held = 1 keeps every fence recorded from now on pending (as on
+// a GPU stream still busy) until held = 0 passes them all; a wait on a held fence blocks
+// until then (release it from another thread). HVMM_ERR_INVALID on the cuda backend.
+HVMM_EXPORT int hvmm_debug_hold_fences(hvmm_allocator_t* allocator, int32_t held);
 
 // Benchmark (scripts/bench_vmm.py): one random sequence of `pairs` allocations and as
 // many frees (sizes log-uniform in [min_bytes, max_bytes], at most `max_live` live at a

@@ -3,19 +3,6 @@
 #include "errors.h"
 
 namespace harvest::vmm {
-namespace {
-
-const char* state_name(int32_t state) {
-  switch (state) {
-    case HVMM_CHUNK_MAPPED: return "mapped";
-    case HVMM_CHUNK_LENT: return "lent";
-    case HVMM_CHUNK_BUSY: return "busy (a lend or reclaim is moving it)";
-    case HVMM_CHUNK_BROKEN: return "broken";
-    default: return "unknown";
-  }
-}
-
-}  // namespace
 
 KvArena::KvArena(Backend& backend, const PagePool& pool, const Geometry& geometry)
     : geometry_(geometry),
@@ -52,8 +39,9 @@ void KvArena::mark_slots_locked(const int64_t* slots, int64_t count, bool live,
       const chunk_id_t chunk = s / geometry_.tokens_per_chunk;
       if (live && chunk_states[chunk] != HVMM_CHUNK_MAPPED) {
         problem = "slot " + std::to_string(s) + " belongs to chunk " + std::to_string(chunk) + ", which is " +
-                  state_name(chunk_states[chunk]) +
-                  ": its KV pages are not mapped, so KV written there would be lost; reclaim the chunk first";
+                  chunk_state_name(chunk_states[chunk]) +
+                  ": its KV pages are not (or soon not) mapped, so KV written there would be lost; reclaim (or "
+                  "cancel the lend of) the chunk first";
       } else if (live && slot_live_[s]) {
         problem = "slot " + std::to_string(s) + " is already live (allocated twice?)";
       } else if (!live && !slot_live_[s]) {
@@ -129,20 +117,23 @@ void KvArena::check(const std::vector<int32_t>& chunk_states, std::string& viola
       return;
     }
     if (state == HVMM_CHUNK_BROKEN) continue;
-    if (state != HVMM_CHUNK_MAPPED && state != HVMM_CHUNK_LENT) {
-      violation = "chunk " + std::to_string(chunk) + " is " + state_name(state) + " while no lend/reclaim runs";
+    // A chunk being lent still backs its KV slots: its pages leave once its fences pass.
+    const bool backs_kv = state == HVMM_CHUNK_MAPPED || state == HVMM_CHUNK_LENDING;
+    if (!backs_kv && state != HVMM_CHUNK_LENT) {
+      violation = "chunk " + std::to_string(chunk) + " is " + chunk_state_name(state) + " while no lend/reclaim runs";
       return;
     }
-    if (state == HVMM_CHUNK_LENT && live != 0) {
-      violation = "lent chunk " + std::to_string(chunk) + " has " + std::to_string(live) + " live slots";
+    if (state != HVMM_CHUNK_MAPPED && live != 0) {
+      violation = std::string(chunk_state_name(state)) + " chunk " + std::to_string(chunk) + " has " +
+                  std::to_string(live) + " live slots";
       return;
     }
     for (uint64_t range = 0; range < geometry_.num_ranges(); ++range) {
       const uint64_t s = slot(chunk, range);
-      const int64_t want = state == HVMM_CHUNK_MAPPED ? static_cast<int64_t>(s) : dummy;
+      const int64_t want = backs_kv ? static_cast<int64_t>(s) : dummy;
       if (table_.page_at(s) != want || !table_.accessible(s)) {
         violation = "KV range " + std::to_string(range) + " at chunk " + std::to_string(chunk) + " (" +
-                    state_name(state) + ") holds page " + std::to_string(table_.page_at(s)) +
+                    chunk_state_name(state) + ") holds page " + std::to_string(table_.page_at(s)) +
                     (table_.accessible(s) ? "" : " without access") + ", expected page " + std::to_string(want);
         return;
       }

@@ -58,6 +58,7 @@ va_t SmallPool::allocate(int64_t num_bytes) {
     throw_invalid("num_bytes=" + std::to_string(num_bytes) + " is not under one page (" +
                   std::to_string(geometry_.page_bytes) + " bytes); allocate it from the general arena");
   }
+  if (pending_count_.load(std::memory_order_relaxed) != 0) collect_passed();
   const uint64_t blocks = (static_cast<uint64_t>(num_bytes) + kBlockBytes - 1) / kBlockBytes;
   const int order = blocks <= 1 ? 0 : 64 - __builtin_clzll(blocks - 1);
   std::lock_guard<std::mutex> lock(mu_);
@@ -82,8 +83,7 @@ va_t SmallPool::allocate(int64_t num_bytes) {
   return table_.base() + static_cast<uint64_t>(block) * kBlockBytes;
 }
 
-void SmallPool::free(va_t address) {
-  std::lock_guard<std::mutex> lock(mu_);
+int32_t SmallPool::used_block_locked(va_t address) const {
   const va_t base = table_.base();
   if (address < base || address >= base + table_.bytes()) {
     throw_invalid(hex(address) + " is not in the small pool [" + hex(base) + ", " +
@@ -92,15 +92,70 @@ void SmallPool::free(va_t address) {
   if ((address - base) % kBlockBytes != 0) {
     throw_invalid(hex(address) + " is not at a 2 KiB block start (unknown pointer)");
   }
-  int32_t block = static_cast<int32_t>((address - base) / kBlockBytes);
+  const int32_t block = static_cast<int32_t>((address - base) / kBlockBytes);
   if (state_[block] == kFreeHead) throw_invalid(hex(address) + " is already free (double free)");
+  if (state_[block] == kPendingHead) {
+    throw_invalid(hex(address) + " is already free (double free; it waits for the fences of its free)");
+  }
   if (state_[block] != kUsedHead) {
     throw_invalid(hex(address) + " is inside a block, not an allocation's start (unknown pointer)");
   }
-  int order = order_[block];
-  used_bytes_ -= kBlockBytes << order;
+  return block;
+}
+
+void SmallPool::check_free(va_t address) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  used_block_locked(address);
+}
+
+void SmallPool::free(va_t address) { free_fenced(address, {}); }
+
+void SmallPool::free_fenced(va_t address, std::vector<FencePtr> fences) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const int32_t block = used_block_locked(address);
+  const uint64_t size = kBlockBytes << order_[block];
+  if (fences.empty()) {
+    used_bytes_ -= size;
+    requested_bytes_ -= requested_[block];
+    --allocations_;
+    release_locked(block);
+    return;
+  }
+  pending_.push_back({block, std::move(fences)});  // may throw: nothing changed yet
+  used_bytes_ -= size;
   requested_bytes_ -= requested_[block];
   --allocations_;
+  state_[block] = kPendingHead;
+  pending_bytes_ += size;
+  pending_count_.store(pending_.size(), std::memory_order_relaxed);
+}
+
+uint64_t SmallPool::collect_passed() {
+  uint64_t collected = 0;
+  for (;;) {
+    int32_t block = -1;
+    std::vector<FencePtr> fences;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (pending_.empty()) break;
+      block = pending_.front().block;
+      fences = pending_.front().fences;  // queried below, without the pool's mutex
+    }
+    if (!all_passed(fences)) break;
+    std::lock_guard<std::mutex> lock(mu_);
+    // Another thread may have collected it meanwhile; only the front entry is ours to take.
+    if (pending_.empty() || pending_.front().block != block) continue;
+    pending_.pop_front();
+    pending_bytes_ -= kBlockBytes << order_[block];
+    pending_count_.store(pending_.size(), std::memory_order_relaxed);
+    release_locked(block);
+    ++collected;
+  }
+  return collected;
+}
+
+void SmallPool::release_locked(int32_t block) {
+  int order = order_[block];
   while (order < top_order_) {
     const int32_t buddy = block ^ (1 << order);
     if (state_[buddy] != kFreeHead || order_[buddy] != order) break;
@@ -121,6 +176,8 @@ SmallPool::Usage SmallPool::usage() const {
   usage.requested_bytes = requested_bytes_;
   usage.allocations = allocations_;
   usage.largest_free_bytes = nonempty_orders_ == 0 ? 0 : kBlockBytes << (63 - __builtin_clzll(nonempty_orders_));
+  usage.pending_frees = pending_.size();
+  usage.pending_bytes = pending_bytes_;
   return usage;
 }
 
@@ -131,6 +188,8 @@ void SmallPool::check(std::string& violation) const {
   uint64_t used = 0;
   uint64_t requested = 0;
   uint64_t allocations = 0;
+  uint64_t pending = 0;
+  uint64_t pending_heads = 0;
   for (uint64_t s = 0; s < table_.num_slots(); ++s) {
     if (!table_.accessible(s)) {
       violation = "small pool: page slot " + std::to_string(s) + " is not mapped with access";
@@ -161,12 +220,31 @@ void SmallPool::check(std::string& violation) const {
                     " were not merged";
         return;
       }
+    } else if (state_[b] == kPendingHead) {
+      pending += kBlockBytes << order;
+      ++pending_heads;
     } else {
       used += kBlockBytes << order;
       requested += requested_[b];
       ++allocations;
     }
     b += size;
+  }
+  uint64_t listed_pending = 0;
+  for (const PendingFree& entry : pending_) {
+    if (entry.block < 0 || static_cast<uint64_t>(entry.block) >= num_blocks_ || state_[entry.block] != kPendingHead ||
+        entry.fences.empty()) {
+      violation = "small pool: waiting free of block " + std::to_string(entry.block) +
+                  " is not a pending block with fences";
+      return;
+    }
+    ++listed_pending;
+  }
+  if (listed_pending != pending_heads || pending != pending_bytes_ || pending_count_.load() != pending_.size()) {
+    violation = "small pool: " + std::to_string(pending_heads) + " blocks (" + std::to_string(pending) +
+                " bytes) wait for fences but the queue lists " + std::to_string(listed_pending) + " (" +
+                std::to_string(pending_bytes_) + " bytes)";
+    return;
   }
   if (used != used_bytes_ || requested != requested_bytes_ || allocations != allocations_) {
     violation = "small pool: counters (used " + std::to_string(used_bytes_) + ", requested " +
@@ -177,8 +255,8 @@ void SmallPool::check(std::string& violation) const {
   }
   uint64_t free_bytes = 0;
   for (int k = 0; k <= top_order_; ++k) free_bytes += free_per_order[k] * (kBlockBytes << k);
-  if (used + free_bytes != table_.bytes()) {
-    violation = "small pool: used + free bytes do not add up to the pool size";
+  if (used + pending + free_bytes != table_.bytes()) {
+    violation = "small pool: used + waiting + free bytes do not add up to the pool size";
     return;
   }
   for (int k = 0; k <= top_order_; ++k) {

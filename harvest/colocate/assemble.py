@@ -29,12 +29,16 @@ class KvPool:
     ``lending_controller(policy, budget, memory, metrics)`` builds the engine's lending
     mechanism: it moves whole free chunks out of and back into the engine's free lists,
     as the ``memory`` settings say, and publishes what is lent and what it wants back on
-    ``budget`` (harvest.memory.lent_budget), which the trainer's window follows."""
+    ``budget`` (harvest.memory.lent_budget), which the trainer's window follows. The
+    allocator's fence streams are set here (:func:`kv_fence_streams`)."""
 
     allocator: Any  # harvest.memory.UnifiedAllocator backing the engine's K/V buffers
     num_tokens: int  # token slots in the engine's pool
     max_batch_size: int  # the engine's cap on running requests
     lending_controller: Callable[..., Any]
+    # The engine's own streams whose queued kernels may touch KV memory (SGLang: its
+    # forward and schedule streams), fenced besides the ladder's decode streams.
+    engine_streams: tuple = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +58,10 @@ class EngineAdapter:
     build_trainer: Callable[[Any], Any] | None = None
     weight_source_for: Callable[[Any], Any] | None = None
     jobs: tuple | None = None  # None: config.jobs
+    # True: the engine hands each step's forward to Colocation.run_forward itself (its
+    # scheduler moves the forward onto a stream of its own inside the step, as SGLang's
+    # does); False: the whole step run_step is given is the forward.
+    places_forward: bool = False
 
     @property
     def device_type(self) -> str:
@@ -95,6 +103,10 @@ def _assemble(config, engine: EngineAdapter, partitioner, jobs: tuple):
 
         budget = LentMemoryBudget()
         lending = engine.kv.lending_controller(lending_policy(config, engine.kv), budget, config.memory, metrics)
+        # Lend and reclaim unmap KV pages only after the kernels queued on these streams
+        # have passed them (cuMemUnmap does not wait for queued work).
+        engine.kv.allocator.set_fence_streams(kv_fence_streams(partitioner.ladder, engine.device,
+                                                              engine.kv.engine_streams))
     trainer_host = None
     if jobs:
         from harvest.colocate.trainer_host import TrainerHost
@@ -115,7 +127,8 @@ def _assemble(config, engine: EngineAdapter, partitioner, jobs: tuple):
     return Colocation(config=config, partitioner=partitioner, control=control, trainer_host=trainer_host,
                       lending=lending, timer=make_step_timer(engine.device_type), metrics=metrics, refiner=refiner,
                       gpu_sampler=_gpu_sampler(engine), device_type=engine.device_type,
-                      refit_min_interval_s=config.online.refit_min_interval_s)
+                      refit_min_interval_s=config.online.refit_min_interval_s,
+                      engine_places_forward=engine.places_forward)
 
 
 def build_partitioner(config, device: str):
@@ -143,6 +156,22 @@ def _refiner(config, engine: EngineAdapter, partitioner):
     identity = running_identity(engine, partitioner.ladder)
     profile = load_for(config.profile, identity, allow_mismatch=config.allow_profile_mismatch)
     return OnlineRefiner.from_profile(profile, config.online)
+
+
+def kv_fence_streams(ladder, device: str, engine_streams=()) -> list:
+    """The streams whose queued kernels may touch the engine's KV memory, for the unified
+    allocator's fences: every level's decode stream, the engine's own streams, and the
+    engine thread's current stream (where it runs outside a level, and what a level
+    without a stream of its own means). Empty on a CPU, where work is done when the call
+    returns."""
+    if not device.startswith("cuda"):
+        return []
+    import torch
+
+    streams = [level.decode_stream for level in ladder.levels if level.decode_stream is not None]
+    streams.extend(stream for stream in engine_streams if stream is not None)
+    streams.append(torch.cuda.current_stream(torch.device(device)))
+    return streams
 
 
 def lending_policy(config, kv: KvPool):

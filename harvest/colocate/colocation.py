@@ -49,7 +49,8 @@ class NoKvLending:
 
 class Colocation:
     def __init__(self, *, config, partitioner, control, trainer_host, lending, timer, metrics, refiner,
-                 gpu_sampler=None, device_type: str = "cpu", refit_min_interval_s: float = 2.0):
+                 gpu_sampler=None, device_type: str = "cpu", refit_min_interval_s: float = 2.0,
+                 engine_places_forward: bool = False):
         self.config = config
         self.partitioner = partitioner
         self.control = control
@@ -61,6 +62,11 @@ class Colocation:
         self.gpu_sampler = gpu_sampler
         self.device_type = device_type
         self.refit_min_interval_s = refit_min_interval_s
+        # True: the engine calls run_forward for the step's forward itself (SGLang, whose
+        # scheduler moves the forward onto a stream of its own inside the step); False:
+        # run_step's whole ``run`` is the forward.
+        self.engine_places_forward = engine_places_forward
+        self._step_tag: int | None = None  # the running step's decision number, until its forward ran
         self.profiler = StepProfiler()
         self.idle_gc_collections = 0
         self.integrity_error: str | None = None  # the first failed idle integrity check's message
@@ -84,9 +90,16 @@ class Colocation:
             if self._attention:
                 self._attend()
             self._feed_back()  # a late timer's (CUDA events) earlier steps: before this decision
-            self.control.before_step(load)
+            tag = self.control.before_step(load).step
             lap("decide")
-            result = self.timer.time(self.control.decode_stream, run, *args, **kwargs)
+            if self.engine_places_forward:
+                self._step_tag = tag
+                try:
+                    result = run(*args, **kwargs)
+                finally:
+                    self._step_tag = None
+            else:
+                result = self.timer.time(tag, self.control.decode_stream, run, *args, **kwargs)
             lap("engine")
             self._feed_back()
             lap("feedback")
@@ -95,14 +108,33 @@ class Colocation:
             lap("lending")
         return result
 
+    @property
+    def forward_pending(self) -> bool:
+        """Inside run_step, before the step's forward ran (``engine_places_forward``)."""
+        return self._step_tag is not None
+
+    def run_forward(self, run, *args, **kwargs):
+        """The forward of the running step, for an engine that calls it itself
+        (``engine_places_forward``): on the chosen level's decode stream, timed as the
+        step. The first forward of a step is the step's; any other call (outside a step,
+        or a second forward in one) runs as the engine placed it."""
+        tag = self._step_tag
+        if tag is None:
+            return run(*args, **kwargs)
+        self._step_tag = None
+        return self.timer.time(tag, self.control.decode_stream, run, *args, **kwargs)
+
     def _feed_back(self) -> None:
-        for measured_s in self.timer.completed():
-            self.control.after_step(measured_s)
+        for tag, measured_s in self.timer.completed():
+            self.control.after_step(tag, measured_s)
 
     # -- between steps ------------------------------------------------------------------
     def on_idle(self) -> None:
         if self._attention:
             self._attend()
+        self._feed_back()
+        if not self.timer.outstanding:
+            self.control.forget_unmeasured()  # steps whose measurement was lost: not waited for
         self.control.on_idle()
         self.lending.maybe_lend()
         self._check_kv_integrity()

@@ -1,8 +1,12 @@
 """Per-decode-step control: predict, decide, apply, measure (Harli §5-§6).
 
     decision = control.before_step(StepLoad(batch_size, sum_context, is_decode))
-    ... the engine runs the step on control.decode_stream ...
-    control.after_step(measured_s)       # or later, when a CUDA-event timer completes
+    ... the engine runs the step on control.decode_stream, timed under decision.step ...
+    control.after_step(decision.step, measured_s)  # or later, when a CUDA-event timer completes
+
+Measurements are paired with their decision by its step number: a step whose measurement
+never comes (the timer dropped it, the engine raised) is given up when a later step's
+measurement arrives, and every other step keeps its own.
 
 Prediction: the latency predictor fills one preallocated list per stage for every ladder
 level (plain arithmetic); the QoS controller picks the level and whether the trainer runs.
@@ -76,7 +80,10 @@ class StepController:
         # (trainer units are often shorter than a decode step, so both phases can run
         # during one step; QoS first), else the combined one.
         self._colo_model = predictor.worst_phase if predictor is not None else 0
-        self._pending: collections.deque[_Pending] = collections.deque()
+        # Decisions waiting for their measurement, oldest first; bounded, so an engine that
+        # never reports a step cannot grow it.
+        self._pending: collections.deque[_Pending] = collections.deque(maxlen=self.MAX_UNMEASURED)
+        self.unmeasured_steps = 0  # decisions given up without a measurement
         self._unrecorded: collections.deque = collections.deque()  # (end time, _Pending, measured_s)
         self._record_lock = threading.Lock()
         self._recent_steps: collections.deque[StepRecord] = collections.deque(maxlen=8192)
@@ -118,15 +125,27 @@ class StepController:
             self.trainer.apply(run, self.level.trainer_stream)
         self.last_decision = decision
         self._last_decision_step = decision.step
+        if len(self._pending) == self.MAX_UNMEASURED:
+            self.unmeasured_steps += 1  # the append drops the oldest
         self._pending.append(_Pending(decision.step, load, index, phase, predicted_s, run, decision.reason))
         return decision
 
     # -- after the step (measurements may arrive one step late, in order) -----------------
-    def after_step(self, measured_s: float) -> None:
-        """The measured step: feedback to the QoS scheduler now (the next decision needs
-        it); the rest of the bookkeeping (step record, predictor window, metrics) is queued
-        and done for ``RECORD_EVERY`` steps at once, off most steps' path."""
-        pending = self._pending.popleft()
+    MAX_UNMEASURED = 1024
+
+    def after_step(self, step: int, measured_s: float) -> None:
+        """The measurement of the decision numbered ``step``: feedback to the QoS scheduler
+        now (the next decision needs it); the rest of the bookkeeping (step record,
+        predictor window, metrics) is queued and done for ``RECORD_EVERY`` steps at once,
+        off most steps' path. Earlier decisions still waiting are given up (their
+        measurement was lost); a measurement of no waiting decision is ignored."""
+        queue = self._pending
+        while queue and queue[0].step < step:
+            queue.popleft()
+            self.unmeasured_steps += 1
+        if not queue or queue[0].step != step:
+            return
+        pending = queue.popleft()
         self.num_steps += 1
         if measured_s > 0:
             # The scheduler takes a measurement only for its latest decision; a late one
@@ -171,6 +190,12 @@ class StepController:
         """The last steps' records, oldest first (queued bookkeeping done first)."""
         self.record_steps()
         return self._recent_steps
+
+    def forget_unmeasured(self) -> None:
+        """Give up the decisions still waiting: their measurements will not come (the
+        timer has none outstanding)."""
+        self.unmeasured_steps += len(self._pending)
+        self._pending.clear()
 
     # -- idle ---------------------------------------------------------------------------
     def on_idle(self) -> None:

@@ -37,7 +37,9 @@ class StatusReporter:
         kv = colo.lending.stats()
         if kv:
             lent = colo.lending.num_lent
-            metrics.set_kv_chunks(mapped=kv["chunks_total"] - lent, lent=lent, fragmentation_bytes=kv["fragmentation_bytes"])
+            # A chunk being lent (waiting for decode's fences) is neither mapped for SGLang nor lent yet.
+            mapped = kv["chunks_total"] - lent - kv.get("chunks_lending", 0)
+            metrics.set_kv_chunks(mapped=mapped, lent=lent, fragmentation_bytes=kv["fragmentation_bytes"])
         if colo.refiner is not None:
             metrics.set_prediction_error(colo.refiner.error, colo.refiner.drift)
         if colo.gpu_sampler is not None:
@@ -61,6 +63,7 @@ class StatusReporter:
             "kv": {**colo.lending.stats(), "integrity_error": colo.integrity_error},
             "qos": {"target_tpot_ms": config.qos.target_tpot_ms, **control.qos.stats().to_dict()},
             "steps": colo.profiler.num_steps,
+            "unmeasured_steps": control.unmeasured_steps,
             **colo.profiler.summary(),
             "prediction_error": colo.refiner.error if colo.refiner is not None else None,
             "prediction_drift": colo.refiner.drift if colo.refiner is not None else None,

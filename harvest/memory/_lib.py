@@ -56,7 +56,8 @@ STATS_FIELDS = (
     "num_chunks", "chunks_mapped", "chunks_lent", "chunks_lent_idle", "chunks_busy", "chunks_broken", "live_slots",
     "pages_kv_mapped", "pages_lent", "pages_lent_used", "bytes_lent", "fragmentation_bytes", "arena_allocations",
     "arena_used_bytes", "arena_largest_free_bytes", "small_pool_bytes", "small_used_bytes", "small_requested_bytes",
-    "small_allocations", "small_largest_free_bytes", "fences_pending",
+    "small_allocations", "small_largest_free_bytes", "fences_pending", "chunks_lending", "small_pending_frees",
+    "small_pending_bytes",
 )
 COUNTER_FIELDS = (
     "reserve", "free_range", "create", "release", "map", "unmap", "set_access", "event_create", "fence_record",
@@ -70,6 +71,11 @@ class Stats(ctypes.Structure):
 
 class Counters(ctypes.Structure):
     _fields_ = [(name, _u64) for name in COUNTER_FIELDS] + [("create_at_init", _u64)]
+
+
+class CallRecord(ctypes.Structure):
+    _fields_ = [("kind", _i32), ("result", _i32), ("address", _u64), ("bytes", _u64), ("stream", _u64),
+                ("event", _u64)]
 
 
 class SmallBench(ctypes.Structure):
@@ -98,16 +104,25 @@ def lib() -> SimpleNamespace:
         chunk_table=native.bind(so, "hvmm_chunk_table", c_int, h, P(ChunkInfo), _i64),
         can_lend=native.bind(so, "hvmm_can_lend", c_int, h, _i64, P(_i32)),
         can_reclaim=native.bind(so, "hvmm_can_reclaim", c_int, h, _i64, P(_i32)),
+        set_fence_streams=native.bind(so, "hvmm_set_fence_streams", c_int, h, P(_u64), _i64),
+        fence_streams=native.bind(so, "hvmm_fence_streams", c_int, h, P(_u64), _i64, P(_i64)),
         lend=native.bind(so, "hvmm_lend", c_int, h, P(_i64), _i64),
+        lend_start=native.bind(so, "hvmm_lend_start", c_int, h, P(_i64), _i64, P(_i32)),
+        lend_finish=native.bind(so, "hvmm_lend_finish", c_int, h, P(_i64), _i64, P(_i64)),
+        lend_cancel=native.bind(so, "hvmm_lend_cancel", c_int, h, P(_i64), _i64),
         reclaim=native.bind(so, "hvmm_reclaim", c_int, h, P(_i64), _i64),
         arena_alloc=native.bind(so, "hvmm_arena_alloc", c_int, h, _i64, P(_u64)),
         arena_free=native.bind(so, "hvmm_arena_free", c_int, h, _u64, P(_u64), _i64),
         small_alloc=native.bind(so, "hvmm_small_alloc", c_int, h, _i64, P(_u64)),
-        small_free=native.bind(so, "hvmm_small_free", c_int, h, _u64),
+        small_free=native.bind(so, "hvmm_small_free", c_int, h, _u64, P(_u64), _i64),
+        small_collect=native.bind(so, "hvmm_small_collect", c_int, h, P(_i64)),
         stats=native.bind(so, "hvmm_stats", c_int, h, P(Stats)),
         counters=native.bind(so, "hvmm_counters", c_int, h, P(Counters)),
         check_integrity=native.bind(so, "hvmm_check_integrity", c_int, h),
         inject_failure=native.bind(so, "hvmm_debug_inject_failure", c_int, h, _i32, _i64),
+        record_calls=native.bind(so, "hvmm_debug_record_calls", c_int, h, _i32),
+        call_log=native.bind(so, "hvmm_debug_call_log", c_int, h, P(CallRecord), _i64, P(_i64)),
+        hold_fences=native.bind(so, "hvmm_debug_hold_fences", c_int, h, _i32),
         bench_small_pool=native.bind(
             so, "hvmm_bench_small_pool", c_int, h, _u64, _i64, _i64, _i64, _i64, _i64, P(SmallBench)
         ),

@@ -5,6 +5,7 @@ The Python face of libharvest_vmm (hvmm.h has the design note). Typical life:
     alloc = UnifiedAllocator(num_layers=32, kv_heads=8, head_dim=128, dtype_bytes=2,
                              max_tokens=200_000, small_pool_bytes=256 << 20, backend="cuda")
     k0 = alloc.kv_tensor(0, "k", torch.float16, (alloc.geometry.token_capacity, 8, 128))
+    alloc.set_fence_streams([decode_stream])  # the streams whose kernels may touch KV memory
     alloc.mark_slots_live(slots)            # optional: see "Slot liveness" below
     if alloc.can_lend(c): alloc.lend(c)     # query first, mutate second
     block = alloc.allocate(64 << 20)        # trainer memory, or None right now
@@ -16,6 +17,15 @@ Every method is safe to call from several threads; calls that can block (lend,
 reclaim, fence waits) release the GIL (ctypes does so for every foreign call).
 Transient exhaustion returns None; bad input raises VmmInvalidArgument and changes
 nothing.
+
+Fences (hvmm.h): no KV page is unmapped before the work queued on every fence stream
+(``set_fence_streams``) has finished. ``lend(c)`` waits for that (an event wait);
+``lend(c, wait=False)`` never blocks: if decode is still busy the chunk stays LENDING
+(its pages still back the KV slots, the arena cannot hand them out) and a later
+``finish_lends()`` completes it, or ``cancel_lends`` gives it back. A reclaimed chunk's
+arena range shows the dummy page, so a tensor view kept past its free and the reclaim
+reads garbage instead of faulting or reaching the KV data. Small-pool blocks freed with
+streams are reused only after those streams pass their fences.
 
 Slot liveness: the allocator refuses to lend a chunk with live slots only if the serving
 side marks them (`mark_slots_live` / `mark_slots_free`). With SGLang it does not: SGLang's
@@ -38,7 +48,7 @@ import numpy as np
 from harvest.memory import _lib
 from harvest.memory.errors import VmmInvalidArgument
 from harvest.memory.geometry import KvGeometry
-from harvest.memory.stats import AllocatorStats, BackendCounters, ChunkInfo, ChunkState
+from harvest.memory.stats import AllocatorStats, BackendCall, BackendCounters, ChunkInfo, ChunkState
 
 ARENA = "arena"
 SMALL = "small"
@@ -54,6 +64,22 @@ def _int_array(values: Any, what: str) -> np.ndarray:
     if array.size and array.dtype.kind not in "iu":
         raise TypeError(f"{what} must be integers, got dtype {array.dtype}")
     return np.ascontiguousarray(array.reshape(-1), dtype=np.int64)
+
+
+def _stream_handle(stream: Any) -> int:
+    """A CUstream value: None is the legacy default stream (0); a torch stream gives its
+    ``cuda_stream``; an int is taken as is."""
+    if stream is None:
+        return 0
+    handle = getattr(stream, "cuda_stream", stream)
+    handle = _as_int(handle, "stream")
+    if handle < 0:
+        raise ValueError(f"stream handle {handle} is negative")
+    return handle
+
+
+def _stream_array(streams: Iterable[Any]) -> np.ndarray:
+    return np.ascontiguousarray([_stream_handle(s) for s in streams], dtype=np.uint64)
 
 
 def _invalid(message: str) -> VmmInvalidArgument:
@@ -86,9 +112,12 @@ class Allocation:
             raise _invalid(f"allocation at {self.address:#x} was freed")
         return self.allocator.tensor_view(self.address, self.num_bytes, dtype, shape)
 
-    def free(self, streams: Iterable[int] | None = None) -> None:
-        """Give the block back. Arena blocks get a fence on each of `streams` (CUstream
-        handles; None: torch's current stream on CUDA, none on host) that reclaim waits on."""
+    def free(self, streams: Iterable[Any] | None = None) -> None:
+        """Give the block back, fenced on each of `streams` (torch streams or CUstream
+        handles; None: torch's current stream on CUDA, none on host): reclaim waits for an
+        arena block's fences, and a small block is reused only after its fences pass.
+        Tensor views of the block must not be used afterwards (they read and write the
+        dummy page once its chunk is reclaimed)."""
         if self.freed:
             raise _invalid(f"allocation at {self.address:#x} is already free (double free)")
         self.allocator.free_address(self.address, self.pool, streams)
@@ -247,17 +276,67 @@ class UnifiedAllocator:
     def reclaimable_chunks(self) -> list[int]:
         return [c.chunk for c in self.chunk_table() if c.state == ChunkState.LENT and c.used_pages == 0]
 
-    def lend(self, chunks: int | Iterable[int]) -> None:
-        """Move whole free chunks to the general arena, as one batch (all or none)."""
-        self._move(self._lib.lend, chunks)
+    def lending_chunks(self) -> list[int]:
+        """Chunks whose lend waits for its KV fences (``lend(..., wait=False)``)."""
+        return [c.chunk for c in self.chunk_table() if c.state == ChunkState.LENDING]
+
+    def lend(self, chunks: int | Iterable[int], wait: bool = True) -> bool:
+        """Move whole free chunks to the general arena, as one batch (all or none), once
+        the work queued so far on every fence stream has finished.
+
+        ``wait=True`` waits for it (event waits) and returns True. ``wait=False`` never
+        blocks: True when the chunks are lent now, False when the fences have not all
+        passed and the batch is left LENDING for ``finish_lends`` (or ``cancel_lends``)."""
+        if wait:
+            self._move(self._lib.lend, chunks)
+            return True
+        lent_now = ctypes.c_int32()
+        array = _int_array(chunks, "chunk ids")
+        _lib.check(self._lib.lend_start(self._h(), array.ctypes.data_as(ctypes.POINTER(ctypes.c_int64)), array.size,
+                                        ctypes.byref(lent_now)))
+        return bool(lent_now.value)
+
+    def finish_lends(self) -> list[int]:
+        """Complete every pending lend whose fences have passed (queries, no wait); the
+        chunks lent by this call, ascending. On a failure they stay LENDING."""
+        n = self.geometry.num_chunks
+        out = (ctypes.c_int64 * n)()
+        count = ctypes.c_int64()
+        _lib.check(self._lib.lend_finish(self._h(), out, n, ctypes.byref(count)))
+        return list(out[: count.value])
+
+    def cancel_lends(self, chunks: int | Iterable[int]) -> None:
+        """Give LENDING chunks back to the KV cache (their pages never left it)."""
+        self._move(self._lib.lend_cancel, chunks)
 
     def reclaim(self, chunks: int | Iterable[int]) -> None:
-        """Give unused lent chunks back to the KV cache (waits on their fences)."""
+        """Give unused lent chunks back to the KV cache (waits on their arena fences and on
+        the fence streams' queued work before unmapping)."""
         self._move(self._lib.reclaim, chunks)
 
     def _move(self, fn, chunks: int | Iterable[int]) -> None:
         array = _int_array(chunks, "chunk ids")
         _lib.check(fn(self._h(), array.ctypes.data_as(ctypes.POINTER(ctypes.c_int64)), array.size))
+
+    # ------------------------------------------------------------------ fences
+    def set_fence_streams(self, streams: Iterable[Any]) -> None:
+        """The streams whose queued work may touch KV memory: every stream decode may run
+        on. Each is a torch stream, a CUstream int, or None for the legacy default stream.
+        Lend and reclaim fence every one of them before unmapping KV pages. Empty: fence
+        nothing (CPU, where work is synchronous). Defaults: the legacy default stream on
+        the cuda backend, nothing on host."""
+        handles = _stream_array(streams)
+        _lib.check(self._lib.set_fence_streams(self._h(), handles.ctypes.data_as(ctypes.POINTER(ctypes.c_uint64)),
+                                               handles.size))
+
+    @property
+    def fence_streams(self) -> tuple[int, ...]:
+        """The CUstream values lend and reclaim fence (0: the legacy default stream)."""
+        count = ctypes.c_int64()
+        _lib.check(self._lib.fence_streams(self._h(), None, 0, ctypes.byref(count)))
+        out = (ctypes.c_uint64 * max(1, count.value))()
+        _lib.check(self._lib.fence_streams(self._h(), out, count.value, ctypes.byref(count)))
+        return tuple(out[: count.value])
 
     # ------------------------------------------------------------------ allocation
     def allocate(self, num_bytes: int) -> Allocation | None:
@@ -284,20 +363,24 @@ class UnifiedAllocator:
         _lib.check(status)
         return Allocation(self, address.value, num_bytes, SMALL)
 
-    def free_address(self, address: int, pool: str, streams: Iterable[int] | None = None) -> None:
-        """Free by raw address (Allocation.free is the usual way). The library itself
-        rejects double frees and unknown pointers."""
+    def free_address(self, address: int, pool: str, streams: Iterable[Any] | None = None) -> None:
+        """Free by raw address (Allocation.free is the usual way), fenced on `streams`
+        (None: torch's current stream on CUDA, none on host). The library itself rejects
+        double frees and unknown pointers."""
         address = _as_int(address, "address")
-        if streams is None:
-            streams = self._default_streams()
-        if pool == SMALL:
-            _lib.check(self._lib.small_free(self._h(), address))
-        elif pool == ARENA:
-            handles = np.ascontiguousarray([_as_int(s, "stream") for s in streams], dtype=np.uint64)
-            pointer = handles.ctypes.data_as(ctypes.POINTER(ctypes.c_uint64))
-            _lib.check(self._lib.arena_free(self._h(), address, pointer, handles.size))
-        else:
+        if pool not in (ARENA, SMALL):
             raise ValueError(f"pool={pool!r} must be {ARENA!r} or {SMALL!r}")
+        handles = _stream_array(self._default_streams() if streams is None else streams)
+        pointer = handles.ctypes.data_as(ctypes.POINTER(ctypes.c_uint64))
+        free = self._lib.small_free if pool == SMALL else self._lib.arena_free
+        _lib.check(free(self._h(), address, pointer, handles.size))
+
+    def collect_small_frees(self) -> int:
+        """Make fenced small-pool frees whose fences have passed allocatable now (small
+        allocations do this themselves); how many blocks became free."""
+        collected = ctypes.c_int64()
+        _lib.check(self._lib.small_collect(self._h(), ctypes.byref(collected)))
+        return collected.value
 
     def _default_streams(self) -> list[int]:
         if self.geometry.backend != "cuda":
@@ -329,6 +412,25 @@ class UnifiedAllocator:
     def check_integrity(self) -> None:
         """Raise VmmIntegrityError naming the first broken invariant, if any."""
         _lib.check(self._lib.check_integrity(self._h()))
+
+    def record_calls(self, on: bool = True) -> None:
+        """Tests only: clear the backend call log and record every call from now on (or
+        stop, with on=False); read it with ``call_log``."""
+        _lib.check(self._lib.record_calls(self._h(), 1 if on else 0))
+
+    def call_log(self) -> list[BackendCall]:
+        """Tests only: the backend calls recorded since ``record_calls()``, in order."""
+        count = ctypes.c_int64()
+        _lib.check(self._lib.call_log(self._h(), None, 0, ctypes.byref(count)))
+        records = (_lib.CallRecord * max(1, count.value))()
+        _lib.check(self._lib.call_log(self._h(), records, count.value, ctypes.byref(count)))
+        return [BackendCall.from_c(records[i]) for i in range(count.value)]
+
+    def hold_fences(self, held: bool = True) -> None:
+        """Tests only, host backend: fences recorded while held stay pending (as on a busy
+        GPU stream) until ``hold_fences(False)`` passes them all. A wait on a held fence
+        (``lend``, ``reclaim``) blocks until then: release it from another thread."""
+        _lib.check(self._lib.hold_fences(self._h(), 1 if held else 0))
 
     def inject_failure(self, call: str, after_calls: int = 0) -> None:
         """Tests only: make the (after_calls + 1)-th next backend call of a kind fail."""

@@ -9,6 +9,12 @@ add up). With `write_data` (host backend), every allocation and live KV slot car
 tag byte that must survive until it is freed, so an overlap or a wrong mapping shows as
 a changed byte, not only as a bookkeeping mismatch.
 
+Fences are part of the run: lends that never block (``lend(wait=False)``), their
+completion and cancellation, and small-pool frees fenced on a stream. On the host
+backend the run registers a fence stream and holds its fences now and then (as a busy
+GPU stream does), so those lends really wait and the model knows exactly when they
+complete; a blocking call (lend, reclaim) lets the fences pass first.
+
 A violation is recorded, not raised, so a run reports how many steps went wrong.
 """
 
@@ -18,6 +24,7 @@ import ctypes
 import dataclasses
 import math
 import random
+import time
 from typing import Callable
 
 from harvest.memory.allocator import ARENA, SMALL, UnifiedAllocator
@@ -34,8 +41,13 @@ OPS = (
     ("arena_free", 12),
     ("small_alloc", 14),
     ("small_free", 12),
+    ("lend_nowait", 6),
+    ("finish_lends", 5),
+    ("cancel_lends", 3),
+    ("hold_fences", 3),
     ("bad_input", 3),
 )
+FUZZ_STREAM = 1  # the host backend's fences ignore the value
 
 
 @dataclasses.dataclass
@@ -54,6 +66,8 @@ class _Shadow:
         g = alloc.geometry
         self.g = g
         self.lent: set[int] = set()
+        self.lending: set[int] = set()  # lends waiting for their fences
+        self.fences_passed: set[int] = set()  # ... of which the fences were let pass since (host)
         self.live: dict[int, set[int]] = {c: set() for c in range(g.num_chunks)}
         self.arena: dict[int, tuple[int, int]] = {}  # address -> (first page slot, pages)
         self.small: dict[int, int] = {}  # address -> rounded bytes
@@ -88,6 +102,12 @@ class _Fuzzer:
         self.first_violation: str | None = None
         self.step = 0
         self.outcomes: dict[str, int] = {}
+        # Host: fences can be held, so the model knows when a lend completes. A GPU's
+        # fences pass when the device gets there: the model accepts either outcome.
+        self.host = alloc.geometry.backend == "host"
+        self.held = False
+        if self.host:
+            alloc.set_fence_streams([FUZZ_STREAM])
 
     def count(self, outcome: str) -> None:
         self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
@@ -132,9 +152,14 @@ class _Fuzzer:
         self.violation(f"{what}: accepted, expected a VmmInvalidArgument")
 
     # -- operations ---------------------------------------------------------------
+    def release_fences(self) -> None:
+        """Before a call that waits on fences: let them pass (nothing else would)."""
+        if self.held:
+            self.hold_fences()
+
     def mark_live(self) -> None:
         g, s = self.shadow.g, self.shadow
-        mapped = [c for c in range(g.num_chunks) if c not in s.lent]
+        mapped = [c for c in range(g.num_chunks) if c not in s.lent and c not in s.lending]
         if not mapped:
             return
         chunk = self.rng.choice(mapped)
@@ -167,29 +192,76 @@ class _Fuzzer:
         count = self.rng.choice((1, 1, 1, 2, 3))
         return list(range(first, min(g.num_chunks, first + count)))
 
-    def lend(self) -> None:
+    def lend(self, wait: bool = True) -> None:
         s = self.shadow
         chunks = self.pick_chunks()
-        ok = all(c not in s.lent and not s.live[c] for c in chunks)
+        ok = all(c not in s.lent and c not in s.lending and not s.live[c] for c in chunks)
         if len(chunks) == 1 and self.alloc.can_lend(chunks[0]) != ok:
             self.violation(f"can_lend({chunks[0]}) disagrees with the model ({ok})")
         self.count("lend_ok" if ok else "lend_refused")
         if not ok:
-            self.expect_refusal(f"lend {chunks}", lambda: self.alloc.lend(chunks))
+            self.expect_refusal(f"lend {chunks}", lambda: self.alloc.lend(chunks, wait=wait))
             return
-        self.alloc.lend(chunks)
-        s.lent.update(chunks)
+        if wait:
+            self.release_fences()
+        lent_now = self.alloc.lend(chunks, wait=wait)
+        if self.host and lent_now == self.held:
+            fences = "held" if self.held else "passing"
+            self.violation(f"lend({chunks}, wait={wait}) returned {lent_now} with fences {fences}")
+        if lent_now:
+            s.lent.update(chunks)
+        else:
+            self.count("lend_pending")
+            s.lending.update(chunks)
+
+    def lend_nowait(self) -> None:
+        self.lend(wait=False)
+
+    def finish_lends(self) -> None:
+        s = self.shadow
+        done = self.alloc.finish_lends()
+        if (self.host and done != sorted(s.fences_passed)) or not set(done) <= s.lending:
+            self.violation(f"finish_lends() = {done}, model: pending {sorted(s.lending)}, held {self.held}")
+        if done:
+            self.count("lend_finished")
+        s.lending.difference_update(done)
+        s.fences_passed.difference_update(done)
+        s.lent.update(done)
+
+    def cancel_lends(self) -> None:
+        g, s = self.shadow.g, self.shadow
+        if not s.lending:
+            chunk = self.rng.randrange(g.num_chunks)
+            self.expect_refusal(f"cancel_lends([{chunk}]) of a chunk not being lent",
+                                lambda: self.alloc.cancel_lends([chunk]))
+            return
+        pending = sorted(s.lending)
+        chosen = self.rng.sample(pending, self.rng.randint(1, len(pending)))
+        self.alloc.cancel_lends(chosen)
+        self.count("lend_cancelled")
+        s.lending.difference_update(chosen)
+        s.fences_passed.difference_update(chosen)
+
+    def hold_fences(self) -> None:
+        """Host: fences recorded from now on stay pending (hold), or every pending one
+        passes (release)."""
+        if self.host:
+            self.held = not self.held
+            self.alloc.hold_fences(self.held)
+            if not self.held:
+                self.shadow.fences_passed.update(self.shadow.lending)
 
     def reclaim(self) -> None:
         s = self.shadow
         chunks = self.pick_chunks()
-        ok = all(c in s.lent and s.arena_used(c) == 0 for c in chunks)
+        ok = all(c in s.lent and s.arena_used(c) == 0 for c in chunks)  # a chunk being lent is not lent
         if len(chunks) == 1 and self.alloc.can_reclaim(chunks[0]) != ok:
             self.violation(f"can_reclaim({chunks[0]}) disagrees with the model ({ok})")
         self.count("reclaim_ok" if ok else "reclaim_refused")
         if not ok:
             self.expect_refusal(f"reclaim {chunks}", lambda: self.alloc.reclaim(chunks))
             return
+        self.release_fences()
         self.alloc.reclaim(chunks)
         s.lent.difference_update(chunks)
 
@@ -259,7 +331,10 @@ class _Fuzzer:
         del s.small[address]
         for tagged in s.small_tag_sites.pop(address):
             self.verify_tag(tagged, "small block")
-        self.alloc.free_address(address, SMALL)
+        # Host: fenced on a stream half the time (reused once its fence passes); a GPU
+        # fences on the current stream (the default).
+        fenced = self.host and self.rng.random() < 0.5
+        self.alloc.free_address(address, SMALL, [FUZZ_STREAM] if fenced else None)
 
     def bad_input(self) -> None:
         g, s = self.shadow.g, self.shadow
@@ -299,7 +374,8 @@ class _Fuzzer:
         used = sum(n for _, n in s.arena.values())
         expected = {
             "chunks_lent": len(s.lent),
-            "chunks_mapped": s.g.num_chunks - len(s.lent),
+            "chunks_lending": len(s.lending),
+            "chunks_mapped": s.g.num_chunks - len(s.lent) - len(s.lending),
             "live_slots": sum(len(v) for v in s.live.values()),
             "arena_allocations": len(s.arena),
             "pages_lent_used": used,
@@ -355,13 +431,30 @@ def run_fuzz(
     )
 
 
+def _collect_small_frees(alloc: UnifiedAllocator, timeout_s: float = 5.0) -> None:
+    """Every fenced small-pool free made allocatable; on a GPU their events pass once the
+    device has processed them, so this polls (briefly) instead of assuming."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        alloc.collect_small_frees()
+        if not alloc.stats().small_pending_frees or time.monotonic() > deadline:
+            return
+        time.sleep(0.001)
+
+
 def _drain(fuzzer: _Fuzzer) -> bool:
     """Free everything, reclaim every chunk; True when nothing is left over."""
     s = fuzzer.shadow
+    fuzzer.release_fences()
     while s.arena:
         fuzzer.arena_free()
     while s.small:
         fuzzer.small_free()
+    if s.lending:
+        fuzzer.alloc.cancel_lends(sorted(s.lending))
+        s.lending.clear()
+        s.fences_passed.clear()
+    _collect_small_frees(fuzzer.alloc)
     for chunk, slots in s.live.items():
         if slots:
             fuzzer.alloc.mark_slots_free(sorted(slots))
@@ -375,6 +468,7 @@ def _drain(fuzzer: _Fuzzer) -> bool:
     clean = (
         st.chunks_mapped == st.num_chunks
         and st.live_slots == st.arena_allocations == st.small_allocations == st.small_used_bytes == 0
+        and st.chunks_lending == st.small_pending_frees == 0
         and st.small_largest_free_bytes == (fuzzer.shadow.g.page_bytes if fuzzer.shadow.g.small_pages else 0)
         and counters.create_calls_after_init == 0
         and counters.release == 0

@@ -13,6 +13,7 @@ class ChunkState(enum.IntEnum):
     LENT = 1  # mapped into the general arena
     BUSY = 2  # a lend or reclaim is moving it right now
     BROKEN = 3  # a driver failure left it unusable
+    LENDING = 4  # lend started: its KV pages wait for the KV streams' fences (finish_lends)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,10 +54,30 @@ class AllocatorStats:
     small_allocations: int
     small_largest_free_bytes: int
     fences_pending: int
+    chunks_lending: int  # lends waiting for their KV fences
+    small_pending_frees: int  # small blocks freed with fences not yet seen to pass
+    small_pending_bytes: int
 
     @classmethod
     def from_c(cls, stats: _lib.Stats) -> "AllocatorStats":
         return cls(**{name: getattr(stats, name) for name in _lib.STATS_FIELDS})
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendCall:
+    """One backend call from the call log (UnifiedAllocator.call_log): what ran, in order."""
+
+    kind: str  # "map", "unmap", "fence_record", "fence_query", "fence_wait", ...
+    address: int  # reserve, free_range, map, unmap, set_access
+    bytes: int
+    stream: int  # fence_record
+    event: int  # event_create, fence_record, fence_query, fence_wait
+    passed: bool  # fence_query: whether the fence had passed
+
+    @classmethod
+    def from_c(cls, record: _lib.CallRecord) -> "BackendCall":
+        return cls(_lib.COUNTER_FIELDS[record.kind], record.address, record.bytes, record.stream, record.event,
+                   bool(record.result))
 
 
 @dataclasses.dataclass(frozen=True)

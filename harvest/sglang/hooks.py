@@ -14,6 +14,9 @@ import dataclasses
 from harvest import config_env
 
 SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
+# The target model's forward of a step (forward + sampling), wherever the scheduler calls
+# it from (overlap or not): it runs on the chosen level's decode stream.
+FORWARD = "sglang.srt.managers.tp_worker.TpModelWorker.forward_batch_generation"
 
 # Every SGLang attribute harvest hooks; the plugin resolves each at load and refuses to
 # enable harvest if one is missing (another SGLang version moved it).
@@ -24,6 +27,7 @@ FULL_POOL_INVARIANT = "sglang.srt.managers.scheduler_components.invariant_checke
 TARGETS = [
     f"{SCHEDULER}.__init__",
     f"{SCHEDULER}.run_batch",
+    FORWARD,
     f"{SCHEDULER}.on_idle",
     KV_POOL_CREATE,
     f"{TOKEN_ALLOCATOR}.alloc",
@@ -39,7 +43,9 @@ def _scheduler_init(result, scheduler, *args, **kwargs):
         return result
     from harvest.sglang.runtime import HarvestRuntime
 
-    setattr(scheduler, RUNTIME_ATTR, HarvestRuntime.attach(scheduler))
+    runtime = HarvestRuntime.attach(scheduler)
+    setattr(scheduler, RUNTIME_ATTR, runtime)
+    setattr(scheduler.tp_worker, RUNTIME_ATTR, runtime)  # the forward hook's
     return result
 
 
@@ -48,6 +54,13 @@ def _run_batch(original, scheduler, batch, *args, **kwargs):
     if runtime is None:
         return original(scheduler, batch, *args, **kwargs)
     return runtime.run_step(original, scheduler, batch, *args, **kwargs)
+
+
+def _forward(original, worker, *args, **kwargs):
+    runtime = getattr(worker, RUNTIME_ATTR, None)
+    if runtime is None:
+        return original(worker, *args, **kwargs)
+    return runtime.run_forward(original, worker, *args, **kwargs)
 
 
 def _on_idle(result, scheduler, *args, **kwargs):
@@ -86,13 +99,14 @@ def _took_lent_chunks_back(allocator, need_tokens: int) -> bool:
 
 
 def _full_pool_invariant(original, checker, pool_stats, *args, **kwargs):
-    # SGLang's leak check: available + evictable + ... == total. Lent slots are out of the
-    # free list but accounted for (the trainer holds them until reclaimed).
+    # SGLang's leak check: available + evictable + ... == total. Lent slots, and those of
+    # lends waiting for their fences, are out of the free list but accounted for (the
+    # trainer holds them until reclaimed; a pending lend until it completes or is cancelled).
     from harvest.sglang.kv_lending import lending_of
 
     lending = lending_of(checker.token_to_kv_pool_allocator)
-    if lending is not None and lending.num_lent:
-        lent_tokens = lending.num_lent * lending.tokens_per_chunk
+    if lending is not None and lending.num_taken:
+        lent_tokens = lending.num_taken * lending.tokens_per_chunk
         pool_stats = dataclasses.replace(pool_stats, full_available_size=pool_stats.full_available_size + lent_tokens)
     return original(checker, pool_stats, *args, **kwargs)
 
@@ -102,6 +116,7 @@ def register(registry, hook_type) -> None:
 
     registry.register(f"{SCHEDULER}.__init__", _scheduler_init, hook_type.AFTER)
     registry.register(f"{SCHEDULER}.run_batch", _run_batch, hook_type.AROUND)
+    registry.register(FORWARD, _forward, hook_type.AROUND)
     registry.register(f"{SCHEDULER}.on_idle", _on_idle, hook_type.AFTER)
     registry.register(KV_POOL_CREATE, kv_backing._create_buffers_normal, hook_type.AROUND)
     registry.register(f"{TOKEN_ALLOCATOR}.alloc", _token_alloc, hook_type.AROUND)

@@ -13,18 +13,25 @@ One source of truth per fact:
   foreign call on every alloc and free of every step, to learn what the free list
   already says); instead a chunk is lent only after all its slots were found in, and
   taken out of, SGLang's free list, on the scheduler thread that alone changes it.
-- *Chunk state* (mapped, lent, busy, broken; which lent chunks no trainer buffer uses):
-  the unified allocator. The controller caches which chunks are lent (read after every
-  decode step: a list, not a foreign call), updates the cache only after the allocator
-  succeeded, and :meth:`check_integrity` verifies it.
+- *Chunk state* (mapped, lending, lent, busy, broken; which lent chunks no trainer buffer
+  uses): the unified allocator. The controller caches which chunks are lent and which
+  are being lent (read after every decode step: a list and a set, not a foreign call),
+  updates the cache only after the allocator succeeded, and :meth:`check_integrity`
+  verifies it.
 
 Moves:
 
 - Lend: a chunk all of whose slots are free leaves the free lists, then the unified
-  allocator unmaps its pages from every K/V range (a dummy page takes their place) and
-  maps them into the general arena; the new lent total is published on the
-  :class:`~harvest.memory.lent_budget.LentMemoryBudget` and the trainer's window grows
-  into it at its next unit boundary.
+  allocator records an event on every KV stream (decode's: the composition root
+  registers them, ``UnifiedAllocator.set_fence_streams``) and, once the work queued
+  there has passed it, unmaps the chunk's pages from every K/V range (a dummy page takes
+  their place) and maps them into the general arena; the new lent total is published on
+  the :class:`~harvest.memory.lent_budget.LentMemoryBudget` and the trainer's window
+  grows into it at its next unit boundary. The scheduler thread never waits for decode's
+  queued kernels here: a lend whose events have not passed stays pending (LENDING: out of
+  the free lists, its pages still in the KV ranges, not yet in the arena) and the next
+  ``maybe_lend`` (every step and idle tick) finishes it; decode needing memory meanwhile
+  cancels pending lends first (their pages never left, so that is instant).
 - Reclaim: lent chunks no trainer buffer uses come back (fences waited on) and their
   slots rejoin the free list. If too few are unused, the controller publishes how much it
   wants back and the trainer shrinks its window at its next unit boundary. After a step
@@ -92,9 +99,11 @@ class KvLendingController:
         self.chunk_bytes = g.chunk_bytes
         self._lent = [False] * policy.num_chunks  # cache of the allocator's LENT chunks
         self._num_lent = 0  # sum(self._lent)
+        self._lending: set[int] = set()  # cache of the allocator's LENDING chunks (out of the free lists)
         self._wanted_back = 0  # chunks published as wanted back and not yet reclaimed
         self.enabled = True  # False after a trainer fault: everything comes back, nothing is lent
         self.num_lent_total = 0
+        self.num_lends_cancelled_total = 0
         self.num_reclaimed_total = 0
         self.reclaim_s_total = 0.0
         self.num_integrity_checks = 0
@@ -117,6 +126,17 @@ class KvLendingController:
     def num_lent(self) -> int:
         return self._num_lent
 
+    @property
+    def num_lending(self) -> int:
+        """Chunks whose lend waits for decode's queued work (out of the free lists, not lent yet)."""
+        return len(self._lending)
+
+    @property
+    def num_taken(self) -> int:
+        """Chunks out of SGLang's free lists: lent or being lent (SGLang's leak check
+        counts their slots as accounted for)."""
+        return self._num_lent + len(self._lending)
+
     def lent_chunks(self) -> list[int]:
         """The chunks lent now, as the allocator (the authority) says."""
         return [info.chunk for info in self.allocator.chunk_table() if info.state == ChunkState.LENT]
@@ -125,18 +145,23 @@ class KvLendingController:
     def after_step(self) -> None:
         """Non-urgent path: free mapped slots under the reserve -> take chunks back now,
         or ask the trainer for them (never waits)."""
-        if not self._num_lent:
+        if not self.num_taken:
             return
-        count = reclaim_count(self.policy, self.tokens.available_size(), self._num_lent)
+        count = reclaim_count(self.policy, self.tokens.available_size(), self.num_taken)
         if count or self._wanted_back:
             self.reclaim(count, wait=False)  # count 0 withdraws a request no longer needed
 
     def maybe_lend(self, force: bool = False) -> None:
+        """Finish the lends whose fences have passed (every call), then, at most every
+        ``lend_interval_s``, lend or reclaim as the policy says."""
+        if self._lending and self.enabled:
+            self.finish_lends()
         now = time.monotonic()
         if not self.enabled or (not force and now - self._last_lend < self.lend_interval_s):
             return
         self._last_lend = now
-        decision = plan(self.policy, self.free_per_chunk(), self._lent)
+        taken = [lent or chunk in self._lending for chunk, lent in enumerate(self._lent)]
+        decision = plan(self.policy, self.free_per_chunk(), taken)
         if decision.reclaim_count or self._wanted_back:
             self.reclaim(decision.reclaim_count, wait=False)
         elif decision.lend:
@@ -145,16 +170,19 @@ class KvLendingController:
     def ensure_available(self, need_tokens: int) -> bool:
         """Urgent path, before an allocation of ``need_tokens``: if it would fail, take lent
         chunks back, waiting for the trainer if it holds them. Returns whether any came back."""
-        if not self._num_lent:
+        if not self.num_taken:
             return False
         short = need_tokens - self.tokens.available_size()
         if short <= 0:
             return False
-        return bool(self.reclaim(min(self._num_lent, math.ceil(short / self.tokens_per_chunk))))
+        return bool(self.reclaim(min(self.num_taken, math.ceil(short / self.tokens_per_chunk))))
 
     # -- mechanism ------------------------------------------------------------------------
     def lend(self, chunks) -> None:
-        chunks = [c for c in chunks if not self._lent[c]]
+        """Take these whole free chunks out of SGLang's free lists and lend them: at once
+        if decode's queued work has passed the lend's fences, else at a later
+        :meth:`finish_lends`. Never waits."""
+        chunks = [c for c in chunks if not self._lent[c] and c not in self._lending]
         if not chunks:
             return
         self.tokens.merge_and_sort_free()
@@ -165,10 +193,32 @@ class KvLendingController:
             raise RuntimeError(f"lend {chunks}: not every slot of these chunks is free (SGLang state changed under us)")
         self.tokens.free_pages = ids[~taken]
         try:
-            self.allocator.lend(chunks)
+            lent_now = self.allocator.lend(chunks, wait=False)
         except Exception:
             self.tokens.free_pages = ids  # nothing lent: the slots are SGLang's again
             raise
+        if lent_now:
+            self._lent_now(chunks)
+        else:
+            self._lending.update(chunks)  # the next maybe_lend finishes them
+
+    def finish_lends(self) -> list[int]:
+        """Complete the lends whose fences have passed (queries, no wait); returns the chunks
+        lent now. If the allocator fails, every pending lend is cancelled (its slots go back
+        to SGLang) and the error is raised."""
+        if not self._lending:
+            return []
+        try:
+            done = self.allocator.finish_lends()
+        except Exception:
+            self._cancel_lends(len(self._lending))  # nothing lent: the slots are SGLang's again
+            raise
+        if done:
+            self._lending.difference_update(done)
+            self._lent_now(done)
+        return done
+
+    def _lent_now(self, chunks) -> None:
         for c in chunks:
             self._lent[c] = True
         self._num_lent += len(chunks)
@@ -177,16 +227,38 @@ class KvLendingController:
             self.metrics.lent(len(chunks))
         self._publish(self._wanted_back)
 
+    def _cancel_lends(self, count: int) -> list[int]:
+        """Up to ``count`` pending lends back to SGLang's free lists (highest chunks first,
+        as lending chose them); their pages never left the KV cache."""
+        chosen = sorted(self._lending, reverse=True)[:count]
+        if not chosen:
+            return []
+        self.allocator.cancel_lends(chosen)
+        self._lending.difference_update(chosen)
+        self._release_slots(chosen)
+        self.num_lends_cancelled_total += len(chosen)
+        return chosen
+
+    def _release_slots(self, chunks) -> None:
+        slots = torch.cat([torch.arange(c * self.tokens_per_chunk, (c + 1) * self.tokens_per_chunk, dtype=torch.int64)
+                           for c in chunks])
+        slots = slots.to(self.tokens.free_pages.device)
+        self.tokens.release_pages = torch.cat((self.tokens.release_pages, slots))
+
     def reclaim(self, count: int, wait: bool = True) -> list[int]:
-        """Take ``count`` lent chunks back (fewer only if fewer are lent, or not yet free);
+        """Take ``count`` chunks back (fewer only if fewer are lent, or not yet free);
         publish the rest as wanted back (0 withdraws an earlier request).
 
-        Chunks the trainer's window still uses come back only after it shrinks, at its
+        Pending lends go first: cancelled, their pages never left the KV cache. Lent
+        chunks the trainer's window still uses come back only after it shrinks, at its
         next unit boundary. ``wait=True`` (an allocation would fail otherwise) publishes
         the request and waits for the trainer's acknowledgement, at most
-        ``urgent_wait_s``; ``wait=False`` never waits: a later call takes the chunks."""
+        ``urgent_wait_s``; ``wait=False`` never waits for the trainer: a later call takes
+        the chunks. (The allocator's reclaim itself waits on its fences: the trainer's
+        frees and decode's queued work, before it unmaps.)"""
         started = time.perf_counter()
-        count = min(count, self._num_lent)
+        cancelled = self._cancel_lends(count)
+        count = min(count - len(cancelled), self._num_lent)
         chosen = self._reclaimable()[:count] if count else []
         if len(chosen) < count and wait and self.budget.followed:
             generation = self._publish(count)
@@ -197,10 +269,7 @@ class KvLendingController:
                                self.urgent_wait_s, count - len(chosen))
         if chosen:
             self.allocator.reclaim(chosen)
-            slots = torch.cat([torch.arange(c * self.tokens_per_chunk, (c + 1) * self.tokens_per_chunk, dtype=torch.int64)
-                               for c in chosen])
-            slots = slots.to(self.tokens.free_pages.device)
-            self.tokens.release_pages = torch.cat((self.tokens.release_pages, slots))
+            self._release_slots(chosen)
             for c in chosen:
                 self._lent[c] = False
             self._num_lent -= len(chosen)
@@ -210,12 +279,13 @@ class KvLendingController:
             if self.metrics is not None:
                 self.metrics.reclaimed(elapsed / len(chosen), len(chosen))
         self._publish(count - len(chosen))
-        return chosen
+        return cancelled + chosen
 
     def reclaim_all(self) -> None:
         """Every lent chunk back, lending off (a trainer fault). A trainer that left its
         loop has released its window; one still running is asked and waited for."""
         self.enabled = False
+        self._cancel_lends(len(self._lending))
         while self._num_lent:
             if not self.reclaim(self._num_lent):
                 logger.error("could not reclaim %d lent KV chunks (trainer still holds them)", self._num_lent)
@@ -244,12 +314,13 @@ class KvLendingController:
         controller's cache of them and SGLang's free lists:
 
         - the allocator's invariants (``hvmm_check_integrity``);
-        - the chunks the allocator has lent are exactly the cached ones;
+        - the chunks the allocator has lent, and those it is lending, are exactly the
+          cached ones;
         - no live-slot count in the allocator (SGLang's slots are never marked there);
         - every free slot is in a mapped chunk (none in a lent, moving or broken one), in
           the pool (not the padding slot 0), and free once;
-        - free slots + lent slots <= the pool's slots (the rest are SGLang's in use; its
-          own idle leak check accounts for those, lent slots included).
+        - free slots + lent and lending slots <= the pool's slots (the rest are SGLang's in
+          use; its own idle leak check accounts for those, lent slots included).
 
         Scheduler thread, between steps (SGLang's free lists and lend/reclaim are that
         thread's). Cost: the allocator's own check, the chunk table (one foreign call, then
@@ -270,6 +341,10 @@ class KvLendingController:
         if lent != cached or len(cached) != self._num_lent:
             raise KvIntegrityError(f"lent chunks: the allocator has {lent}, the lending controller's cache {cached} "
                                    f"(count {self._num_lent})")
+        lending = [info.chunk for info in table if info.state == ChunkState.LENDING]
+        if lending != sorted(self._lending):
+            raise KvIntegrityError(f"chunks being lent: the allocator has {lending}, the lending controller's cache "
+                                   f"{sorted(self._lending)}")
         marked = [info.chunk for info in table if info.live_slots]
         if marked:
             raise KvIntegrityError(f"chunks {marked[:8]} count live slots in the allocator; SGLang's slots are never "
@@ -290,16 +365,17 @@ class KvLendingController:
                     state = ChunkState(table[chunk].state).name.lower()
                     raise KvIntegrityError(f"SGLang's free lists hold {free} slot(s) of chunk {chunk}, which is {state} "
                                            f"(slots {chunk * per}..{(chunk + 1) * per - 1}; SGLang could hand them out)")
-        if num_free + self._num_lent * per > self.tokens.size:
-            raise KvIntegrityError(f"{num_free} free + {self._num_lent * per} lent slots exceed the pool's "
+        if num_free + self.num_taken * per > self.tokens.size:
+            raise KvIntegrityError(f"{num_free} free + {self.num_taken * per} lent and lending slots exceed the pool's "
                                    f"{self.tokens.size}")
 
     def stats(self) -> dict:
         alloc = self.allocator.stats()
         return {
-            "chunks_total": self.policy.num_chunks, "chunks_lent": self.num_lent,
+            "chunks_total": self.policy.num_chunks, "chunks_lent": self.num_lent, "chunks_lending": self.num_lending,
             "tokens_per_chunk": self.tokens_per_chunk, "reserve_tokens": self.policy.reserve_tokens,
             "lends_total": self.num_lent_total, "reclaims_total": self.num_reclaimed_total,
+            "lends_cancelled_total": self.num_lends_cancelled_total,
             "integrity_checks_total": self.num_integrity_checks,
             "fragmentation_bytes": getattr(alloc, "fragmentation_bytes", 0),
         }

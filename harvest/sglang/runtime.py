@@ -5,8 +5,11 @@ It describes SGLang to the composition root (:func:`harvest.colocate.assemble.as
 the device and model, the KV pool (already on harvest's allocator: harvest.sglang.kv_backing)
 with the lending mechanism for SGLang's token allocator, and the trainer's builder (on the
 served weights in place when the job's base model is the served one). Then it passes
-every decode step to :meth:`Colocation.run_step`, each idle tick to ``on_idle``, and
-serves the control endpoint, stop signals and shutdown.
+every decode step to :meth:`Colocation.run_step`, the step's forward (the target model's
+``forward_batch_generation``, which SGLang's overlap scheduler runs on a stream of its
+own) to :meth:`Colocation.run_forward`, which launches it on the chosen level's decode
+stream with that level's decode CUDA graphs (harvest.sglang.level_graphs), each idle
+tick to ``on_idle``, and serves the control endpoint, stop signals and shutdown.
 
 (A step's KV slots were allocated before the step, when SGLang prepared the batch; the
 hooks on the token allocator's ``check_decode_capacity`` and ``alloc`` take lent chunks
@@ -47,6 +50,8 @@ class HarvestRuntime:
         self.reporter = StatusReporter(colocation, interval_s=colocation.config.metrics.publish_interval_s)
         self.control_server = None
         self.shutdown_signals = None
+        self.level_graphs = None  # harvest.sglang.level_graphs.LevelGraphs once captured
+        self._whole_device_index = colocation.partitioner.ladder.whole_device_index
         self._passthrough_modes, self._decode_modes = forward_mode_sets()
 
     # -- start-up ---------------------------------------------------------------------
@@ -60,8 +65,19 @@ class HarvestRuntime:
         server_args = scheduler.server_args
         if server_args.tp_size != 1 or server_args.pp_size != 1 or server_args.dp_size != 1:
             raise RuntimeError("harvest supports tp_size = pp_size = dp_size = 1 for now")
+        if not scheduler.spec_algorithm.is_none():
+            # A speculative step runs several forwards (draft, verify): harvest places and
+            # times one forward per step.
+            raise RuntimeError("harvest does not support speculative decoding yet: run without --speculative-algorithm")
         colocation = assemble(config, sglang_engine(scheduler, config))
-        runtime = cls(colocation)
+        try:
+            runtime = cls(colocation)
+            from harvest.sglang.level_graphs import capture_level_graphs
+
+            runtime.level_graphs = capture_level_graphs(scheduler.tp_worker.model_runner, colocation.partitioner.ladder)
+        except BaseException:
+            colocation.partitioner.close()
+            raise
         if config.metrics.port:
             from harvest.sglang.control import ControlServer
 
@@ -89,6 +105,16 @@ class HarvestRuntime:
         load = observe(batch, self._decode_modes)
         return self.colocation.run_step(load, original, scheduler, batch, *args, **kwargs)
 
+    def run_forward(self, original, worker, *args, **kwargs):
+        """The step's forward: on the chosen level's stream, replaying that level's decode
+        graphs (a forward outside a harvest step replays the whole-device level's, on
+        SGLang's stream)."""
+        colocation = self.colocation
+        if self.level_graphs is not None:
+            in_step = colocation.forward_pending
+            self.level_graphs.select(colocation.partitioner.current_index if in_step else self._whole_device_index)
+        return colocation.run_forward(original, worker, *args, **kwargs)
+
     def on_idle(self) -> None:
         self.colocation.on_idle()
         self.reporter.maybe_publish()
@@ -110,7 +136,12 @@ class HarvestRuntime:
 
     # -- control endpoint (harvest.sglang.control.Controllable) --------------------------
     def status(self) -> dict:
-        return self.reporter.status()
+        status = self.reporter.status()
+        graphs = self.level_graphs
+        status["decode_graphs"] = None if graphs is None else {
+            "per_level": True, "capture_s": round(graphs.capture_seconds, 2),
+            "extra_bytes_by_level": [capture.extra_bytes for capture in graphs.captures]}
+        return status
 
     def recent_steps(self) -> list:
         return self.reporter.recent_steps()
@@ -153,15 +184,21 @@ def sglang_engine(scheduler, config):
         # It sets itself on the token allocator, where the allocation hooks find it.
         return KvLendingController(token_allocator, allocator, policy, budget, memory, metrics=metrics)
 
+    engine_streams = ()
+    if device.startswith("cuda"):
+        # SGLang's overlap scheduler prepares and consumes a step on these; a lend or
+        # reclaim unmaps only after what they have queued.
+        engine_streams = (scheduler.tp_worker.model_runner.forward_stream, scheduler.schedule_stream)
     kv = KvPool(allocator=allocator, num_tokens=token_allocator.size,
-                max_batch_size=int(scheduler.max_running_requests), lending_controller=lending_controller)
+                max_batch_size=int(scheduler.max_running_requests), lending_controller=lending_controller,
+                engine_streams=engine_streams)
     weight_source_for = None
     if config.share_served_weights:
         weight_source_for = _served_weights(model_path, scheduler.tp_worker.model_runner.model,
                                             scheduler.model_config.hf_config)
     return EngineAdapter(device=device, model_path=model_path,
                          model_dtype=str(scheduler.model_config.dtype).replace("torch.", ""), kv=kv,
-                         weight_source_for=weight_source_for)
+                         weight_source_for=weight_source_for, places_forward=True)
 
 
 def _served_weights(served_path, model, hf_config):

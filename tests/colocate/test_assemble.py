@@ -95,3 +95,47 @@ def test_a_profile_that_does_not_match_refuses_and_releases_the_ladder(tiny_llam
     with pytest.raises(ProfileMismatchError, match="another device"):
         assemble(_config(allow_profile_mismatch=False), engine)
     assert len(built) == 1 and built[0].closed
+
+
+def test_kv_fence_streams_are_every_levels_decode_stream_and_the_engines_current_stream(monkeypatch):
+    import torch
+
+    from harvest.colocate.assemble import kv_fence_streams
+    from harvest.ladder import GREEN_CONTEXTS, Ladder, Level
+
+    decode = [object(), object()]
+    current = object()
+    ladder = Ladder(132, (Level(32, 100, decode[0], object()), Level(132, 0, decode[1])), realisation=GREEN_CONTEXTS)
+    seen_devices = []
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: seen_devices.append(device) or current)
+    assert kv_fence_streams(ladder, "cuda:1") == [decode[0], decode[1], current]
+    assert seen_devices == [torch.device("cuda", 1)]
+    engine_own = object()  # SGLang's forward stream, say
+    assert kv_fence_streams(ladder, "cuda:1", (engine_own, None)) == [decode[0], decode[1], engine_own, current]
+    assert kv_fence_streams(Ladder.whole_device(1, "CPU device"), "cpu") == []  # host work is synchronous
+
+
+def test_the_composition_root_registers_the_kv_fence_streams_on_the_allocator(tiny_llama_path, monkeypatch):
+    from harvest.colocate.assemble import KvPool
+    from harvest.memory import UnifiedAllocator
+
+    alloc = UnifiedAllocator(num_layers=2, kv_heads=2, head_dim=16, dtype_bytes=4, max_tokens=8 * 128,
+                             page_bytes=16 * 1024)
+    asked = []
+
+    def fence_streams(ladder, device, engine_streams):
+        asked.append((ladder, device, engine_streams))
+        return [5, None]
+
+    monkeypatch.setattr("harvest.colocate.assemble.kv_fence_streams", fence_streams)
+    kv = KvPool(allocator=alloc, num_tokens=8 * 128 - 1, max_batch_size=4,
+                lending_controller=lambda policy, budget, memory, metrics: NoKvLending(), engine_streams=("own",))
+    engine = EngineAdapter(device="cpu", model_path=str(tiny_llama_path), model_dtype="float32", kv=kv, jobs=())
+    colocation = assemble(_config(), engine)
+    try:
+        assert asked == [(colocation.partitioner.ladder, "cpu", ("own",))]
+        assert alloc.fence_streams == (5, 0)  # None: the legacy default stream
+    finally:
+        colocation.close(trainer_timeout_s=5.0)
+        colocation.partitioner.close()
+        alloc.close()

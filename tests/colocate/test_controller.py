@@ -48,7 +48,7 @@ def run_steps(control, n, measured_s=0.002, load=StepLoad(10, 500, True)):
     decisions = []
     for _ in range(n):
         decisions.append(control.before_step(load))
-        control.after_step(measured_s)
+        control.after_step(decisions[-1].step, measured_s)
     return decisions
 
 
@@ -92,11 +92,11 @@ def test_late_measurements_feed_metrics_not_the_scheduler():
     host = ScriptedHost()
     control = controller(5.0, host)
     load = StepLoad(10, 500, True)
-    control.before_step(load)
-    control.before_step(load)  # the first step's measurement has not arrived yet (CUDA events)
-    control.after_step(0.002)  # the first step's: superseded for the scheduler
+    first = control.before_step(load)
+    second = control.before_step(load)  # the first step's measurement has not arrived yet (CUDA events)
+    control.after_step(first.step, 0.002)  # the first step's: superseded for the scheduler
     assert control.qos.stats().num_measurements == 0
-    control.after_step(0.002)  # the latest decision's
+    control.after_step(second.step, 0.002)  # the latest decision's
     assert control.qos.stats().num_measurements == 1
     assert len(control.recent_steps) == 2 and control.num_steps == 2
 

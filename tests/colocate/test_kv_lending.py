@@ -321,9 +321,11 @@ def test_the_idle_tick_catches_a_corrupted_state_and_stops_lending_and_the_train
     tokens, lending = kv
     stops = []
     host = types.SimpleNamespace(operator_stop=lambda: stops.append(True), on_unit=None, on_fault=None)
-    control = types.SimpleNamespace(on_idle=lambda: None, record_steps=lambda: None)
+    from harvest.colocate.step_timer import CpuStepTimer
+
+    control = types.SimpleNamespace(on_idle=lambda: None, record_steps=lambda: None, forget_unmeasured=lambda: None)
     colocation = Colocation(config=None, partitioner=None, control=control, trainer_host=host, lending=lending,
-                            timer=None, metrics=None, refiner=None)
+                            timer=CpuStepTimer(), metrics=None, refiner=None)
     lending.integrity_interval_s = 0.0  # every idle tick
     colocation.on_idle()
     assert lending.num_lent and colocation.integrity_error is None and not stops
@@ -338,3 +340,83 @@ def test_the_idle_tick_catches_a_corrupted_state_and_stops_lending_and_the_train
     colocation.on_idle()
     assert stops == [True]  # reported once
     tokens.release_pages = tokens.release_pages[:-1]  # the fixture's teardown reclaims
+
+
+@pytest.fixture
+def busy_decode(kv):
+    """``kv`` with decode's stream registered for the allocator's fences and still busy
+    (the host backend holds the fences until the test lets decode get past them)."""
+    tokens, lending = kv
+    lending.allocator.set_fence_streams([1])
+    lending.allocator.hold_fences()
+    yield tokens, lending
+    lending.allocator.hold_fences(False)  # before the teardown's reclaim waits on fences
+
+
+def _free_slots_of(tokens, chunks) -> int:
+    free = torch.cat((tokens.free_pages, tokens.release_pages))
+    return int(torch.isin(torch.div(free, TOKENS_PER_CHUNK, rounding_mode="floor"), torch.tensor(sorted(chunks))).sum())
+
+
+def test_a_lend_waiting_for_decode_is_finished_by_a_later_maybe_lend_without_blocking(busy_decode):
+    tokens, lending = busy_decode
+    started = time.monotonic()
+    lending.maybe_lend(force=True)
+    assert time.monotonic() - started < 1.0  # decode's queued work was not waited for
+    pending = lending.num_lending
+    assert pending > 0 and lending.num_lent == 0
+    chunks = sorted(lending.allocator.lending_chunks())
+    assert _free_slots_of(tokens, chunks) == 0  # out of SGLang's free lists: never handed out again
+    assert lending.budget.snapshot.lent_bytes == 0  # the trainer gets nothing before the unmap
+    assert lending.allocator.arena_allocate(1) is None
+    lending.check_integrity()
+    lending.maybe_lend()  # decode still busy: the lend stays pending, nothing lost
+    assert lending.num_lending == pending and lending.num_lent == 0
+    lending.allocator.hold_fences(False)  # decode got past the lend's events
+    lending.maybe_lend()  # the next step or idle tick (inside the lend interval: finishing only)
+    assert lending.num_lending == 0 and lending.num_lent == pending
+    assert sorted(lending.lent_chunks()) == chunks
+    assert lending.budget.snapshot.lent_bytes == pending * lending.chunk_bytes
+    assert lending.stats()["chunks_lending"] == 0 and lending.stats()["lends_total"] == pending
+    lending.check_integrity()
+
+
+def test_decode_short_of_slots_cancels_pending_lends_first(busy_decode):
+    tokens, lending = busy_decode
+    lending.maybe_lend(force=True)
+    pending = lending.num_lending
+    assert pending >= 2
+    available = tokens.available_size()
+    assert lending.ensure_available(available + 1) is True  # an allocation that would fail
+    assert lending.num_lending == pending - 1 and lending.num_reclaimed_total == 0  # cancelled, not reclaimed
+    assert tokens.available_size() == available + TOKENS_PER_CHUNK  # its slots are SGLang's again
+    assert lending.stats()["lends_cancelled_total"] == 1
+    lending.check_integrity()
+    lending.reclaim_all()  # a trainer fault: every pending lend goes back too
+    assert lending.num_lending == 0 and lending.num_lent == 0
+    assert tokens.available_size() == available + pending * TOKENS_PER_CHUNK
+    lending.check_integrity()
+
+
+def test_integrity_check_catches_a_pending_lend_cancelled_behind_the_controllers_back(busy_decode):
+    tokens, lending = busy_decode
+    lending.maybe_lend(force=True)
+    chunk = max(lending.allocator.lending_chunks())
+    lending.allocator.cancel_lends([chunk])  # mapped again, but its slots are in no free list
+    with pytest.raises(KvIntegrityError, match="chunks being lent: the allocator has"):
+        lending.check_integrity()
+    lending.allocator.lend([chunk], wait=False)
+    lending.check_integrity()
+
+
+def test_sglangs_leak_check_counts_the_slots_of_pending_lends_as_accounted_for(busy_decode):
+    from sglang.srt.managers.scheduler_components.pool_stats_observer import PoolStats
+
+    tokens, lending = busy_decode
+    lending.maybe_lend(force=True)
+    assert lending.num_lending and not lending.num_lent
+    checker = types.SimpleNamespace(token_to_kv_pool_allocator=tokens)
+    stats = PoolStats(full_num_used=0, full_token_usage=0.0, full_available_size=tokens.available_size(),
+                      full_evictable_size=0)
+    seen = hooks._full_pool_invariant(lambda checker, ps, uncached=0: ps, checker, stats, uncached=0)
+    assert seen.full_available_size == tokens.available_size() + lending.num_lending * TOKENS_PER_CHUNK

@@ -122,6 +122,7 @@ def test_outputs_identical_reclaim_progress_and_metrics(tiny_llama_path, tmp_pat
     # Metrics: harvest's names and types, and the values moved.
     assert types["harvest_decode_step_seconds"] == "histogram" and types["harvest_kv_lends"] == "counter"
     assert samples['harvest_decode_step_seconds_count{}'] > 0
+    assert after["unmeasured_steps"] == 0, after  # every step's forward went through harvest's forward hook
     assert samples['harvest_kv_lends_total{}'] >= lent_before and samples['harvest_kv_reclaims_total{}'] > 0
     assert samples['harvest_trainer_tokens_total{}'] > 0 and samples['harvest_trainer_steps_total{}'] > 0
     assert samples['harvest_qos_target_seconds{}'] == pytest.approx(0.040)

@@ -26,6 +26,7 @@ def _spin(seconds: float) -> None:
 
 class _Control:
     decode_stream = None
+    unmeasured_steps = 0
     level = types.SimpleNamespace(index=0, decode_sms=1, trainer_sms=1)
     qos = types.SimpleNamespace(stats=lambda: types.SimpleNamespace(to_dict=dict))
 
@@ -35,8 +36,9 @@ class _Control:
     def before_step(self, load):
         self.loads.append(load)
         _spin(DECIDE_S)
+        return types.SimpleNamespace(step=len(self.loads))
 
-    def after_step(self, measured_s):
+    def after_step(self, step, measured_s):
         self.measured.append(measured_s)
         _spin(FEEDBACK_S)
 

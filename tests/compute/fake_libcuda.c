@@ -1,10 +1,21 @@
-// A fake CUDA driver (libcuda.so.1) for exercising libharvest_greenctx's driver paths
-// on machines without a GPU. It models what the green-context code relies on: SM
-// resources and split-by-count rounding (granularity FAKE_CUDA_GRANULARITY, default
-// 8), green contexts and their streams, the primary context's reference count and the
-// thread's current context. Every create/destroy is appended to FAKE_CUDA_LOG, and
-// misuse (destroying a green context that still has streams, creating a stream with no
-// current context, using a destroyed context) is logged as a line starting with "BAD".
+// A fake CUDA driver (libcuda.so.1) for exercising harvest's driver paths on machines
+// without a GPU. It models what the green-context code relies on: SM resources and
+// split-by-count rounding (granularity FAKE_CUDA_GRANULARITY, default 8), green contexts
+// and their streams, the primary context's reference count and the thread's current
+// context. Every create/destroy is appended to FAKE_CUDA_LOG, and misuse (destroying a
+// green context that still has streams, creating a stream with no current context,
+// using a destroyed context) is logged as a line starting with "BAD".
+//
+// For libharvest_vmm's cuda backend it models the VMM calls (reserve, create, map,
+// set-access, unmap, release, free; 2 MiB granularity; no memory behind the addresses)
+// and events on streams: a test queues kernels on a stream (fake_queue_work) and lets
+// the GPU finish them (fake_finish_work); an event recorded on a stream passes once the
+// work queued there before it has finished (cuEventQuery says CUDA_ERROR_NOT_READY
+// until then; cuEventSynchronize is the host waiting for it, so the work finishes).
+// Conservatively, any unfinished kernel may touch any mapped page: cuMemUnmap while a
+// stream has unfinished work logs BAD, as does a map over a mapped page, an unmap of a
+// page that is not mapped, an event created without CU_EVENT_DISABLE_TIMING and the use
+// of a destroyed event. Map, unmap, set-access and every event call are logged in order.
 //
 // Knobs (environment): FAKE_CUDA_VERSION (default 12080), FAKE_CUDA_SMS (132),
 // FAKE_CUDA_MISSING (comma-separated entry points to report as absent),
@@ -34,6 +45,27 @@ static __thread CUcontext t_current = NULL;
 static int g_next_id = 1;
 static int g_primary_refs = 0, g_live_green = 0, g_live_streams = 0, g_green_creates = 0;
 
+// VMM and events (libharvest_vmm's cuda backend).
+#define FAKE_MAX_STREAMS 64
+#define FAKE_MAX_MAPPED 4096
+typedef struct FakeEvent {
+  int id;
+  int destroyed;
+  int recorded;
+  unsigned long long stream;
+  long generation;  // the stream's queued-work count when recorded
+} FakeEvent;
+static struct {
+  unsigned long long handle;
+  long queued;    // kernels queued so far
+  long finished;  // of which finished
+} g_work[FAKE_MAX_STREAMS];
+static int g_work_streams = 0;
+static unsigned long long g_mapped[FAKE_MAX_MAPPED];  // page addresses currently mapped
+static int g_num_mapped = 0;
+static CUdeviceptr g_next_va = 0x7f0000000000ull;
+static int g_live_events = 0, g_live_reserves = 0, g_live_pages = 0, g_next_handle = 1;
+
 static int env_int(const char* name, int fallback) {
   const char* value = getenv(name);
   return value != NULL && *value != '\0' ? atoi(value) : fallback;
@@ -53,7 +85,9 @@ static void log_line(const char* format, ...) {
 }
 
 static void report_at_exit(void) {
-  log_line("exit primary_refs=%d live_green=%d live_streams=%d", g_primary_refs, g_live_green, g_live_streams);
+  log_line("exit primary_refs=%d live_green=%d live_streams=%d live_events=%d live_reserves=%d live_pages=%d "
+           "mapped=%d", g_primary_refs, g_live_green, g_live_streams, g_live_events, g_live_reserves, g_live_pages,
+           g_num_mapped);
 }
 
 static int context_id(CUcontext context) { return context == NULL ? -1 : ((FakeContext*)context)->id; }
@@ -103,6 +137,7 @@ static CUresult fake_cuDeviceGetName(char* name, int length, CUdevice device) {
 static CUresult fake_cuDeviceGetAttribute(int* value, CUdevice_attribute attribute, CUdevice device) {
   switch (attribute) {
     case CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT: *value = (int)g_primary.sms; break;
+    case CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED: *value = 1; break;
     case CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR: *value = 9; break;
     case CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR: *value = 0; break;
     default: *value = 0;
@@ -264,6 +299,165 @@ static CUresult fake_cuLaunchKernel(CUfunction function, unsigned gx, unsigned g
            stream->context->id, *(int*)params[1], *(float*)params[2]);
   return CUDA_SUCCESS;
 }
+// -- VMM -------------------------------------------------------------------------------
+static const size_t kFakeGranularity = (size_t)2 << 20;
+
+static int work_index(unsigned long long handle) {
+  for (int i = 0; i < g_work_streams; ++i) {
+    if (g_work[i].handle == handle) return i;
+  }
+  if (g_work_streams == FAKE_MAX_STREAMS) return -1;
+  g_work[g_work_streams].handle = handle;
+  g_work[g_work_streams].queued = g_work[g_work_streams].finished = 0;
+  return g_work_streams++;
+}
+
+// Test hooks, read through ctypes: a kernel is queued on the stream with this CUstream
+// value; the GPU finishes everything queued on it.
+void fake_queue_work(unsigned long long stream) {
+  int i = work_index(stream);
+  if (i < 0) return;
+  g_work[i].queued++;
+  log_line("work_queued stream=%llu queued=%ld", stream, g_work[i].queued);
+}
+void fake_finish_work(unsigned long long stream) {
+  int i = work_index(stream);
+  if (i < 0) return;
+  g_work[i].finished = g_work[i].queued;
+  log_line("work_finished stream=%llu", stream);
+}
+
+static int mapped_index(unsigned long long page) {
+  for (int i = 0; i < g_num_mapped; ++i) {
+    if (g_mapped[i] == page) return i;
+  }
+  return -1;
+}
+
+static CUresult fake_cuMemGetAllocationGranularity(size_t* granularity, const CUmemAllocationProp* prop,
+                                                   CUmemAllocationGranularity_flags option) {
+  *granularity = kFakeGranularity;
+  return CUDA_SUCCESS;
+}
+static CUresult fake_cuMemAddressReserve(CUdeviceptr* ptr, size_t size, size_t alignment, CUdeviceptr addr,
+                                         unsigned long long flags) {
+  if (size == 0 || size % kFakeGranularity != 0) return CUDA_ERROR_INVALID_VALUE;
+  *ptr = g_next_va;
+  g_next_va += size + kFakeGranularity;  // a gap between reservations
+  g_live_reserves++;
+  log_line("mem_reserve va=%llu bytes=%zu", (unsigned long long)*ptr, size);
+  return CUDA_SUCCESS;
+}
+static CUresult fake_cuMemAddressFree(CUdeviceptr ptr, size_t size) {
+  g_live_reserves--;
+  log_line("mem_free_range va=%llu bytes=%zu", (unsigned long long)ptr, size);
+  return CUDA_SUCCESS;
+}
+static CUresult fake_cuMemCreate(CUmemGenericAllocationHandle* handle, size_t size, const CUmemAllocationProp* prop,
+                                 unsigned long long flags) {
+  if (size != kFakeGranularity) log_line("BAD mem_create of %zu bytes (the fake models one-page handles)", size);
+  *handle = (CUmemGenericAllocationHandle)g_next_handle++;
+  g_live_pages++;
+  return CUDA_SUCCESS;
+}
+static CUresult fake_cuMemRelease(CUmemGenericAllocationHandle handle) {
+  g_live_pages--;
+  return CUDA_SUCCESS;
+}
+static CUresult fake_cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle handle,
+                              unsigned long long flags) {
+  for (size_t at = 0; at < size; at += kFakeGranularity) {
+    unsigned long long page = (unsigned long long)ptr + at;
+    if (mapped_index(page) >= 0) {
+      log_line("BAD mem_map over the mapped page %llu", page);
+    } else if (g_num_mapped < FAKE_MAX_MAPPED) {
+      g_mapped[g_num_mapped++] = page;
+    }
+  }
+  log_line("mem_map va=%llu bytes=%zu handle=%llu", (unsigned long long)ptr, size, (unsigned long long)handle);
+  return CUDA_SUCCESS;
+}
+static CUresult fake_cuMemUnmap(CUdeviceptr ptr, size_t size) {
+  for (int i = 0; i < g_work_streams; ++i) {
+    if (g_work[i].finished < g_work[i].queued) {
+      log_line("BAD mem_unmap va=%llu while stream %llu has %ld unfinished kernels that may touch it",
+               (unsigned long long)ptr, g_work[i].handle, g_work[i].queued - g_work[i].finished);
+    }
+  }
+  for (size_t at = 0; at < size; at += kFakeGranularity) {
+    int i = mapped_index((unsigned long long)ptr + at);
+    if (i < 0) {
+      log_line("BAD mem_unmap of the unmapped page %llu", (unsigned long long)ptr + at);
+    } else {
+      g_mapped[i] = g_mapped[--g_num_mapped];
+    }
+  }
+  log_line("mem_unmap va=%llu bytes=%zu", (unsigned long long)ptr, size);
+  return CUDA_SUCCESS;
+}
+static CUresult fake_cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc* desc, size_t count) {
+  log_line("mem_set_access va=%llu bytes=%zu", (unsigned long long)ptr, size);
+  return CUDA_SUCCESS;
+}
+
+// -- events ------------------------------------------------------------------------------
+static int event_ready(const FakeEvent* event) {
+  if (!event->recorded) return 1;
+  int i = work_index(event->stream);
+  return i < 0 || g_work[i].finished >= event->generation;
+}
+static int check_event(const FakeEvent* event, const char* call) {
+  if (event == NULL || event->destroyed) {
+    log_line("BAD %s on a destroyed or null event", call);
+    return 0;
+  }
+  return 1;
+}
+static CUresult fake_cuEventCreate(CUevent* out, unsigned flags) {
+  if (flags != CU_EVENT_DISABLE_TIMING) log_line("BAD event_create flags=%u (fences need no timing)", flags);
+  FakeEvent* event = calloc(1, sizeof(FakeEvent));
+  event->id = g_next_id++;
+  g_live_events++;
+  *out = (CUevent)event;
+  log_line("event_create id=%d", event->id);
+  return CUDA_SUCCESS;
+}
+static CUresult fake_cuEventRecord(CUevent handle, CUstream stream) {
+  FakeEvent* event = (FakeEvent*)handle;
+  if (!check_event(event, "event_record")) return CUDA_ERROR_INVALID_HANDLE;
+  int i = work_index((unsigned long long)stream);
+  event->recorded = 1;
+  event->stream = (unsigned long long)stream;
+  event->generation = i < 0 ? 0 : g_work[i].queued;
+  log_line("event_record id=%d stream=%llu", event->id, event->stream);
+  return CUDA_SUCCESS;
+}
+static CUresult fake_cuEventQuery(CUevent handle) {
+  FakeEvent* event = (FakeEvent*)handle;
+  if (!check_event(event, "event_query")) return CUDA_ERROR_INVALID_HANDLE;
+  int ready = event_ready(event);
+  log_line("event_query id=%d stream=%llu ready=%d", event->id, event->stream, ready);
+  return ready ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
+}
+static CUresult fake_cuEventSynchronize(CUevent handle) {
+  FakeEvent* event = (FakeEvent*)handle;
+  if (!check_event(event, "event_sync")) return CUDA_ERROR_INVALID_HANDLE;
+  if (event->recorded) {  // the host waits until the GPU has done the work before the event
+    int i = work_index(event->stream);
+    if (i >= 0 && g_work[i].finished < event->generation) g_work[i].finished = event->generation;
+  }
+  log_line("event_sync id=%d stream=%llu", event->id, event->stream);
+  return CUDA_SUCCESS;
+}
+static CUresult fake_cuEventDestroy(CUevent handle) {
+  FakeEvent* event = (FakeEvent*)handle;
+  if (!check_event(event, "event_destroy")) return CUDA_ERROR_INVALID_HANDLE;
+  event->destroyed = 1;  // never freed: a later use is reported, not a crash
+  g_live_events--;
+  log_line("event_destroy id=%d", event->id);
+  return CUDA_SUCCESS;
+}
+
 static CUresult fake_unmodelled(void) { return CUDA_ERROR_NOT_SUPPORTED; }
 
 #define ENTRY(name) {#name, (void*)fake_##name}
@@ -279,6 +473,9 @@ static const struct {
     ENTRY(cuGreenCtxDestroy), ENTRY(cuGreenCtxGetDevResource), ENTRY(cuCtxFromGreenCtx),
     ENTRY(cuStreamCreate), ENTRY(cuGreenCtxStreamCreate), ENTRY(cuStreamSynchronize), ENTRY(cuStreamDestroy),
     ENTRY(cuLibraryLoadData), ENTRY(cuLibraryGetKernel), ENTRY(cuLaunchKernel),
+    ENTRY(cuMemGetAllocationGranularity), ENTRY(cuMemAddressReserve), ENTRY(cuMemAddressFree), ENTRY(cuMemCreate),
+    ENTRY(cuMemRelease), ENTRY(cuMemMap), ENTRY(cuMemUnmap), ENTRY(cuMemSetAccess), ENTRY(cuEventCreate),
+    ENTRY(cuEventRecord), ENTRY(cuEventQuery), ENTRY(cuEventSynchronize), ENTRY(cuEventDestroy),
 };
 
 static int is_missing(const char* symbol) {

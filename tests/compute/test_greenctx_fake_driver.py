@@ -1,64 +1,38 @@
 """libharvest_greenctx's driver paths against a fake libcuda.so.1 (fake_libcuda.c).
 
-The real driver is opened once per process with dlopen("libcuda.so.1"), so each case
-runs in a fresh interpreter whose LD_LIBRARY_PATH puts the fake first. The fake logs
-every create/destroy and flags misuse with "BAD" lines; these tests check the order of
+The fake logs every create/destroy and flags misuse with "BAD" lines (tests/fake_cuda.py
+runs each case in a fresh interpreter under it); these tests check the order of
 creation and teardown, rollback on a failure half-way, the 12.4 stream fallback, and the
 "needs driver >= 12.4" refusal, none of which this GPU-less machine could run otherwise.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
-
 import pytest
 
-CUDA_INCLUDE = Path(os.environ.get("CUDA_HOME", "/usr/local/cuda")) / "include"
-pytestmark = pytest.mark.skipif(
-    shutil.which("gcc") is None or not (CUDA_INCLUDE / "cuda.h").is_file(),
-    reason="needs gcc and the CUDA headers to build the fake driver",
-)
+from tests import fake_cuda
+
+pytestmark = fake_cuda.needs_fake_driver
 GREEN_ENTRY_POINTS = (
     "cuDeviceGetDevResource,cuDevSmResourceSplitByCount,cuDevResourceGenerateDesc,cuGreenCtxCreate,"
     "cuGreenCtxDestroy,cuGreenCtxGetDevResource,cuCtxFromGreenCtx,cuGreenCtxRecordEvent,cuGreenCtxStreamCreate"
 )
+PRELUDE = "from harvest.compute import greenctx_lib as g\n"
 
 
 @pytest.fixture(scope="module")
 def fake_driver_dir(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("fake_cuda")
-    source = Path(__file__).with_name("fake_libcuda.c")
-    subprocess.run(
-        ["gcc", "-shared", "-fPIC", "-I", str(CUDA_INCLUDE), str(source), "-o", str(directory / "libcuda.so.1")],
-        check=True,
-        timeout=120,
-    )
-    return directory
+    return fake_cuda.build_fake_driver(tmp_path_factory.mktemp("fake_cuda"))
 
 
 def run_with_fake_driver(fake_driver_dir, tmp_path, script: str, **knobs) -> tuple[dict, list[str]]:
     """Run `script` (which prints one JSON object) under the fake; return it and the log."""
-    log = tmp_path / "driver.log"
-    env = dict(os.environ, LD_LIBRARY_PATH=str(fake_driver_dir), FAKE_CUDA_LOG=str(log))
-    env.update({f"FAKE_CUDA_{name.upper()}": str(value) for name, value in knobs.items()})
-    prelude = "import ctypes, json\nfrom harvest.compute import greenctx_lib as g\n"
-    out = subprocess.run(
-        [sys.executable, "-c", prelude + textwrap.dedent(script)], capture_output=True, text=True, env=env, timeout=120
-    )
-    assert out.returncode == 0, out.stderr
-    lines = log.read_text().splitlines() if log.exists() else []
-    assert not [line for line in lines if line.startswith("BAD")], lines
-    return json.loads(out.stdout.strip().splitlines()[-1]), lines
+    return fake_cuda.run_with_fake_driver(fake_driver_dir, tmp_path, script, prelude=PRELUDE, **knobs)
 
 
 def assert_everything_released(lines: list[str]) -> None:
-    assert lines[-1] == "exit primary_refs=0 live_green=0 live_streams=0", lines
+    counts = fake_cuda.exit_counts(lines)
+    assert (counts["primary_refs"], counts["live_green"], counts["live_streams"]) == (0, 0, 0), lines
 
 
 BUILD_AND_CLOSE = """

@@ -1,5 +1,7 @@
 """The cuda backend on a real GPU: the same semantics as the host backend, device
-tensors through __cuda_array_interface__, and fences on CUDA streams.
+tensors through __cuda_array_interface__, and fences on CUDA streams (the KV fences of a
+lend on the decode streams; tests/memory/test_cuda_fences_fake_driver.py checks the
+order of the driver calls without a GPU).
 
 Skipped without a GPU (tests/conftest.py); `make test-gpu` runs them."""
 
@@ -8,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harvest.memory import UnifiedAllocator
+from harvest.memory import ChunkState, UnifiedAllocator
 from harvest.memory.fuzz import run_fuzz
 
 pytestmark = pytest.mark.gpu
@@ -79,6 +81,46 @@ def test_reclaim_waits_for_the_stream_that_used_the_pages(cuda_alloc):
     cuda_alloc.reclaim(3)  # waits on the event, not the device
     assert stream.query()
     assert cuda_alloc.counters().fence_wait >= 1
+
+
+def test_a_lend_leaves_the_kv_pages_mapped_until_the_decode_stream_passes_its_event(cuda_alloc):
+    assert cuda_alloc.fence_streams == (0,)  # the legacy default stream until told otherwise
+    decode = torch.cuda.Stream()
+    cuda_alloc.set_fence_streams([decode, None])
+    g = cuda_alloc.geometry
+    kv = cuda_alloc.kv_tensor(0, "k", torch.float32, (g.token_capacity, 2, 16))
+    slots = g.chunk_slots(2)
+    with torch.cuda.stream(decode):
+        torch.cuda._sleep(500_000_000)  # a decode step still running ...
+        kv[slots.start:slots.stop].fill_(4.0)  # ... that writes the chunk's KV after it
+    assert cuda_alloc.lend(2, wait=False) is False  # never waits for decode
+    assert cuda_alloc.chunk_info(2).state == ChunkState.LENDING and cuda_alloc.chunk_info(2).fence_pending
+    assert cuda_alloc.finish_lends() == [] and cuda_alloc.arena_allocate(1) is None
+    decode.synchronize()
+    assert cuda_alloc.finish_lends() == [2]
+    block = cuda_alloc.arena_allocate(g.chunk_bytes)
+    arena = block.tensor(torch.float32).view(g.pages_per_chunk, g.tokens_per_chunk, 2, 16)
+    assert torch.all(arena[g.kv_range_index(0, "k")] == 4.0)  # the write landed before the unmap
+    block.free(streams=[])
+    with torch.cuda.stream(decode):
+        torch.cuda._sleep(200_000_000)
+    cuda_alloc.reclaim(2)  # waits on the event it records on the busy decode stream
+    assert decode.query()
+
+
+def test_a_small_block_freed_on_a_busy_stream_is_not_reused_before_it_passes(cuda_alloc):
+    g = cuda_alloc.geometry
+    whole = cuda_alloc.small_allocate(g.page_bytes - 1)  # the pool's only page
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(500_000_000)
+        whole.tensor().fill_(1)
+    whole.free(streams=[stream])
+    assert cuda_alloc.small_allocate(1) is None and cuda_alloc.stats().small_pending_frees == 1
+    stream.synchronize()
+    again = cuda_alloc.small_allocate(g.page_bytes - 1)
+    assert again.address == whole.address
+    again.free(streams=[])
 
 
 @pytest.mark.timeout(300)

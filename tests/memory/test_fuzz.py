@@ -19,6 +19,9 @@ def test_randomized_operations_keep_every_invariant(make_allocator):
     for outcome in ("lend_ok", "lend_refused", "reclaim_ok", "reclaim_refused", "arena_alloc_ok",
                     "arena_alloc_exhausted", "small_alloc_ok", "small_alloc_exhausted", "refusals_checked"):
         assert report.outcomes.get(outcome, 0) >= 200, (outcome, report.outcomes)
+    # Lends that waited for their fences, then completed or were cancelled.
+    for outcome in ("lend_pending", "lend_finished", "lend_cancelled"):
+        assert report.outcomes.get(outcome, 0) >= 50, (outcome, report.outcomes)
 
 
 def test_fuzz_detects_a_broken_allocator(make_allocator, monkeypatch):

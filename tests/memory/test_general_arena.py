@@ -1,7 +1,13 @@
 """The general arena: whole pages of lent chunks, contiguous across adjacent chunks,
-best fit, clean failure when no run of lent pages is long enough."""
+best fit, clean failure when no run of lent pages is long enough; a reclaimed chunk's
+arena range shows the dummy page, so a view kept past its free never faults and never
+reaches the KV data (issue 18, defect 3)."""
 
 from __future__ import annotations
+
+import json
+import subprocess
+import sys
 
 import torch
 
@@ -99,3 +105,59 @@ def test_arena_tensors_and_empty(alloc):
     del tensor, big
     block.free()
     big_block.free()
+
+
+# Runs in a child interpreter: without the dummy page behind a reclaimed arena range the
+# stale write is a SIGSEGV (on a GPU: an illegal address that poisons the context), which
+# would take the test run down with it instead of failing one test.
+STALE_VIEW = """
+import json, torch
+from harvest.memory import UnifiedAllocator
+alloc = UnifiedAllocator(num_layers=2, kv_heads=2, head_dim=16, dtype_bytes=4, max_tokens=8 * 128,
+                         page_bytes=16 * 1024)
+g = alloc.geometry
+kv = {(layer, kind): alloc.kv_tensor(layer, kind, torch.float32) for layer in range(2) for kind in ("k", "v")}
+alloc.lend(2)
+block = alloc.arena_allocate(g.chunk_bytes)
+stale = block.tensor(torch.float32)  # a view the trainer keeps past the free
+stale.fill_(1.0)
+block.free()
+alloc.reclaim(2)
+span = slice(g.chunk_slots(2).start * 32, g.chunk_slots(2).stop * 32)  # 32 floats per token
+came_back = all(bool(torch.all(view[span] == 1.0)) for view in kv.values())  # the trainer's writes
+for view in kv.values():
+    view[span] = 7.0  # decode writes new KV into the reclaimed chunk
+stale.fill_(-5.0)  # the stale view: must neither fault nor reach the KV
+read_back = float(stale[0])
+kv_intact = all(bool(torch.all(view[span] == 7.0)) for view in kv.values())
+alloc.check_integrity()
+stats = alloc.stats()
+del stale, view
+kv.clear()
+alloc.close()
+print(json.dumps({"came_back": came_back, "kv_intact": kv_intact, "read_back": read_back,
+                  "lent": stats.chunks_lent}))
+"""
+
+
+def test_a_view_that_outlives_its_free_and_the_reclaim_hits_the_dummy_page_not_the_kv():
+    out = subprocess.run([sys.executable, "-c", STALE_VIEW], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, f"exit {out.returncode} (negative: killed by that signal): {out.stderr[-2000:]}"
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result == {"came_back": True, "kv_intact": True, "read_back": -5.0, "lent": 0}
+
+
+def test_a_reclaimed_chunk_keeps_the_dummy_page_in_its_arena_slots_until_it_is_lent_again(alloc):
+    g = alloc.geometry
+    alloc.lend(6)
+    alloc.reclaim(6)
+    alloc.check_integrity()  # the arena slots hold the dummy, the KV slices their pages
+    before = alloc.counters()
+    alloc.lend(6)
+    moved = alloc.counters().minus(before)
+    assert moved.unmap == g.pages_per_chunk + 1  # the KV pages, then the dummy run of the arena
+    block = alloc.arena_allocate(g.chunk_bytes)
+    assert block.address == g.arena_base + 6 * g.chunk_bytes
+    block.tensor().fill_(3)  # the chunk's own pages again, writable
+    block.free()
+    alloc.reclaim(6)

@@ -1,10 +1,15 @@
 """The trainer's window in lent memory (the unified allocator's general arena, host
 backend) follows the lending budget: it shrinks at its own unit boundaries, gives memory
 back while parked at its gate, and releases everything when it leaves its loop. The
-memory side only publishes; nothing here calls into the trainer from outside."""
+memory side only publishes; nothing here calls into the trainer from outside. A view of
+a window buffer kept past its release and the reclaim of its chunks reads the dummy page,
+never the KV cache (issue 18, defect 3)."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -135,3 +140,34 @@ def test_a_parked_trainer_gives_memory_back_and_releases_it_when_it_leaves(tiny_
     # Nobody follows the budget any more, so nothing lent stays with the trainer.
     assert not budget.followed and trainer.window.held_bytes == 0
     assert alloc.stats().chunks_lent_idle == len(LENT)
+
+
+# In a child interpreter: a regression (no dummy page behind reclaimed arena memory) is a
+# SIGSEGV there, a failed test here.
+STALE_WINDOW_BUFFER = """
+import json, torch
+from harvest.memory import UnifiedAllocator
+from harvest.train.arena_window import ArenaWindowAllocator
+alloc = UnifiedAllocator(num_layers=2, kv_heads=2, head_dim=16, dtype_bytes=4, max_tokens=4 * 128,
+                         page_bytes=16 * 1024)
+g = alloc.geometry
+alloc.lend([1, 2, 3])
+window = ArenaWindowAllocator(alloc, "cpu")
+buffer = window.allocate(g.chunk_bytes)
+weight = buffer[: 64 * 4].view(torch.float32)  # a stage's frozen weight a module still holds
+weight.fill_(0.5)
+window.release(buffer)  # the window let go of the buffer, not every view of it
+del buffer
+reclaimed = sorted(alloc.reclaimable_chunks())
+alloc.reclaim(reclaimed)
+kv = alloc.kv_tensor(0, "k", torch.float32)
+kv.fill_(7.0)  # decode fills the reclaimed chunks with new KV
+weight.mul_(3.0)  # the stale view is used again: no fault, and not the KV
+print(json.dumps({"reclaimed": reclaimed, "kv_intact": bool(torch.all(kv == 7.0)), "held": window.held_bytes}))
+"""
+
+
+def test_a_window_buffer_view_used_after_release_and_reclaim_cannot_touch_the_kv_cache():
+    out = subprocess.run([sys.executable, "-c", STALE_WINDOW_BUFFER], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, f"exit {out.returncode} (negative: killed by that signal): {out.stderr[-2000:]}"
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"reclaimed": [1, 2, 3], "kv_intact": True, "held": 0}
