@@ -84,3 +84,19 @@ def test_harvest_launch_validates_before_exec(tmp_path):
     )
     assert out.returncode == 2
     assert "memory.max_lend_fraction=3: expected a finite number in [0.0, 1.0]" in out.stderr
+
+
+def test_scheduler_processes_get_harvests_cuda_connections_back(tiny_llama_path, tmp_path):
+    """SGLang's launcher sets CUDA_DEVICE_MAX_CONNECTIONS=8 before it spawns its processes;
+    with harvest enabled each of them (scheduler, detokenizer) starts with the operator's
+    value again, here 16 (32 when unset)."""
+    from harvest.sglang import server
+
+    env = {**cpu_server_env(), "CUDA_DEVICE_MAX_CONNECTIONS": "16"}
+    log = tmp_path / "server.log"
+    with server.launch(server.cpu_server_args(tiny_llama_path) + ["--enable-harvest"], log_path=log, env=env,
+                       timeout_s=240):
+        pass
+    restored = [line for line in log.read_text(errors="replace").splitlines()
+                if "CUDA_DEVICE_MAX_CONNECTIONS=16 for harvest's streams (was 8)" in line]
+    assert len(restored) >= 1, log.read_text(errors="replace")[-3000:]
