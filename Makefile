@@ -7,11 +7,12 @@ export HF_HUB_OFFLINE := 1
 export DISABLE_VERSION_CHECK := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: venv demo test test-fast test-gpu native clean help
+.PHONY: venv demo test test-fast test-gpu gpu-env native clean help
 
 help:
 	@echo "make demo   - set up .venv if needed, then run harvest's CPU demo"
 	@echo "make test   - set up .venv if needed, then run the whole test suite"
+	@echo "make gpu-env - on a GPU server: build .venv-cuda (SGLang 0.5.23 on CUDA; README, Running on a GPU)"
 
 venv:
 	@bash scripts/setup_env.sh
@@ -26,8 +27,14 @@ test: venv
 test-fast: venv
 	$(PYTHON) -m pytest -q -ra -m "not sglang and not slow" tests
 
-test-gpu: venv
-	$(PYTHON) -m pytest -q -ra -m gpu tests
+# On a GPU server: the GPU tests from the CUDA stack (.venv-cuda, built first if needed).
+test-gpu: gpu-env
+	.venv-cuda/bin/python -m pytest -q -ra -m gpu tests
+
+# On a GPU server: the CUDA stack in .venv-cuda (scripts/setup_env_cuda.sh). Not a
+# prerequisite of anything above: the CPU targets keep using .venv.
+gpu-env:
+	@bash scripts/setup_env.sh --cuda
 
 native: venv
 	$(PYTHON) -m pip install --no-build-isolation --no-deps -q -e .

@@ -15,7 +15,19 @@
 #    torchvision is installed --no-deps, torchaudio not at all; tests/cpu_stubs/ (put on
 #    sys.path by a .pth file) carries the import hook and
 #    stand-ins SGLang and LlamaFactory need on CPU: see tests/cpu_stubs/README.md.
+#
+# `scripts/setup_env.sh --cuda` builds the CUDA stack for a GPU server instead, in its own
+# venv (.venv-cuda): scripts/setup_env_cuda.sh says how. Without --cuda nothing of it runs.
 set -euo pipefail
+
+if [ "${1:-}" = "--cuda" ]; then
+  shift
+  exec bash "$(dirname "${BASH_SOURCE[0]}")/setup_env_cuda.sh" "$@"
+fi
+if [ "$#" -gt 0 ]; then
+  echo "setup_env: unknown argument $1 (usage: scripts/setup_env.sh [--cuda])" >&2
+  exit 2
+fi
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${ROOT}/.venv"
