@@ -38,9 +38,22 @@ clock) and leaves after ``generated - 1`` decode steps (its prefill ran on a pre
 instance and produced the first token). Its KV cache arrives as random values: a step's
 cost does not depend on them (as with the model's random weights).
 
-Engine of the serving modes: one forward of the Hugging Face model per step for the
-whole batch (greedy token), eager (no CUDA graphs: requests join and leave, so shapes
-change every step). Requests of different lengths share a left-padded KV cache
+Engine of the serving modes, --graphs on (the default with CUDA; claim e): SlotDecodeBatch,
+--max-batch-size slots of one transformers StaticCache (--max-context + --max-generated
+columns); a request joins a free slot (its KV written there eagerly on the level in
+force) and leaving frees it; a step computes the smallest bucket (--graph-buckets, and
+--max-batch-size) holding the active slots, with per-slot positions, a per-slot 4-D mask
+and a shared write column as static tensors updated on the device. One CUDA graph per
+(level, bucket) is captured on the level's decode stream before the modes
+(harvest.compute.level_graphs); every step replays the graph of the level the
+partitioner is on (the QoS decision's) and the batch's bucket, eager on that stream where
+there is none (always without CUDA). Each serving mode reports ``graphs`` (graphs
+replayed), ``graph_steps``, ``eager_steps`` and, when false, ``graphs_reason``; the load
+the scheduler sees is bucket x columns, what the step computes.
+
+--graphs off: one forward of the Hugging Face model per step for the whole batch (greedy
+token), eager (RaggedDecodeBatch: shapes change as requests join and leave). Requests of
+different lengths share a left-padded KV cache
 (transformers' DynamicCache, attention mask over the padding), so a step costs what a
 uniform batch of the longest request costs; the load the scheduler sees is that padded
 Σctx, n × (longest + 1), the quantity a transformers-engine profile measures. TPOT = a
@@ -132,6 +145,10 @@ class RaggedDecodeBatch:
     def padded_length(self) -> int:
         return self._mask.shape[1] if self._mask is not None else 0
 
+    @property
+    def computed_rows(self) -> int:
+        return self.num_requests
+
     def padded_sum_context(self) -> int:
         return self.num_requests * (self.padded_length + 1)  # the token being decoded included
 
@@ -213,54 +230,209 @@ class RaggedDecodeBatch:
         self._mask, self._next_ids = mask, next_ids
 
 
-class StaticDecodeBatch:
-    """``batch_size`` requests of ``context_length`` tokens decoding together through a
-    transformers ``StaticCache`` with room for ``max_steps`` more tokens, for CUDA graphs:
-    every tensor a step reads or writes keeps its address (token ids, positions, a 4-D
-    boolean attention mask, the cache and its write position), and a step reads nothing
-    back to the host, so :meth:`decode_step` can be captured once per ladder level and
-    replayed (harvest.compute.level_graphs). The context is random KV (a step's cost does
-    not depend on it) or, in tests, the prefill of equal-length ``prompts``.
+class SlotDecodeBatch:
+    """Requests decoding together in ``max_batch_size`` fixed slots of one transformers
+    ``StaticCache`` (``max_context + max_steps`` columns), for CUDA graphs: every tensor a
+    step reads or writes keeps its address (token ids, per-slot positions, a 4-D boolean
+    attention mask per slot, the cache and its write column), and a step reads nothing
+    back to the host, so :meth:`decode_step` can be captured once per (ladder level,
+    bucket) and replayed (harvest.compute.level_graphs).
 
-    Host bookkeeping stays outside the captured step: :meth:`run` counts the tokens and
-    calls :meth:`reset` (write position back to the context) when the cache is full."""
+    Layout. ``StaticLayer`` writes one column for the whole batch (its
+    ``cumulative_length``, a device scalar; the same class in transformers 5.17 and 5.19),
+    so slots share a write column: a slot's context sits in columns ``[0, ctx)`` of its
+    row, and the tokens it decodes go where the shared column points, a ring over
+    ``[max_context, max_context + max_steps)`` advanced on the device by every step. The
+    mask says which columns are a slot's own (its context, then the ring columns written
+    since it joined), position ids are per slot; attention does not depend on the order
+    of the key columns, so each slot computes what it would decoding alone. A request may
+    stay at most ``max_steps`` steps (the ring's length; :meth:`step` checks).
 
-    def __init__(self, model, device, batch_size: int, context_length: int, max_steps: int, *, prompts=None,
+    Buckets. Active requests occupy slots ``[0, num_requests)`` (a leave moves the last
+    slots into the holes); a step computes the smallest bucket (from ``buckets``, always
+    ``max_batch_size``) holding them, through views of the same tensors, so one graph per
+    (level, bucket) serves every batch size. Inactive slots inside the bucket compute
+    garbage nobody reads (a join resets its slot's row).
+
+    Host work stays outside the captured step: :meth:`join` (the prefill of ``prompts``
+    into a free slot, or random KV: a step's cost does not depend on it) and
+    :meth:`leave` run eagerly on the caller's stream; :meth:`after_step` counts tokens."""
+
+    def __init__(self, model, device, max_batch_size: int, max_context: int, max_steps: int, *, buckets=None,
                  seed: int = 0):
         import torch
-        from transformers import StaticCache
 
         self._torch = torch
         config = model.config
-        self.model, self.device = model, torch.device(device)
-        self.batch_size, self.context_length = batch_size, context_length
-        self.max_length = context_length + max_steps
-        kv_heads = config.num_key_value_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.cache = StaticCache(config=config, max_cache_len=self.max_length)
+        self.model, self.config, self.device = model, config, torch.device(device)
+        self.max_batch_size, self.max_context, self.max_steps = max_batch_size, max_context, max_steps
+        self.max_length = max_context + max_steps
+        self.kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.buckets = sorted({b for b in (buckets or ()) if 0 < b < max_batch_size} | {max_batch_size})
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
         long = dict(dtype=torch.long, device=self.device)
         with torch.inference_mode():
-            self.ids = torch.zeros((batch_size, 1), **long)
-            self.positions = torch.full((batch_size, 1), context_length, **long)
-            self.write_position = torch.full((1,), context_length, **long)
-            self.mask = torch.zeros((batch_size, 1, 1, self.max_length), dtype=torch.bool, device=self.device)
-            self.last_logits = torch.zeros((batch_size, config.vocab_size), dtype=model.dtype, device=self.device)
-            if prompts is None:
-                generator = torch.Generator(device=self.device).manual_seed(seed)
-                probe = torch.zeros((batch_size, kv_heads, 1, head_dim), dtype=model.dtype, device=self.device)
+            self.cache = self._new_cache(max_batch_size)
+            self.ids = torch.zeros((max_batch_size, 1), **long)
+            self.positions = torch.zeros((max_batch_size, 1), **long)
+            self.write_position = torch.full((1,), max_context, **long)  # the shared write column
+            self.mask = torch.zeros((max_batch_size, 1, 1, self.max_length), dtype=torch.bool, device=self.device)
+            self.last_logits = torch.zeros((max_batch_size, config.vocab_size), dtype=model.dtype, device=self.device)
+            self._views = {b: self._bucket_view(b) for b in self.buckets}
+        self.request_ids: list[int] = []  # slot i holds request_ids[i]
+        self.lengths: list[int] = []  # tokens each active slot holds in the KV cache
+        self.steps_taken: list[int] = []  # ring columns each active slot has written
+
+    def _new_cache(self, batch_size):
+        from transformers import StaticCache
+
+        torch = self._torch
+        cache = StaticCache(config=self.config, max_cache_len=self.max_length)
+        probe = torch.zeros((batch_size, self.kv_heads, 1, self.head_dim), dtype=self.model.dtype, device=self.device)
+        for layer in cache.layers:
+            layer.lazy_initialization(probe, probe)
+        return cache
+
+    def _bucket_view(self, bucket: int):
+        """(cache, ids, positions, mask, logits) of slots ``[0, bucket)``: views of the
+        full batch's tensors (the cache's layers share its keys, values and write column)."""
+        if bucket == self.max_batch_size:
+            cache = self.cache
+        else:
+            cache = self._new_cache(1)
+            for layer, full in zip(cache.layers, self.cache.layers):
+                layer.keys, layer.values = full.keys[:bucket], full.values[:bucket]
+                layer.batch_size, layer.cumulative_length = bucket, full.cumulative_length
+        return cache, self.ids[:bucket], self.positions[:bucket], self.mask[:bucket], self.last_logits[:bucket]
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.request_ids)
+
+    @property
+    def bucket(self) -> int:
+        """The rows the next step computes: the smallest bucket holding the active slots."""
+        return next(b for b in self.buckets if b >= self.num_requests)
+
+    @property
+    def computed_rows(self) -> int:
+        return self.bucket
+
+    def padded_sum_context(self) -> int:
+        """The step's attention work: every computed row over every column of the cache."""
+        return self.bucket * self.max_length
+
+    def sum_context(self) -> int:
+        return sum(self.lengths) + self.num_requests
+
+    def join(self, request_ids, context_lengths, prompts=None) -> None:
+        """Requests holding ``context_lengths`` tokens of KV into the next free slots:
+        random values, or (tests) the prefill of ``prompts`` (lists of token ids), each
+        alone through the model (eager, on the caller's stream)."""
+        torch = self._torch
+        request_ids, context_lengths = list(request_ids), list(context_lengths)
+        if self.num_requests + len(request_ids) > self.max_batch_size:
+            raise ValueError(f"{len(request_ids)} requests join {self.num_requests} in {self.max_batch_size} slots")
+        if max(context_lengths, default=0) > self.max_context:
+            raise ValueError(f"a context of {max(context_lengths)} tokens exceeds max_context {self.max_context}")
+        with torch.inference_mode():
+            for i, length in enumerate(context_lengths):
+                slot = self.num_requests + i
+                if prompts is None:
+                    for layer in self.cache.layers:
+                        layer.keys[slot, :, :length].normal_(generator=self.generator)
+                        layer.values[slot, :, :length].normal_(generator=self.generator)
+                    self.ids[slot].random_(0, self.config.vocab_size, generator=self.generator)
+                else:
+                    if len(prompts[i]) != length:
+                        raise ValueError(f"prompt {i}: {len(prompts[i])} tokens, context length {length}")
+                    out = self.model(input_ids=torch.tensor([prompts[i]], device=self.device), use_cache=True)
+                    for layer, (keys, values) in zip(self.cache.layers, RaggedDecodeBatch._layers(out.past_key_values)):
+                        layer.keys[slot, :, :length].copy_(keys[0])
+                        layer.values[slot, :, :length].copy_(values[0])
+                    self.ids[slot].copy_(out.logits[0, -1].argmax(-1, keepdim=True))
+                self.mask[slot].fill_(False)
+                self.mask[slot, ..., :length] = True
+                self.positions[slot].fill_(length)
+        self.request_ids += request_ids
+        self.lengths += context_lengths
+        self.steps_taken += [0] * len(request_ids)
+
+    def leave(self, request_ids) -> None:
+        """Free the slots of ``request_ids``: the last active slots move into the holes
+        (rows of the cache, token ids, positions, mask), so the active ones stay first."""
+        torch = self._torch
+        gone = set(request_ids)
+        keep = [slot for slot, rid in enumerate(self.request_ids) if rid not in gone]
+        count = len(keep)
+        holes = [slot for slot in range(count) if self.request_ids[slot] in gone]
+        movers = [slot for slot in keep if slot >= count]
+        if holes:
+            dst, src = (torch.tensor(s, device=self.device) for s in (holes, movers))
+            with torch.inference_mode():
                 for layer in self.cache.layers:
-                    layer.lazy_initialization(probe, probe)
-                    layer.keys[:, :, :context_length].normal_(generator=generator)
-                    layer.values[:, :, :context_length].normal_(generator=generator)
-                    layer.cumulative_length.fill_(context_length)
-                self.ids.random_(0, config.vocab_size, generator=generator)
-            else:
-                prompt_ids = torch.tensor(prompts, **long)
-                if prompt_ids.shape != (batch_size, context_length):
-                    raise ValueError(f"prompts: {batch_size} lists of {context_length} token ids expected")
-                out = model(input_ids=prompt_ids, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
-                self.ids.copy_(out.logits[:, -1].argmax(-1, keepdim=True))
-            self.mask[..., :context_length] = True
+                    layer.keys.index_copy_(0, dst, layer.keys.index_select(0, src))
+                    layer.values.index_copy_(0, dst, layer.values.index_select(0, src))
+                for tensor in (self.ids, self.positions, self.mask, self.last_logits):
+                    tensor.index_copy_(0, dst, tensor.index_select(0, src))
+        order = list(range(self.num_requests))
+        for hole, mover in zip(holes, movers):
+            order[hole] = mover
+        order = order[:count]
+        self.request_ids = [self.request_ids[s] for s in order]
+        self.lengths = [self.lengths[s] for s in order]
+        self.steps_taken = [self.steps_taken[s] for s in order]
+
+    def decode_step(self, bucket: int | None = None) -> None:
+        """One token for slots ``[0, bucket)`` (all by default), on the current stream;
+        capturable (no host read, fixed addresses)."""
+        torch = self._torch
+        cache, ids, positions, mask, logits_out = self._views[self.max_batch_size if bucket is None else bucket]
+        with torch.inference_mode():
+            for layer in self.cache.layers:  # each layer's write column (it advances it itself)
+                layer.cumulative_length.copy_(self.write_position[0])
+            mask.index_fill_(-1, self.write_position, True)  # the new token sees itself
+            out = self.model(input_ids=ids, past_key_values=cache, attention_mask=mask, position_ids=positions,
+                             use_cache=True, logits_to_keep=1)
+            logits = out.logits[:, -1, :]
+            logits_out.copy_(logits)
+            ids.copy_(logits.argmax(dim=-1, keepdim=True))
+            positions.add_(1)
+            self.write_position.sub_(self.max_context - 1).remainder_(self.max_steps).add_(self.max_context)
+
+    def after_step(self) -> None:
+        """Host bookkeeping of a step that ran (eager or a graph's replay)."""
+        self.lengths = [length + 1 for length in self.lengths]
+        self.steps_taken = [taken + 1 for taken in self.steps_taken]
+
+    def check_room(self) -> None:
+        if self.steps_taken and max(self.steps_taken) >= self.max_steps:
+            raise RuntimeError(f"a request outstays the ring of {self.max_steps} decode steps (max_steps)")
+
+    def step(self) -> None:
+        """One token for every request, eager (on the caller's current stream)."""
+        self.check_room()
+        self.decode_step(self.bucket)
+        self.after_step()
+
+
+class StaticDecodeBatch(SlotDecodeBatch):
+    """``batch_size`` requests of ``context_length`` tokens filling every slot, with room for
+    ``max_steps`` more tokens (level-graphs): :meth:`decode_step` computes the whole batch.
+    The context is random KV or, in tests, the prefill of equal-length ``prompts``.
+
+    Host bookkeeping stays outside the captured step: :meth:`run` counts the tokens and
+    calls :meth:`reset` (write column back to the context) when the ring is used up."""
+
+    def __init__(self, model, device, batch_size: int, context_length: int, max_steps: int, *, prompts=None,
+                 seed: int = 0):
+        super().__init__(model, device, batch_size, context_length, max_steps, seed=seed)
+        if prompts is not None and [len(p) for p in prompts] != [context_length] * batch_size:
+            raise ValueError(f"prompts: {batch_size} lists of {context_length} token ids expected")
+        self.batch_size, self.context_length = batch_size, context_length
+        self.join(range(batch_size), [context_length] * batch_size, prompts=prompts)
+        with self._torch.inference_mode():
             self.first_ids = self.ids.clone()
         self.length = context_length  # tokens in the cache (host count; the device's is write_position)
 
@@ -268,28 +440,12 @@ class StaticDecodeBatch:
     def steps_left(self) -> int:
         return self.max_length - self.length
 
-    def decode_step(self) -> None:
-        """One token for every request, on the current stream; capturable (no host read,
-        fixed addresses)."""
-        torch = self._torch
-        with torch.inference_mode():
-            self.mask.index_fill_(-1, self.write_position, True)  # the new token sees itself
-            out = self.model(input_ids=self.ids, past_key_values=self.cache, attention_mask=self.mask,
-                             position_ids=self.positions, use_cache=True, logits_to_keep=1)
-            logits = out.logits[:, -1, :]
-            self.last_logits.copy_(logits)
-            self.ids.copy_(logits.argmax(dim=-1, keepdim=True))
-            self.positions.add_(1)
-            self.write_position.add_(1)
-
     def reset(self) -> None:
         """Back to the state after the context (the tokens decoded since are dropped, the
         next tokens are the first ones again), on the current stream: the steps after a
         reset compute what the steps after the previous one did."""
         with self._torch.inference_mode():
             self.ids.copy_(self.first_ids)
-            for layer in self.cache.layers:
-                layer.cumulative_length.fill_(self.context_length)
             self.write_position.fill_(self.context_length)
             self.positions.fill_(self.context_length)
             self.mask[..., self.context_length:] = False
@@ -310,6 +466,42 @@ class StaticDecodeBatch:
             replayed = False
         self.length += 1
         return replayed
+
+
+class GraphStep:
+    """The serving step with graphs on: the captured graph of (the level the partitioner
+    is on, i.e. the one the QoS decision chose; the batch's bucket), replayed on that
+    level's decode stream; eager there where no graph was captured (or without CUDA)."""
+
+    def __init__(self, batch: SlotDecodeBatch, graphs, partitioner):
+        self.batch, self.graphs, self.partitioner = batch, graphs, partitioner
+        self.graph_steps = self.eager_steps = 0
+
+    def __call__(self) -> None:
+        batch = self.batch
+        batch.check_room()
+        bucket = batch.bucket
+        if self.graphs.replay(self.partitioner.current_index, bucket, eager=lambda: batch.decode_step(bucket)):
+            self.graph_steps += 1
+        else:
+            self.eager_steps += 1
+        batch.after_step()
+
+
+def capture_serving_graphs(batch: SlotDecodeBatch, graphs, ladder) -> dict:
+    """One graph per (level, bucket) of the slot batch's step, each on the level's decode
+    stream (the batch may be empty: inactive slots compute garbage, a join resets them)."""
+    report = {"buckets": list(batch.buckets), "levels": ladder.num_levels, "captured": 0, "capture_s": 0.0,
+              "unavailable": graphs.unavailable}
+    if graphs.unavailable is None:
+        for index in range(ladder.num_levels):
+            for bucket in batch.buckets:
+                capture = graphs.capture(index, bucket, lambda bucket=bucket: batch.decode_step(bucket))
+                report["captured"] += 1
+                report["capture_s"] += capture.seconds
+        report["capture_s"] = round(report["capture_s"], 3)
+        report["memory_by_level"] = {str(k): v for k, v in graphs.memory_by_level().items()}
+    return report
 
 
 def build_shared_trainer(decode_model, device, *, lora_rank=16, seq_len=512, samples_per_step=4, micro_batch=2, seed=0):
@@ -443,8 +635,10 @@ def static_level_index(ladder) -> int:
     return min(partial, key=lambda i: abs(ladder.decode_fraction(i) - STATIC_DECODE_FRACTION))
 
 
-def serve(requests, batch, policy, max_batch_size, steps=None, on_progress=None, progress_every_s=2.0) -> dict:
-    """Replay ``requests`` in wall-clock time through ``batch`` under ``policy``. Every
+def serve(requests, batch, policy, max_batch_size, steps=None, on_progress=None, progress_every_s=2.0,
+          step=None) -> dict:
+    """Replay ``requests`` in wall-clock time through ``batch`` under ``policy``; a decode
+    step is ``step()`` (graphs on: a :class:`GraphStep`), by default ``batch.step``. Every
     change to the batch runs on the decode stream in force and is synchronised, so the
     next step may run on another level's stream. Measured steps are appended to
     ``steps`` (the caller's list: what was measured survives an interrupt);
@@ -489,16 +683,17 @@ def serve(requests, batch, policy, max_batch_size, steps=None, on_progress=None,
             policy.idle()
             time.sleep(min(0.005, max(0.0, arrivals[0].arrival_s - now)))
             continue
-        load = StepLoad(batch.num_requests, batch.padded_sum_context(), True)
-        real_sum = batch.sum_context()
+        # The load the scheduler sees is the work the step computes (a slot batch: its bucket).
+        load = StepLoad(batch.computed_rows, batch.padded_sum_context(), True)
+        real_sum, num_requests = batch.sum_context(), batch.num_requests
         step_start = time.perf_counter() - start
-        policy.run_step(load, batch.step)
+        policy.run_step(load, batch.step if step is None else step)
         level = policy.level
         if level.decode_stream is not None:
             level.decode_stream.synchronize()
         step_end = time.perf_counter() - start
         tag, level_index, trainer_ran = policy.last_step()
-        unmeasured[tag] = (step_start, step_end - last_token, load.batch_size, real_sum, load.sum_context,
+        unmeasured[tag] = (step_start, step_end - last_token, num_requests, real_sum, load.sum_context,
                            level_index, trainer_ran)
         for measured in policy.completed():
             record(measured)
@@ -780,8 +975,11 @@ def run_mode(mode, args, ctx) -> dict:
                 def progress(so_far, wall_s):
                     sink.progress(mode, summarize({"wall_s": wall_s, "steps": so_far}, target, len(ctx["requests"])))
 
+                graph_step = ctx.get("graph_step")
+                if graph_step is not None:
+                    graph_step.graph_steps = graph_step.eager_steps = 0
                 served = serve(ctx["requests"], ctx["batch"], policy, args.max_batch_size, steps=steps,
-                               on_progress=progress)
+                               on_progress=progress, step=graph_step)
         except KeyboardInterrupt:
             interrupted = True
             result["interrupted"] = True
@@ -794,7 +992,7 @@ def run_mode(mode, args, ctx) -> dict:
                 ctx["targets"]["tight"] = round(args.tight_target_factor * p50, 3)
             partial = {"wall_s": wall_s, "steps": steps, "unmeasured_steps": served.get("unmeasured_steps")}
             result.update(summarize(partial, target, len(ctx["requests"]), targets=ctx["targets"]))
-            result["decode_engine"] = "transformers eager, DynamicCache (no CUDA graphs in the serving loop)"
+            result.update(serving_graphs_report(ctx))
             ctx["step_log"][mode] = steps
             if colocation is not None:
                 result.update(qos=colocation.control.qos.stats().to_dict(), prediction_error=colocation.refiner.error,
@@ -836,15 +1034,35 @@ def harvest_config(args, target_tpot_ms: float | None = None):
                          allow_profile_mismatch=args.allow_profile_mismatch)
 
 
+def serving_graphs_report(ctx) -> dict:
+    """What a serving mode's decode steps ran: ``graphs`` true when captured graphs were
+    replayed (``graph_steps``; ``eager_steps`` ran eagerly for want of one), else why not."""
+    step, captured = ctx.get("graph_step"), ctx.get("serving_graphs") or {}
+    if step is None:
+        return {"graphs": False, "graphs_reason": "--graphs off: the ragged eager batch",
+                "decode_engine": "transformers eager, DynamicCache (ragged batch; no CUDA graphs in the serving loop)"}
+    batch = step.batch
+    engine = (f"transformers StaticCache slot batch ({batch.max_batch_size} slots x {batch.max_length} columns, "
+              f"buckets {','.join(map(str, batch.buckets))}), ")
+    report = {"graphs": step.graph_steps > 0, "graph_steps": step.graph_steps, "eager_steps": step.eager_steps}
+    if step.graph_steps:
+        report["decode_engine"] = engine + "per-(level, bucket) CUDA graph replayed on the chosen level's stream"
+    else:
+        report["graphs_reason"] = captured.get("unavailable") or "no graph was replayed"
+        report["decode_engine"] = engine + "eager on the chosen level's stream (the graphs' fallback)"
+    return report
+
+
 def warm_up(batch, trainer, partitioner, on_cuda) -> None:
     """First launches on each green context load kernels and create handles: keep them out
     of the timed modes. ``trainer`` None: decode only."""
     import torch
 
+    cap = getattr(batch, "max_context", 32)
     for level in partitioner.ladder.levels:
         with on_stream(level.decode_stream):
-            batch.join([-1, -2], [16, 32])
-            for _ in range(3):
+            batch.join([-1, -2], [min(16, cap), min(32, cap)])
+            for _ in range(min(3, getattr(batch, "max_steps", 3))):
                 batch.step()
             batch.leave([-1, -2])
         if trainer is not None:
@@ -891,6 +1109,12 @@ def main(argv=None) -> int:
     parser.add_argument("--trainer-seq-len", type=int, default=512)
     parser.add_argument("--trainer-batch", type=int, default=4, help="samples per optimizer step")
     parser.add_argument("--trainer-micro-batch", type=int, default=2)
+    parser.add_argument("--graphs", choices=["auto", "on", "off"], default="auto",
+                        help="serving modes: on = the slot batch, its step a per-(level, bucket) CUDA graph replayed "
+                             "on the chosen level (eager where none: without CUDA); off = the ragged eager batch; "
+                             "auto: on with CUDA")
+    parser.add_argument("--graph-buckets", type=_int_list, default=[8, 16, 32],
+                        help="graphs on: batch-size buckets below --max-batch-size (one graph per level and bucket)")
     parser.add_argument("--graph-batch-sizes", type=_int_list, default=[8, 32],
                         help="level-graphs: batch sizes, one graph per (level, batch size)")
     parser.add_argument("--graph-context", type=int, default=512, help="level-graphs: context tokens per request")
@@ -960,13 +1184,28 @@ def main(argv=None) -> int:
             ctx["requests"] = load_requests(args.trace, args.trace_start_s, args.trace_seconds, args.time_scale,
                                             args.max_context, args.max_generated)
         model = ctx["model"] = load_causal_lm(args.model_path, device, dtype, args.random_weights).requires_grad_(False)
-        ctx["batch"] = RaggedDecodeBatch(model, device, seed=args.seed)
+        graphs_on = args.graphs == "on" or (args.graphs == "auto" and device_type == "cuda")
+        serving = any(m in SERVING_MODES for m in modes)
+        ctx["graphs"] = graphs_on and serving
+        if graphs_on and serving:
+            ctx["batch"] = SlotDecodeBatch(model, device, args.max_batch_size, args.max_context, args.max_generated,
+                                           buckets=args.graph_buckets, seed=args.seed)
+        else:
+            ctx["batch"] = RaggedDecodeBatch(model, device, seed=args.seed)
         if any(m in TRAINER_MODES for m in modes):
             ctx["trainer"] = build_shared_trainer(model, device, lora_rank=args.lora_rank, seq_len=args.trainer_seq_len,
                                                   samples_per_step=args.trainer_batch,
                                                   micro_batch=args.trainer_micro_batch, seed=args.seed)
         if any(m != "level-graphs" for m in modes):
             warm_up(ctx["batch"], ctx["trainer"], partitioner, device_type == "cuda")
+        if graphs_on and serving:
+            from harvest.compute.level_graphs import LevelGraphs
+
+            print("colocate_gpu: capturing the serving step's graphs ...", file=sys.stderr, flush=True)
+            serving_graphs = ctx["serving_graph_set"] = LevelGraphs(partitioner.ladder.levels)
+            ctx["serving_graphs"] = capture_serving_graphs(ctx["batch"], serving_graphs, partitioner.ladder)
+            ctx["graph_step"] = GraphStep(ctx["batch"], serving_graphs, partitioner)
+            print(f"colocate_gpu: serving graphs: {json.dumps(ctx['serving_graphs'])}", file=sys.stderr, flush=True)
         sink.summary(summary(False))
         for mode in modes:  # a failed mode is recorded; the others still run
             print(f"colocate_gpu: mode {mode} ...", file=sys.stderr, flush=True)
@@ -993,6 +1232,10 @@ def main(argv=None) -> int:
         sink.summary(final)
         write_steps(args.steps_out, ctx["step_log"])
         print(json.dumps(final), flush=True)
+        if ctx.get("serving_graph_set") is not None:
+            if device_type == "cuda":
+                torch.cuda.synchronize()
+            ctx["serving_graph_set"].close()
         if partitioner is not None:
             partitioner.close()
     if interrupted:
@@ -1019,6 +1262,7 @@ def make_summary(args, ctx, results: dict, complete: bool, interrupted: bool, wa
         "target_tpot_ms": args.target_tpot_ms, "targets_ms": dict(ctx["targets"]),
         "cuda_device_max_connections": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"),
         "profile": str(args.profile) if args.profile else None,
+        "serving_graphs_on": ctx.get("graphs"), "serving_graphs": ctx.get("serving_graphs"),
         "trace": {"path": str(args.trace) if args.trace else "bundled sample", "start_s": args.trace_start_s,
                   "seconds": args.trace_seconds, "time_scale": args.time_scale, "requests": len(ctx["requests"]),
                   "max_context": args.max_context, "max_generated": args.max_generated},

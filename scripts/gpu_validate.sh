@@ -163,11 +163,15 @@ command_for() {
       # Without a profile the harvest modes cannot run; the baselines still can.
       local modes=(--modes "decode-alone,harvest,static,trainer-alone,harvest-tight" --profile "$PROFILE")
       [[ -f $PROFILE ]] || modes=(--modes "decode-alone,static,trainer-alone")
-      local run=(--trace-seconds 20 --max-context 512 --max-generated 128 --trainer-alone-s 15 --lora-rank 16
+      # Graphs on (claim e): the serving modes decode through the slot batch, each step the
+      # captured graph of the chosen level and the batch's bucket (5 levels x 4 buckets
+      # captured first; trainer-alone gives those seconds back). On CPU: the same path, eager.
+      local run=(--trace-seconds 20 --max-context 512 --max-generated 128 --trainer-alone-s 10 --lora-rank 16
         --trainer-seq-len 512 --trainer-batch 4 --trainer-micro-batch 2)
       ((cuda)) || run=(--trace-seconds 10 --time-scale 0.2 --max-generated 24 --trainer-alone-s 1.5 --lora-rank 4
         --trainer-seq-len 32 --trainer-batch 2 --trainer-micro-batch 1 --torch-threads 1)
       CMD=("$PYTHON" scripts/colocate_gpu.py "${MODEL_ARGS[@]}" --device "$DEVICE" "${modes[@]}" --levels "$LEVELS"
+        --graphs on --max-batch-size 48 --graph-buckets "8,16,32"
         --target-tpot-ms 40 --tight-target-factor 1.25 "${run[@]}" --steps-out "$OUT_DIR/colocate-steps.json"
         --out-dir "$OUT_DIR" --name colocate) ;;
     *) return 1 ;;

@@ -24,7 +24,7 @@ CLAIMS = {
     "b": "green-context partitions limit SMs: spin kernel and a real decode step per level",
     "c": "decode CUDA graphs captured per level respect their partition",
     "d": "a measured profile: stage-1 / stage-2 MAPE",
-    "e": "QoS under co-location: TPOT violation rate at 40 ms and at a tight target",
+    "e": "QoS under co-location, decode CUDA graphs on: TPOT violation rate at 40 ms and at a tight target",
     "f": "trainer throughput: harvest vs StaticMode vs trainer alone, same run",
 }
 
@@ -129,7 +129,8 @@ def claims(out: Path, run: dict, steps: dict, summary: dict) -> dict:
     graph_figures = {"by_batch_size": graph_rows, "memory_by_level": graphs.get("memory_by_level")} if graph_rows else None
     colocate = (summary.get("colocate") or {}).get("modes") or {}
     qos = {mode: {k: r.get(k) for k in ("tpot_ms_p50", "tpot_ms_p99", "violation_rate", "violation_rate_at",
-                                        "itl_ms_p99", "trainer_step_fraction", "interrupted")}
+                                        "itl_ms_p99", "trainer_step_fraction", "interrupted", "graphs",
+                                        "graph_steps", "eager_steps", "graphs_reason")}
            for mode, r in colocate.items() if "tpot_ms_p50" in r}
     rates = {mode: r.get("trainer_tokens_per_s") for mode, r in colocate.items()
              if r.get("trainer_tokens_per_s") is not None}

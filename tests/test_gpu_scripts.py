@@ -256,6 +256,56 @@ def test_ragged_batch_decodes_each_request_as_if_alone(colocate, tiny_llama_path
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_slot_batch_decodes_each_request_as_if_alone(colocate, tiny_llama_path, device, one_thread):
+    """The graphs-on serving batch: requests join free slots and leave (the last slots move
+    into the holes), steps compute the smallest bucket holding them, and the shared write
+    column wraps around its ring twice; every request gets the logits it would decoding
+    alone."""
+    import torch
+
+    model = _model(tiny_llama_path, device)
+    prompts = {1: [5 + 7 * j % 300 for j in range(5)], 2: [9 + 11 * j % 300 for j in range(9)], 3: [3, 4, 5],
+               4: [200, 17, 33, 8]}
+    batch = colocate.SlotDecodeBatch(model, device, 4, 9, 6, buckets=[1, 2])
+    assert batch.buckets == [1, 2, 4] and batch.max_length == 15
+    seen = {rid: [] for rid in prompts}
+    buckets = []
+
+    def steps(count):
+        for _ in range(count):
+            buckets.append(batch.bucket)
+            batch.step()
+            for slot, rid in enumerate(batch.request_ids):
+                seen[rid].append(batch.last_logits[slot].float().cpu().clone())  # a static buffer
+            assert batch.sum_context() == sum(batch.lengths) + batch.num_requests
+            assert batch.padded_sum_context() == batch.bucket * batch.max_length
+
+    def join(*rids):
+        batch.join(rids, [len(prompts[r]) for r in rids], prompts=[prompts[r] for r in rids])
+
+    join(1)
+    steps(2)
+    join(2, 3)
+    steps(2)
+    batch.leave([1])  # slot 0 freed: request 3 (slot 2) moves there
+    assert batch.request_ids == [3, 2]
+    steps(3)
+    join(4)
+    steps(1)
+    batch.leave([2, 3])
+    assert batch.request_ids == [4]
+    steps(4)
+    assert buckets == [1, 1, 4, 4, 2, 2, 2, 4, 1, 1, 1, 1]  # the write column went round its ring of 6 twice
+    with pytest.raises(RuntimeError, match="outstays"):
+        steps(2)  # request 4's sixth step fits, a seventh would overwrite its first ring column
+    batch.leave([4])
+    assert batch.num_requests == 0 and [len(rows) for rows in seen.values()] == [4, 6, 6, 6]
+    for rid, rows in seen.items():
+        reference = _solo_logits(model, prompts[rid], len(rows), device)
+        assert torch.allclose(torch.stack(rows), torch.stack(reference), atol=1e-4, rtol=1e-4), rid
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_shared_weight_trainer_matches_plain_peft(colocate, tiny_llama_path, device, one_thread):
     """One optimizer step (two micro-batches) gives plain PEFT's LoRA gradients and loss,
     with the decode model's tensors as frozen weights (none copied, none changed)."""
@@ -338,6 +388,8 @@ def test_colocate_runs_every_mode_on_cpu(tiny_llama_path, tmp_path):
         assert modes[name]["trainer_tokens_per_s"] > 0 and modes[name]["trainer_steps"] > 0, name
         assert modes[name]["trainer_state"] == "stopped"
     assert modes["static"]["trainer_step_fraction"] == 1.0
+    for name in ("decode-alone", "harvest", "static"):  # --graphs auto: off on CPU
+        assert modes[name]["graphs"] is False and "--graphs off" in modes[name]["graphs_reason"], name
     assert modes["harvest"]["qos"]["num_decisions"] == modes["harvest"]["steps"]
     assert modes["harvest"]["trainer_tokens_per_s"] >= 0 and modes["harvest"]["control_us_per_step"] > 0
     assert summary["harvest_trainer_vs_alone"] == pytest.approx(
@@ -346,6 +398,68 @@ def test_colocate_runs_every_mode_on_cpu(tiny_llama_path, tmp_path):
     assert {name: len(rows) for name, rows in logged.items()} == {n: modes[n]["steps"] for n in ("decode-alone", "harvest", "static")}
     assert all(row["itl_s"] >= row["tpot_s"] > 0 for rows in logged.values() for row in rows)
 
+
+
+@pytest.mark.timeout(300)
+def test_colocate_serves_with_graphs_on_and_falls_back_to_eager_on_cpu(tiny_llama_path, tmp_path):
+    """--graphs on: the slot batch serves every request through the graph step, eager on
+    CPU (no CUDA graphs), and each serving mode says so."""
+    from harvest.replay.trace import SAMPLE_TRACE, read_trace
+
+    seconds, time_scale, max_generated = 6.0, 0.2, 12
+    requests = [r for r in read_trace(SAMPLE_TRACE) if r.arrival_s < seconds]
+    expected_tokens = sum(min(r.generated_tokens, max_generated) - 1 for r in requests)
+    result = _run_colocate([
+        "--model-path", str(tiny_llama_path), "--device", "cpu", "--torch-threads", "1", "--graphs", "on",
+        "--modes", "decode-alone,harvest", "--profile", str(CPU_PROFILE), "--allow-profile-mismatch",
+        "--trace-seconds", str(seconds), "--time-scale", str(time_scale), "--max-generated", str(max_generated),
+        "--max-context", "256", "--max-batch-size", "16", "--graph-buckets", "4,8", "--lora-rank", "4",
+        "--trainer-seq-len", "32", "--trainer-batch", "2", "--trainer-micro-batch", "1"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert summary["serving_graphs_on"] is True
+    captured = summary["serving_graphs"]
+    assert captured["buckets"] == [4, 8, 16] and captured["captured"] == 0 and "CUDA" in captured["unavailable"]
+    for name in ("decode-alone", "harvest"):
+        mode = summary["modes"][name]
+        assert mode["decode_tokens"] == expected_tokens, name
+        assert mode["graphs"] is False and mode["graphs_reason"] == captured["unavailable"]
+        assert mode["graph_steps"] == 0 and mode["eager_steps"] >= mode["steps"] > 0
+        assert "slot batch" in mode["decode_engine"] and set(mode["violation_rate_at"]) == {"target", "tight"}
+
+
+def test_graph_step_replays_the_chosen_levels_graph_for_the_batchs_bucket(colocate, tiny_llama_path, one_thread):
+    """With (emulated) graphs captured per (level, bucket) on an empty slot batch, the serving
+    step replays the graph of the partitioner's level and the batch's bucket, and decodes
+    what the eager step decodes."""
+    import torch
+
+    from harvest.ladder import GREEN_CONTEXTS, Ladder, Level
+
+    class Partitioner:
+        ladder = Ladder(2, (Level(1, 1), Level(2, 0)), GREEN_CONTEXTS)
+        current_index = 1
+
+    model = _model(tiny_llama_path, "cpu")
+    prompts = [[5 + 7 * j % 300 for j in range(6)], [9, 8, 7], [4, 4, 4, 4]]
+    runs = {}
+    for graphs_on in (True, False):
+        batch = colocate.SlotDecodeBatch(model, "cpu", 4, 8, 5, buckets=[2])
+        graphs = _emulated_graphs()(Partitioner.ladder.levels)
+        if graphs_on:
+            report = colocate.capture_serving_graphs(batch, graphs, Partitioner.ladder)
+            assert report["captured"] == 4 and sorted(graphs.captures) == [(0, 2), (0, 4), (1, 2), (1, 4)]
+        step, rows = colocate.GraphStep(batch, graphs, Partitioner()), []
+        batch.join([1, 2], [6, 3], prompts=prompts[:2])
+        for joining in ([3], []):  # buckets 2, then 4
+            for _ in range(2):
+                step()
+                rows.append(batch.last_logits[:batch.num_requests].clone())
+            if joining:
+                batch.join(joining, [4], prompts=prompts[2:])
+        runs[graphs_on] = rows, step.graph_steps, step.eager_steps
+    assert runs[True][1:] == (4, 0) and runs[False][1:] == (0, 4)
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(runs[True][0], runs[False][0]))
 
 # -- per-level CUDA graphs of a static-cache decode step (claim c) ----------------------------
 HOST_READS = {"_local_scalar_dense", "nonzero", "masked_select", "_unique2", "unique_dim", "unique_consecutive",
@@ -390,6 +504,12 @@ def test_a_static_decode_step_reads_nothing_back_to_the_host(colocate, tiny_llam
     with HostReads() as mode:
         batch.decode_step()
         batch.decode_step()
+    assert mode.seen == []
+    slots = colocate.SlotDecodeBatch(batch.model, "cpu", 4, 8, 2, buckets=[2])
+    slots.join([1], [5])
+    with HostReads() as mode:  # the serving step, both buckets, the write column wrapping round
+        for bucket in (2, 4, 2):
+            slots.decode_step(bucket)
     assert mode.seen == []
     with HostReads() as mode:  # the detector does see one
         bool(torch.ones(1).any())

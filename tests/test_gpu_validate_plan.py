@@ -170,6 +170,10 @@ def test_each_part_rehearses_on_cpu_within_its_plan(part, tmp_path, primed_build
         assert colocate["complete"] and set(colocate["modes"]) == {"decode-alone", "harvest", "static", "trainer-alone",
                                                                    "harvest-tight"}
         assert not any("error" in mode for mode in colocate["modes"].values()), colocate["modes"]
+        assert colocate["serving_graphs_on"] is True  # the graphs-on serving path, eager without CUDA
+        for name in ("decode-alone", "harvest", "static", "harvest-tight"):
+            mode = colocate["modes"][name]
+            assert mode["graphs"] is False and "CUDA graphs need a CUDA device" in mode["graphs_reason"], name
     for claim in summary["claims"].values():
         assert "not_measured" in claim  # a CPU run measures no GPU figure
     with tarfile.open(archive) as tar:
