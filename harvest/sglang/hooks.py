@@ -32,6 +32,7 @@ TARGETS = [
     KV_POOL_CREATE,
     f"{TOKEN_ALLOCATOR}.alloc",
     f"{TOKEN_ALLOCATOR}.check_decode_capacity",
+    f"{TOKEN_ALLOCATOR}.clear",
     FULL_POOL_INVARIANT,
 ]
 
@@ -89,6 +90,19 @@ def _check_decode_capacity(original, allocator, *args, **kwargs):
     return _took_lent_chunks_back(allocator, kwargs["num_tokens"]) and original(allocator, *args, **kwargs)
 
 
+def _token_clear(original, allocator, *args, **kwargs):
+    # SGLang's clear() (flush_cache, memory release for a weight update) frees every slot,
+    # lent ones too: SGLang would then hand out slots whose pages the trainer holds, and
+    # its leak check kills the server (more free slots than the pool has).
+    result = original(allocator, *args, **kwargs)
+    from harvest.sglang.kv_lending import lending_of
+
+    lending = lending_of(allocator)
+    if lending is not None:
+        lending.after_pool_cleared()
+    return result
+
+
 def _took_lent_chunks_back(allocator, need_tokens: int) -> bool:
     """After SGLang found too few free slots: take lent chunks back toward ``need_tokens``.
     True if any came back (only then can asking SGLang again change its answer)."""
@@ -121,4 +135,5 @@ def register(registry, hook_type) -> None:
     registry.register(KV_POOL_CREATE, kv_backing._create_buffers_normal, hook_type.AROUND)
     registry.register(f"{TOKEN_ALLOCATOR}.alloc", _token_alloc, hook_type.AROUND)
     registry.register(f"{TOKEN_ALLOCATOR}.check_decode_capacity", _check_decode_capacity, hook_type.AROUND)
+    registry.register(f"{TOKEN_ALLOCATOR}.clear", _token_clear, hook_type.AROUND)
     registry.register(FULL_POOL_INVARIANT, _full_pool_invariant, hook_type.AROUND)

@@ -177,6 +177,22 @@ class KvLendingController:
             return False
         return bool(self.reclaim(min(self.num_taken, math.ceil(short / self.tokens_per_chunk))))
 
+    def after_pool_cleared(self) -> None:
+        """SGLang's ``clear()`` (``/flush_cache``, a weight update) just made every slot of
+        the pool free again, the slots of the chunks lent or being lent included: take
+        those back out of the free list. They stay the trainer's, and SGLang's state is
+        what it would be had nothing been lent (its leak check counts them as lent, as
+        after any step). Nothing waits and nothing moves in memory."""
+        taken = [c for c in range(len(self._lent)) if self._lent[c] or c in self._lending]
+        if not taken:
+            return
+        self.tokens.merge_and_sort_free()
+        ids = self.tokens.free_pages
+        chunk_of = torch.div(ids, self.tokens_per_chunk, rounding_mode="floor")
+        out = torch.isin(chunk_of, torch.tensor(taken, dtype=chunk_of.dtype, device=chunk_of.device))
+        self.tokens.free_pages = ids[~out]
+        logger.info("SGLang cleared its KV pool: the %d chunk(s) lent or being lent stay out of its free list", len(taken))
+
     # -- mechanism ------------------------------------------------------------------------
     def lend(self, chunks) -> None:
         """Take these whole free chunks out of SGLang's free lists and lend them: at once

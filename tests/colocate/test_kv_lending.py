@@ -420,3 +420,31 @@ def test_sglangs_leak_check_counts_the_slots_of_pending_lends_as_accounted_for(b
                       full_evictable_size=0)
     seen = hooks._full_pool_invariant(lambda checker, ps, uncached=0: ps, checker, stats, uncached=0)
     assert seen.full_available_size == tokens.available_size() + lending.num_lending * TOKENS_PER_CHUNK
+
+
+def test_sglang_clearing_its_pool_keeps_the_lent_chunks_out_of_the_free_list(kv):
+    """``/flush_cache`` (Scheduler.flush_cache -> TokenToKVPoolAllocator.clear) while chunks
+    are lent: without the hook every lent slot would be free again (SGLang would hand out
+    the trainer's pages, and its leak check would kill the server)."""
+    tokens, lending = kv
+    held = tokens.alloc(200)
+    lending.maybe_lend(force=True)
+    lent = lending.num_lent
+    assert lent > 0
+    size = tokens.size
+    hooks._token_clear(TokenToKVPoolAllocator.clear, tokens)
+    # Everything SGLang held is free again (held's slots too), except what is lent.
+    assert tokens.available_size() == size - lent * TOKENS_PER_CHUNK
+    assert lending.num_lent == lent
+    free_chunks = {int(slot) // TOKENS_PER_CHUNK for slot in torch.cat((tokens.free_pages, tokens.release_pages))}
+    assert not free_chunks & set(lending.lent_chunks())
+    lending.check_integrity()  # SGLang's free lists, the allocator and the cache agree
+    # SGLang's own leak check holds: free + lent slots == the pool.
+    assert tokens.available_size() + lending.num_lent * TOKENS_PER_CHUNK == size
+    # And without a lending controller, clear() is SGLang's.
+    del held
+    setattr(tokens, LENDING_ATTR, None)
+    hooks._token_clear(TokenToKVPoolAllocator.clear, tokens)
+    assert tokens.available_size() == size
+    setattr(tokens, LENDING_ATTR, lending)
+    lending.after_pool_cleared()  # the fixture's teardown reclaims into a consistent pool
