@@ -66,6 +66,8 @@ class MemoryConfig:
                                            Number(minimum=0.0))
     integrity_check_interval_s: float = setting(5.0, "least time between two idle checks that SGLang's free lists and "
                                                 "the lent chunks agree, in seconds", Number(minimum=0.0))
+    release_on_pause: bool = setting(True, "an operator's pause gives the lent KV memory back to decode at once "
+                                     "(false: the paused trainer keeps it)", Boolean())
 
     def __post_init__(self) -> None:
         validate(self)

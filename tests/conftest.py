@@ -46,3 +46,16 @@ def tiny_qwen2_path():
     from harvest.tiny_model import TINY_QWEN2, ensure_tiny_model
 
     return ensure_tiny_model(TINY_QWEN2)
+
+
+@pytest.fixture(autouse=True)
+def _environment_restored():
+    """Every test leaves os.environ as it found it. harvest writes variables a server's
+    processes inherit (HARVEST_ENABLED, CUDA_DEVICE_MAX_CONNECTIONS, ... from the
+    plugin's launcher hook and the CLI); one leaked from an in-process test reached every
+    server started after it (monkeypatch.delenv of an unset name restores nothing)."""
+    saved = dict(os.environ)
+    yield
+    if os.environ != saved:
+        os.environ.clear()
+        os.environ.update(saved)

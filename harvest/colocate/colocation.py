@@ -40,6 +40,12 @@ class NoKvLending:
     def reclaim_all(self) -> None:
         pass
 
+    def return_all(self) -> None:
+        pass
+
+    def resume_lending(self) -> None:
+        pass
+
     def maybe_check_integrity(self) -> bool:
         return False
 
@@ -76,6 +82,8 @@ class Colocation:
         self.attention_handlers: list[Callable[[], bool]] = []
         self._attention = False  # a trainer fault or a stop signal to handle on this thread
         self._fault_pending = False
+        self._lending_request: str | None = None  # an operator's "return" or "resume", for this thread
+        self._operator_stopped = False
         self._refit_lock = threading.Lock()
         self._last_refit = 0.0
         self._closed = False
@@ -204,8 +212,53 @@ class Colocation:
         """Any thread or a signal handler: run the attention handlers at the next step or idle tick."""
         self._attention = True
 
+    # -- the operator (any thread: the control endpoint's) -------------------------------------
+    def operator(self, action: str) -> tuple[int, dict]:
+        """An operator's ``pause``, ``resume`` or ``stop``: (HTTP status, reply). The reply
+        says the state the action leads to; an action the trainer's state does not allow
+        is refused with 409. Pause gives the lent KV memory back (``memory.release_on_pause``);
+        stop checkpoints, gives every chunk back and lends no more. The memory moves on the
+        engine thread, at its next step or idle tick."""
+        from harvest.schedule import TrainerState
+
+        host = self.trainer_host
+        if host is None:
+            return 409, {"error": "no finetune job configured"}
+        state = host.status().state
+        ended = (TrainerState.STOPPED, TrainerState.FINISHED, TrainerState.FAILED)
+        if state in ended or (self._operator_stopped and action != "stop"):
+            return 409, {"error": f"the trainer has {'been stopped' if self._operator_stopped else state.value}: "
+                                  f"nothing to {action}", "trainer": state.value}
+        if action == "pause":
+            host.operator_pause()
+            release = self.config.memory.release_on_pause
+            if release:
+                self._request_lending("return")
+            return 200, {"trainer": "paused", "kv": "returning lent memory to decode" if release else "kept"}
+        if action == "resume":
+            host.operator_resume()
+            self._request_lending("resume")
+            return 200, {"trainer": "resumed", "kv": "lending"}
+        if action == "stop":
+            if self._operator_stopped:
+                return 409, {"error": "the trainer is already stopping", "trainer": state.value}
+            self._operator_stopped = True
+            host.operator_stop()
+            self._request_lending("return")
+            return 200, {"trainer": "stopping (checkpoint first)", "kv": "returning lent memory; no more lending"}
+        raise ValueError(f"unknown operator action {action!r}")
+
+    def _request_lending(self, request: str) -> None:
+        self._lending_request = request
+        self.request_attention()
+
     def _attend(self) -> None:
         self._attention = False
+        request, self._lending_request = self._lending_request, None
+        if request == "return":
+            self.lending.return_all()
+        elif request == "resume" and not self._operator_stopped and self.integrity_error is None:
+            self.lending.resume_lending()
         if self._fault_pending:
             self._fault_pending = False
             if self.metrics is not None:

@@ -7,9 +7,12 @@ where the trainer and the metrics live; SGLang's HTTP server runs in another pro
     GET  /harvest/status   JSON: trainer, SM level, memory, QoS counters
     GET  /harvest/steps    JSON: the last steps, rows of StepRecord (time, batch size, ms,
                            predicted ms, level, trainer ran, decode?, decision reason)
-    POST /harvest/pause    trainer pauses at its next unit boundary
+    POST /harvest/pause    trainer pauses at its next unit boundary; the lent KV memory
+                           goes back to decode (memory.release_on_pause)
     POST /harvest/resume
-    POST /harvest/stop     trainer checkpoints and stops
+    POST /harvest/stop     trainer checkpoints and stops; every lent chunk comes back and
+                           nothing more is lent
+    (409 for an action the trainer's state refuses: resume after stop, ...)
 
 The /harvest endpoints use SGLang's own auth rule for admin endpoints
 (``sglang.srt.utils.auth.decide_request_auth`` at ``ADMIN_OPTIONAL``): with no keys
@@ -31,9 +34,10 @@ logger = get_logger(__name__)
 
 class Controllable(Protocol):
     def status(self) -> dict: ...
-    def pause_trainer(self) -> dict: ...
-    def resume_trainer(self) -> dict: ...
-    def stop_trainer(self) -> dict: ...
+    # Each returns (HTTP status, reply): 409 for an action the trainer's state refuses.
+    def pause_trainer(self) -> tuple[int, dict]: ...
+    def resume_trainer(self) -> tuple[int, dict]: ...
+    def stop_trainer(self) -> tuple[int, dict]: ...
     def metrics_exposition(self) -> bytes: ...
     def recent_steps(self) -> list: ...
 
@@ -81,7 +85,7 @@ class ControlServer:
                 if action is None:
                     self._json(404, {"error": f"no such endpoint {self.path}"})
                 elif self._allowed():
-                    self._json(200, action())
+                    self._json(*action())
 
             def log_message(self, fmt, *args):  # keep request lines out of the server log
                 logger.debug("control: " + fmt, *args)

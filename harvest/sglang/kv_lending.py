@@ -102,6 +102,9 @@ class KvLendingController:
         self._lending: set[int] = set()  # cache of the allocator's LENDING chunks (out of the free lists)
         self._wanted_back = 0  # chunks published as wanted back and not yet reclaimed
         self.enabled = True  # False after a trainer fault: everything comes back, nothing is lent
+        # True while the operator has the trainer paused or stopped: nothing is lent and
+        # every chunk comes back as the trainer lets go of it (never waited for).
+        self.returning = False
         self.num_lent_total = 0
         self.num_lends_cancelled_total = 0
         self.num_reclaimed_total = 0
@@ -147,19 +150,26 @@ class KvLendingController:
         or ask the trainer for them (never waits)."""
         if not self.num_taken:
             return
-        count = reclaim_count(self.policy, self.tokens.available_size(), self.num_taken)
+        if self.returning:
+            count = self.num_taken
+        else:
+            count = reclaim_count(self.policy, self.tokens.available_size(), self.num_taken)
         if count or self._wanted_back:
             self.reclaim(count, wait=False)  # count 0 withdraws a request no longer needed
 
     def maybe_lend(self, force: bool = False) -> None:
         """Finish the lends whose fences have passed (every call), then, at most every
         ``lend_interval_s``, lend or reclaim as the policy says."""
-        if self._lending and self.enabled:
+        if self._lending and self.enabled and not self.returning:
             self.finish_lends()
         now = time.monotonic()
         if not self.enabled or (not force and now - self._last_lend < self.lend_interval_s):
             return
         self._last_lend = now
+        if self.returning:
+            if self.num_taken:
+                self.reclaim(self.num_taken, wait=False)  # what the trainer let go of since
+            return
         taken = [lent or chunk in self._lending for chunk, lent in enumerate(self._lent)]
         decision = plan(self.policy, self.free_per_chunk(), taken)
         if decision.reclaim_count or self._wanted_back:
@@ -296,6 +306,22 @@ class KvLendingController:
                 self.metrics.reclaimed(elapsed / len(chosen), len(chosen))
         self._publish(count - len(chosen))
         return cancelled + chosen
+
+    def return_all(self) -> None:
+        """Operator pause or stop: lend nothing more, and take every chunk back as the
+        trainer lets go of it. Pending lends and unused lent chunks come back now; the
+        rest is published as wanted back (a paused trainer empties its window while
+        parked, a stopping one when it leaves its loop) and taken at later steps and idle
+        ticks. Never waits."""
+        self.returning = True
+        if self.num_taken:
+            self.reclaim(self.num_taken, wait=False)
+
+    def resume_lending(self) -> None:
+        """Operator resume: lend again as the policy says."""
+        self.returning = False
+        if self._wanted_back:
+            self._publish(0)  # the trainer may grow its window again
 
     def reclaim_all(self) -> None:
         """Every lent chunk back, lending off (a trainer fault). A trainer that left its

@@ -149,21 +149,14 @@ class HarvestRuntime:
     def metrics_exposition(self) -> bytes:
         return self.reporter.metrics_exposition()
 
-    def pause_trainer(self) -> dict:
-        return self._operator("pause", "paused")
+    def pause_trainer(self) -> tuple[int, dict]:
+        return self.colocation.operator("pause")
 
-    def resume_trainer(self) -> dict:
-        return self._operator("resume", "resumed")
+    def resume_trainer(self) -> tuple[int, dict]:
+        return self.colocation.operator("resume")
 
-    def stop_trainer(self) -> dict:
-        return self._operator("stop", "stopping (checkpoint first)")
-
-    def _operator(self, action: str, outcome: str) -> dict:
-        host = self.colocation.trainer_host
-        if host is None:
-            return {"error": "no finetune job configured"}
-        getattr(host, f"operator_{action}")()
-        return {"trainer": outcome}
+    def stop_trainer(self) -> tuple[int, dict]:
+        return self.colocation.operator("stop")
 
 
 def sglang_engine(scheduler, config):

@@ -448,3 +448,32 @@ def test_sglang_clearing_its_pool_keeps_the_lent_chunks_out_of_the_free_list(kv)
     assert tokens.available_size() == size
     setattr(tokens, LENDING_ATTR, lending)
     lending.after_pool_cleared()  # the fixture's teardown reclaims into a consistent pool
+
+
+def test_returning_lends_nothing_and_takes_every_chunk_back_until_resumed(kv):
+    """An operator's pause or stop (Colocation.operator -> return_all on the engine thread)."""
+    tokens, lending = kv
+    lending.maybe_lend(force=True)
+    assert lending.num_lent > 0
+    lending.return_all()  # no trainer holds them: they come back at once, nothing waits
+    assert lending.num_taken == 0 and lending.returning
+    lending.maybe_lend(force=True)
+    lending.after_step()
+    assert lending.num_lent == 0  # nothing lent while returning
+    lending.resume_lending()
+    lending.maybe_lend(force=True)
+    assert lending.num_lent > 0
+    lending.check_integrity()
+
+
+def test_returning_takes_back_what_a_trainer_lets_go_of_later(kv):
+    tokens, lending = kv
+    lending.maybe_lend(force=True)
+    lent = lending.num_lent
+    held = lending.allocator.allocate(lending.chunk_bytes)  # a trainer buffer in lent memory
+    lending.return_all()
+    assert 0 < lending.num_lent < lent  # the chunk under the buffer stays lent, the rest is back
+    assert lending.budget.snapshot.wanted_back_bytes > 0  # and the trainer is asked for it
+    held.free()
+    lending.maybe_lend(force=True)  # the next tick takes it
+    assert lending.num_lent == 0

@@ -18,6 +18,7 @@ import json
 import os
 import signal
 import time
+import urllib.error
 import urllib.request
 
 import pytest
@@ -50,6 +51,15 @@ def _generate_all(srv, prompts, workers):
 def _status(port):
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/harvest/status", timeout=10) as response:
         return json.loads(response.read())
+
+
+def _operator(port, action):
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/harvest/{action}", method="POST", data=b"")
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
 
 
 def _metrics(port):
@@ -135,6 +145,32 @@ def test_outputs_identical_reclaim_progress_and_metrics(tiny_llama_path, tmp_pat
     assert samples['harvest_kv_lends_total{}'] >= lent_before and samples['harvest_kv_reclaims_total{}'] > 0
     assert samples['harvest_trainer_tokens_total{}'] > 0 and samples['harvest_trainer_steps_total{}'] > 0
     assert samples['harvest_qos_target_seconds{}'] == pytest.approx(0.040)
+
+
+def test_pause_gives_the_memory_back_and_stop_ends_lending(tiny_llama_path, tmp_path, reference_outputs):
+    port = server.free_port()
+    config = colocation_config.write(tmp_path / "harvest", tiny_llama_path, metrics_port=port)
+    light, burst = _prompts()
+    with server.launch(_args(tiny_llama_path, "--enable-harvest", "--harvest-config", str(config)), log_path=tmp_path / "sglang.log") as srv:
+        lent = _wait_for(lambda: (s := _status(port))["kv"]["chunks_lent"] > 0 and (s["trainer"]["stats"] or {}).get("global_step", 0) > 0 and s, timeout_s=120)
+        assert lent, _status(port)
+        pause = _operator(port, "pause")
+        paused = _wait_for(lambda: (s := _status(port))["kv"]["chunks_lent"] == 0 and s)
+        resume = _operator(port, "resume")
+        relent = _wait_for(lambda: (s := _status(port))["kv"]["chunks_lent"] > 0 and s)
+        stop = _operator(port, "stop")
+        stopped = _wait_for(lambda: (s := _status(port))["kv"]["chunks_lent"] == 0 and s["trainer"]["state"] == "stopped" and s, timeout_s=120)
+        burst_out = _generate_all(srv, burst, BURST)
+        idle = _wait_for(lambda: False, timeout_s=2.0)  # idle ticks in which lending would happen
+        after = _status(port)
+        refused = [_operator(port, action) for action in ("resume", "pause", "stop")]
+    assert pause[0] == 200 and pause[1]["trainer"] == "paused", pause
+    assert paused and paused["trainer"]["state"] == "paused", paused
+    assert resume[0] == 200 and relent, resume
+    assert stop[0] == 200 and stopped, stop
+    assert burst_out == reference_outputs[1] and not idle
+    assert after["kv"]["chunks_lent"] == 0 and after["kv"]["integrity_error"] is None  # nothing lent again after stop
+    assert [code for code, _ in refused] == [409, 409, 409], refused
 
 
 def test_trainer_fault_leaves_the_server_serving(tiny_llama_path, tmp_path, reference_outputs, monkeypatch):

@@ -22,15 +22,15 @@ class FakeRuntime:
 
     def pause_trainer(self):
         self.calls.append("pause")
-        return {"trainer": "pausing"}
+        return 200, {"trainer": "pausing"}
 
     def resume_trainer(self):
         self.calls.append("resume")
-        return {"trainer": "running"}
+        return 200, {"trainer": "running"}
 
     def stop_trainer(self):
         self.calls.append("stop")
-        return {"trainer": "stopped"}
+        return 409, {"error": "the trainer has been stopped: nothing to stop"}
 
     def metrics_exposition(self):
         return b"harvest_x 1\n"
@@ -63,9 +63,9 @@ def test_routes_without_keys(open_server):
     assert request(port, "GET", "/metrics") == (200, b"harvest_x 1\n")
     status, body = request(port, "GET", "/harvest/status")
     assert status == 200 and json.loads(body) == {"trainer": {"state": "running"}}
-    for action in ("pause", "resume", "stop"):
+    for action, code in (("pause", 200), ("resume", 200), ("stop", 409)):
         status, body = request(port, "POST", f"/harvest/{action}")
-        assert status == 200
+        assert status == code, (action, body)  # the runtime's status passes through
     assert runtime.calls == ["pause", "resume", "stop"]
     status, body = request(port, "GET", "/harvest/steps")
     assert status == 200 and json.loads(body) == {"steps": [[1.0, 4, 3.5, 3.2, 0, True]]}
