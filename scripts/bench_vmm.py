@@ -33,21 +33,6 @@ The last stdout line is one JSON object. What each figure measures:
       still running (1.0: every call was made under load); under_load_passes: reductions
       completed; under_load_fault: the error the reads raised, else null;
       under_load_checksum_ok: every reduction read the values decode wrote.
-  create_calls_after_init
-      cuMemCreate-equivalent calls after start-up, summed over every allocator this
-      run made (all the work below included). Must be 0.
-  lend_us_median, reclaim_us_median
-      Wall time of one lend / reclaim of one chunk (median of 50).
-  under_load_*
-      The same lend/reclaim while decode-like kernels read the KV cache: reductions over
-      every layer's K and V slices of the chunks that stay with decode (8 of 12), back
-      to back from a thread (on a side stream with CUDA, as fast as its launch queue
-      takes them), for the whole time chunks 8-11 are lent and reclaimed (50 rounds). under_load_lend_us_median /
-      under_load_reclaim_us_median; under_load_busy_fraction: share of the lend/reclaim
-      calls that began and ended with the kernels still running (1.0: every call was
-      made under load); under_load_passes: reductions completed; under_load_fault: the
-      CUDA error the side stream raised, else null; under_load_checksum_ok: every
-      reduction read the values decode wrote (lending other chunks changed nothing).
   small_alloc_free_ns_median, small_vs_malloc_ratio
       Timed in C++ (hvmm_bench_small_pool): one random sequence of 200,000 allocations
       and frees (sizes log-uniform in [512 B, 256 KiB], up to 256 live), replayed on the

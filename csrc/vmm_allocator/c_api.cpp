@@ -2,6 +2,7 @@
 // turned into a status plus hvmm_last_error() text. Nothing below may throw past here.
 #include <new>
 #include <string>
+#include <utility>
 
 #include "cuda_driver.h"
 #include "errors.h"
@@ -30,6 +31,26 @@ template <typename T>
 T& require(T* pointer, const char* name) {
   if (pointer == nullptr) harvest::vmm::throw_invalid(std::string(name) + " is NULL");
   return *pointer;
+}
+
+// The entry points that hand back a list: `*out_count` is how many `items()` gives, at
+// most `capacity` of them are copied to `out` (converted); a larger count tells the
+// caller to call again with a larger array.
+template <typename Out, typename Items, typename Convert>
+void copy_out(Out* out, int64_t capacity, int64_t* out_count, Items&& items, Convert&& convert) {
+  require(out_count, "out_count") = 0;
+  if (capacity < 0 || (capacity > 0 && out == nullptr)) {
+    harvest::vmm::throw_invalid("capacity=" + std::to_string(capacity) + " with " + (out ? "an" : "no") +
+                                " output array");
+  }
+  const auto list = items();
+  for (size_t i = 0; i < list.size() && static_cast<int64_t>(i) < capacity; ++i) out[i] = convert(list[i]);
+  *out_count = static_cast<int64_t>(list.size());
+}
+
+template <typename Out, typename Items>
+void copy_out(Out* out, int64_t capacity, int64_t* out_count, Items&& items) {
+  copy_out(out, capacity, out_count, std::forward<Items>(items), [](const auto& item) { return static_cast<Out>(item); });
 }
 
 }  // namespace
@@ -80,14 +101,7 @@ int hvmm_set_fence_streams(hvmm_allocator_t* allocator, const uint64_t* streams,
 
 int hvmm_fence_streams(hvmm_allocator_t* allocator, uint64_t* out, int64_t capacity, int64_t* out_count) {
   return guarded("fence_streams", [&] {
-    require(out_count, "out_count");
-    if (capacity < 0 || (capacity > 0 && out == nullptr)) {
-      harvest::vmm::throw_invalid("capacity=" + std::to_string(capacity) + " with " + (out ? "an" : "no") +
-                                  " output array");
-    }
-    const auto streams = require(allocator, "allocator").impl.fence_streams();
-    for (size_t i = 0; i < streams.size() && static_cast<int64_t>(i) < capacity; ++i) out[i] = streams[i];
-    *out_count = static_cast<int64_t>(streams.size());
+    copy_out(out, capacity, out_count, [&] { return require(allocator, "allocator").impl.fence_streams(); });
   });
 }
 
@@ -104,14 +118,7 @@ int hvmm_lend_start(hvmm_allocator_t* allocator, const int64_t* chunks, int64_t 
 
 int hvmm_lend_finish(hvmm_allocator_t* allocator, int64_t* out, int64_t capacity, int64_t* out_count) {
   return guarded("lend_finish", [&] {
-    require(out_count, "out_count") = 0;
-    if (capacity < 0 || (capacity > 0 && out == nullptr)) {
-      harvest::vmm::throw_invalid("capacity=" + std::to_string(capacity) + " with " + (out ? "an" : "no") +
-                                  " output array");
-    }
-    const auto chunks = require(allocator, "allocator").impl.finish_lends();
-    for (size_t i = 0; i < chunks.size() && static_cast<int64_t>(i) < capacity; ++i) out[i] = chunks[i];
-    *out_count = static_cast<int64_t>(chunks.size());
+    copy_out(out, capacity, out_count, [&] { return require(allocator, "allocator").impl.finish_lends(); });
   });
 }
 
@@ -194,18 +201,12 @@ int hvmm_debug_record_calls(hvmm_allocator_t* allocator, int32_t on) {
 
 int hvmm_debug_call_log(hvmm_allocator_t* allocator, hvmm_call_record_t* out, int64_t capacity, int64_t* out_count) {
   return guarded("hvmm_debug_call_log", [&] {
-    require(out_count, "out_count") = 0;
-    if (capacity < 0 || (capacity > 0 && out == nullptr)) {
-      harvest::vmm::throw_invalid("capacity=" + std::to_string(capacity) + " with " + (out ? "an" : "no") +
-                                  " output array");
-    }
-    const auto log = require(allocator, "allocator").impl.backend().call_log();
-    for (size_t i = 0; i < log.size() && static_cast<int64_t>(i) < capacity; ++i) {
-      const harvest::vmm::CallRecord& record = log[i];
-      out[i] = hvmm_call_record_t{static_cast<int32_t>(record.kind), record.result, record.address, record.bytes,
-                                  record.stream, record.event};
-    }
-    *out_count = static_cast<int64_t>(log.size());
+    copy_out(
+        out, capacity, out_count, [&] { return require(allocator, "allocator").impl.backend().call_log(); },
+        [](const harvest::vmm::CallRecord& record) {
+          return hvmm_call_record_t{static_cast<int32_t>(record.kind), record.result, record.address, record.bytes,
+                                    record.stream, record.event};
+        });
   });
 }
 

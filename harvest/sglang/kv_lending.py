@@ -196,10 +196,7 @@ class KvLendingController:
         taken = [c for c in range(len(self._lent)) if self._lent[c] or c in self._lending]
         if not taken:
             return
-        self.tokens.merge_and_sort_free()
-        ids = self.tokens.free_pages
-        chunk_of = torch.div(ids, self.tokens_per_chunk, rounding_mode="floor")
-        out = torch.isin(chunk_of, torch.tensor(taken, dtype=chunk_of.dtype, device=chunk_of.device))
+        ids, out = self._free_slots_in(taken)
         self.tokens.free_pages = ids[~out]
         logger.info("SGLang cleared its KV pool: the %d chunk(s) lent or being lent stay out of its free list", len(taken))
 
@@ -211,10 +208,7 @@ class KvLendingController:
         chunks = [c for c in chunks if not self._lent[c] and c not in self._lending]
         if not chunks:
             return
-        self.tokens.merge_and_sort_free()
-        ids = self.tokens.free_pages
-        chunk_of = torch.div(ids, self.tokens_per_chunk, rounding_mode="floor")
-        taken = torch.isin(chunk_of, torch.tensor(chunks, dtype=chunk_of.dtype, device=chunk_of.device))
+        ids, taken = self._free_slots_in(chunks)
         if int(taken.sum()) != len(chunks) * self.tokens_per_chunk:
             raise RuntimeError(f"lend {chunks}: not every slot of these chunks is free (SGLang state changed under us)")
         self.tokens.free_pages = ids[~taken]
@@ -227,6 +221,13 @@ class KvLendingController:
             self._lent_now(chunks)
         else:
             self._lending.update(chunks)  # the next maybe_lend finishes them
+
+    def _free_slots_in(self, chunks) -> tuple[torch.Tensor, torch.Tensor]:
+        """SGLang's free list (merged first) and the mask of its slots in ``chunks``."""
+        self.tokens.merge_and_sort_free()
+        ids = self.tokens.free_pages
+        chunk_of = torch.div(ids, self.tokens_per_chunk, rounding_mode="floor")
+        return ids, torch.isin(chunk_of, torch.tensor(chunks, dtype=chunk_of.dtype, device=chunk_of.device))
 
     def finish_lends(self) -> list[int]:
         """Complete the lends whose fences have passed (queries, no wait); returns the chunks
