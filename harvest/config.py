@@ -28,7 +28,8 @@ Example (every key is optional; ``harvest config-schema`` lists them all)::
       hysteresis_chunks: 1      # lend only this many chunks above the reserve
       max_lend_fraction: 0.8    # never lend more than this share of the KV pool
     metrics:
-      port: 9400                # harvest's /metrics and control endpoints; 0 = off
+      port: 18400               # harvest's /metrics and control endpoints; 0 = off
+      host: null                # address they listen on; null = SGLang's --host
     online:
       window: 512               # measured steps kept per level to refit the predictor
 """
@@ -42,9 +43,12 @@ from typing import Any
 
 from harvest.predict.online import OnlineSettings
 from harvest.schedule.config import SchedulerConfig
-from harvest.settings import (Boolean, FilePath, Integer, ListOf, Number, SettingError, from_mapping, invalid, json_schema,
-                              section, setting, validate)
+from harvest.settings import (Boolean, FilePath, Integer, ListOf, Number, SettingError, Text, from_mapping, invalid,
+                              json_schema, section, setting, validate)
 from harvest.train.trainer_cpu import TrainerConfig
+
+
+DEFAULT_METRICS_PORT = 18400
 
 
 class ConfigError(ValueError):
@@ -75,7 +79,14 @@ class MemoryConfig:
 
 @dataclasses.dataclass(frozen=True)
 class MetricsConfig:
-    port: int = setting(9400, "port of harvest's /metrics and control endpoints (0: off)", Integer(minimum=0, maximum=65535))
+    # 18400: outside Prometheus's exporter range 9100-9999 (fully allocated; NVIDIA's
+    # dcgm-exporter, often on the same GPU servers, has 9400), SGLang's 30000 and the
+    # ports SGLang derives from its own, and the kernel's ephemeral range (32768-).
+    port: int = setting(DEFAULT_METRICS_PORT, "port of harvest's /metrics and control endpoints (0: off); per "
+                        "instance: --harvest-metrics-port or HARVEST_METRICS_PORT", Integer(minimum=0, maximum=65535))
+    host: str | None = setting(None, "address harvest's endpoints listen on (0.0.0.0: every interface); null: SGLang's "
+                               "--host; per instance: --harvest-metrics-host or HARVEST_METRICS_HOST",
+                               Text(r"[^\s/]+", "a host name or IP address"), nullable=True)
     publish_interval_s: float = setting(0.5, "least time between two metric updates while idle, in seconds",
                                         Number(minimum=0.0))
 

@@ -93,3 +93,31 @@ def fault_after_units() -> int | None:
     if not value.isdigit():
         raise ValueError(f"HARVEST_FAULT_AFTER_UNITS={value!r} must be a non-negative integer")
     return int(value)
+
+
+# Per-instance overrides of harvest.yaml's metrics.port / metrics.host: several SGLang
+# servers on one host (one per GPU) share a harvest.yaml but not a port. The plugin sets
+# them in the launcher from --harvest-metrics-port / --harvest-metrics-host (the command
+# line wins over the environment), and SGLang's scheduler processes inherit them.
+METRICS_PORT_VAR = "HARVEST_METRICS_PORT"
+METRICS_HOST_VAR = "HARVEST_METRICS_HOST"
+
+
+def metrics_port() -> int | None:
+    """HARVEST_METRICS_PORT: 0..65535 (0: endpoint off), or None when unset."""
+    value = os.environ.get(METRICS_PORT_VAR)
+    if not value:
+        return None
+    if not value.isdigit() or int(value) > 65535:
+        raise ValueError(f"{METRICS_PORT_VAR}={value!r} must be a port number, 0 to 65535 (0: off)")
+    return int(value)
+
+
+def metrics_host() -> str | None:
+    """HARVEST_METRICS_HOST: the address harvest's endpoint listens on, or None when unset."""
+    value = os.environ.get(METRICS_HOST_VAR)
+    if value is None or not value.strip():
+        return None
+    if any(ch.isspace() or ch == "/" for ch in value):
+        raise ValueError(f"{METRICS_HOST_VAR}={value!r} is not a host name or IP address")
+    return value

@@ -78,7 +78,7 @@ def run(args) -> int:
         results = _replay(srv, trace, args, port, timeline)
         time.sleep(1.0)
         final = _get(port, "/harvest/status")
-        steps = [s for s in _get(port, "/harvest/steps")["steps"] if s[0] >= replay_start]
+        steps = [s for s in _get(port, "/harvest/steps")["steps"] if s["time_s"] >= replay_start]
     args.out_dir.mkdir(parents=True, exist_ok=True)
     png = _plot(steps, timeline, args.target_tpot_ms, args.out_dir / "timeline.png")
     report = _report(results, first, final, steps, args.target_tpot_ms)
@@ -152,7 +152,7 @@ def _replay(srv, trace, args, port: int, timeline: list) -> list[dict]:
 
 
 def _report(results, first, final, steps, target_ms) -> dict:
-    decode_ms = [s[2] for s in steps if s[6]]  # TPOT: decode steps only (a decode instance has no others)
+    decode_ms = [s["measured_ms"] for s in steps if s["is_decode"]]  # TPOT: decode steps only (a decode instance has no others)
     trainer_first, trainer_final = first["trainer"]["stats"], final["trainer"]["stats"] or {}
     return {
         "requests": len(results),
@@ -200,18 +200,18 @@ def _plot(steps, timeline, target_ms, path: Path) -> Path | None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    t0 = steps[0][0]
-    t = [s[0] - t0 for s in steps]
+    t0 = steps[0]["time_s"]
+    t = [s["time_s"] - t0 for s in steps]
     fig = Figure(figsize=(11, 8), tight_layout=True)
     FigureCanvasAgg(fig)
     ax1, ax2, ax3, ax4 = fig.subplots(4, 1, sharex=True)
-    ax1.plot(t, [s[1] for s in steps], drawstyle="steps-post", color="tab:blue")
+    ax1.plot(t, [s["batch_size"] for s in steps], drawstyle="steps-post", color="tab:blue")
     ax1.set_ylabel("batch size")
-    ax2.plot(t, [s[2] for s in steps], ".", markersize=2, color="tab:green", label="measured")
+    ax2.plot(t, [s["measured_ms"] for s in steps], ".", markersize=2, color="tab:green", label="measured")
     ax2.axhline(target_ms, color="tab:red", linestyle="--", label=f"target {target_ms:.0f} ms")
     ax2.set_ylabel("decode step (ms)")
     ax2.legend(loc="upper right")
-    ax3.plot(t, [1 if s[5] else 0 for s in steps], drawstyle="steps-post", color="tab:orange")
+    ax3.plot(t, [1 if s["trainer_ran"] else 0 for s in steps], drawstyle="steps-post", color="tab:orange")
     ax3.set_yticks([0, 1], ["paused", "running"])
     ax3.set_ylabel("trainer")
     if timeline:

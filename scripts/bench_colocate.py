@@ -66,16 +66,17 @@ def _replay(srv, trace, args):
 
 
 def _steps(port):
+    time.sleep(1.0)  # the endpoint serves a snapshot up to metrics.publish_interval_s (0.5 s) old
     return _get(port, "/harvest/steps")["steps"]
 
 
 def _by_reason(steps, target_ms) -> dict:
     counts: dict = {}
     for step in steps:
-        if step[6]:
-            entry = counts.setdefault(step[7], [0, 0])
+        if step["is_decode"]:
+            entry = counts.setdefault(step["reason"], [0, 0])
             entry[0] += 1
-            entry[1] += step[2] > target_ms
+            entry[1] += step["measured_ms"] > target_ms
     return counts
 
 
@@ -149,7 +150,7 @@ def main() -> int:
         solo_outputs = _replay(srv, trace, args)
         solo_steps = _steps(port)
         solo_status = _get(port, "/harvest/status")
-    solo_measured = [s[2] for s in solo_steps if s[6]]
+    solo_measured = [s["measured_ms"] for s in solo_steps if s["is_decode"]]
     solo_ms = statistics.median(solo_measured)
     solo_p99_ms = nearest_rank(solo_measured, 0.99)
     solo_p95_ms = nearest_rank(solo_measured, 0.95)
@@ -166,21 +167,22 @@ def main() -> int:
         for _ in range(args.warmup_passes):
             pass_start = time.time()
             warmup_outputs.append(_replay(srv, trace, args))
-            warmup_steps += [s for s in _steps(port) if s[0] >= pass_start and s[6]]
+            warmup_steps += [s for s in _steps(port) if s["time_s"] >= pass_start and s["is_decode"]]
         before = _get(port, "/harvest/status")
         replay_start, started = time.time(), time.monotonic()
         outputs = _replay(srv, trace, args)
         replay_s = time.monotonic() - started
+        time.sleep(1.0)  # the endpoint serves a snapshot up to metrics.publish_interval_s (0.5 s) old
         after = _get(port, "/harvest/status")
-        all_steps = [s for s in _steps(port) if s[0] >= replay_start]
+        all_steps = [s for s in _steps(port) if s["time_s"] >= replay_start]
         cpu_threads = after["trainer_cpu_threads"]
 
     log(f"[4/4] the same trainer alone for {args.solo_seconds:.0f}s")
     solo_tokens_per_s = _trainer_alone(work / "colocate" / "job.yaml", args.solo_seconds, cpu_threads)
 
-    measured = [s[2] for s in all_steps if s[6]]
+    measured = [s["measured_ms"] for s in all_steps if s["is_decode"]]
     step_ms = statistics.median(measured)
-    prefill = [s[2] for s in all_steps if not s[6]]
+    prefill = [s["measured_ms"] for s in all_steps if not s["is_decode"]]
     tokens = after["trainer"]["stats"]["tokens_seen"] - before["trainer"]["stats"]["tokens_seen"]
     result = {
         "requests": len(trace),
@@ -193,12 +195,12 @@ def main() -> int:
         "tpot_p99_ms": nearest_rank(measured, 0.99),
         "qos_violation_rate": sum(m > target_ms for m in measured) / len(measured),
         "warmup_passes": args.warmup_passes,
-        "qos_violation_rate_warmup": (sum(s[2] > target_ms for s in warmup_steps) / len(warmup_steps)) if warmup_steps else None,
+        "qos_violation_rate_warmup": (sum(s["measured_ms"] > target_ms for s in warmup_steps) / len(warmup_steps)) if warmup_steps else None,
         "decode_alone_tpot_p50_ms": solo_ms,
         "decode_alone_tpot_p99_ms": solo_p99_ms,
         "decode_alone_violation_rate": sum(m > target_ms for m in solo_measured) / len(solo_measured),
         "decode_steps": len(measured),
-        "decode_steps_with_trainer": sum(s[5] for s in all_steps if s[6]),
+        "decode_steps_with_trainer": sum(s["trainer_ran"] for s in all_steps if s["is_decode"]),
         "prefill_steps": len(prefill),
         "prefill_p50_ms": statistics.median(prefill) if prefill else None,
         "trainer_tokens_per_s": tokens / replay_s,

@@ -132,7 +132,7 @@ ladder: [132, 64]
 trainer: {cpu_threads: 2, nice: 5}
 memory: {reserve_tokens: 4096, hysteresis_chunks: 0, max_lend_fraction: 0.5, lend_interval_s: 0.2,
          urgent_reclaim_wait_s: 2.5, integrity_check_interval_s: 30, release_on_pause: false}
-metrics: {port: 0, publish_interval_s: 2}
+metrics: {port: 0, host: 0.0.0.0, publish_interval_s: 2}
 online: {window: 64, refit_every: 16, min_observations: 8, drift_threshold: 0.2, online_share: 0.25,
          refit_min_interval_s: 0.5}
 """

@@ -87,6 +87,7 @@ class StepController:
         self._unrecorded: collections.deque = collections.deque()  # (end time, _Pending, measured_s)
         self._record_lock = threading.Lock()
         self._recent_steps: collections.deque[StepRecord] = collections.deque(maxlen=8192)
+        self.num_recorded = 0  # sequence number of the newest record in recent_steps
         self.level = self.levels[self.whole_index]
         self.num_steps = 0
         self.last_decision = None  # the QoS decision of the latest before_step
@@ -173,6 +174,7 @@ class StepController:
                 self._recent_steps.append(StepRecord(end_time, load.batch_size, measured_s * 1e3, pending.predicted_s * 1e3,
                                                      pending.level, pending.trainer_ran, load.is_decode,
                                                      pending.reason.value))
+                self.num_recorded += 1
                 if refiner is not None and load.is_decode:
                     refiner.observe(pending.level, load.batch_size, load.sum_context, measured_s, phase=pending.phase,
                                     predicted_s=predicted_s)

@@ -1,11 +1,17 @@
 """What a running :class:`~harvest.colocate.colocation.Colocation` reports: its Prometheus
-gauges (published when idle, at most every ``interval_s``, and whenever they are read)
-and the ``/harvest/status`` document. Read-only: nothing here changes the system."""
+gauges and the snapshot the control endpoint serves (``/harvest/status``, the recorded
+steps, the exposition), built on the engine thread at most every ``interval_s``.
+Read-only: nothing here changes the system."""
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
+
+from harvest.colocate.controller import StepRecord
+
+STEP_FIELDS = ("seq", *StepRecord._fields)
 
 
 class StatusReporter:
@@ -14,12 +20,38 @@ class StatusReporter:
         self.interval_s = interval_s
         self._last_publish = 0.0
 
+        # Steps already in a snapshot: each snapshot carries the steps since the one
+        # before the previous, so an endpoint that missed one snapshot loses no step.
+        self._steps_seq_before_last = 0
+        self._steps_seq_last = 0
+
+    def due(self) -> bool:
+        """Whether ``interval_s`` has passed since the last snapshot (one clock read: the
+        engine asks after every step and idle tick)."""
+        return time.monotonic() - self._last_publish >= self.interval_s
+
     def maybe_publish(self) -> None:
-        """At most every ``interval_s``: the engine's idle hook runs in a tight loop."""
-        now = time.monotonic()
-        if now - self._last_publish >= self.interval_s:
-            self._last_publish = now
+        """The gauges, at most every ``interval_s``: the engine's idle hook runs in a tight loop."""
+        if self.due():
+            self._last_publish = time.monotonic()
             self.publish()
+
+    def snapshot(self, **extra_status) -> dict:
+        """The control endpoint's document: status (with ``extra_status``), the steps
+        recorded since the snapshot before the last (rows of ``STEP_FIELDS``) and the
+        Prometheus exposition. Counts as a publish of the gauges."""
+        self._last_publish = time.monotonic()
+        control = self.colocation.control
+        status = {**self.status(), **extra_status}  # records the queued steps and publishes the gauges
+        newest = control.num_recorded
+        since, self._steps_seq_before_last, self._steps_seq_last = self._steps_seq_before_last, self._steps_seq_last, newest
+        records = control.recent_steps  # a deque: read newest first, only as far back as needed
+        count = min(newest - since, len(records))
+        rows = [[newest - i, *record] for i, record in enumerate(itertools.islice(reversed(records), count))]
+        rows.reverse()
+        metrics = self.colocation.metrics
+        return {"published_at": time.time(), "status": status, "steps": {"fields": STEP_FIELDS, "rows": rows},
+                "metrics": metrics.exposition().decode() if metrics is not None else ""}
 
     def publish(self) -> None:
         """The gauges that are not updated per step: trainer, KV chunks, predictor, GPU."""
@@ -72,12 +104,3 @@ class StatusReporter:
             "trainer_nice": config.trainer.nice,
             "idle_gc_collections": colo.idle_gc_collections,
         }
-
-    def recent_steps(self) -> list:
-        return [list(record) for record in list(self.colocation.control.recent_steps)]
-
-    def metrics_exposition(self) -> bytes:
-        self.colocation.control.record_steps()
-        self.publish()
-        metrics = self.colocation.metrics
-        return metrics.exposition() if metrics is not None else b""

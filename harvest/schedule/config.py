@@ -87,7 +87,7 @@ class SchedulerConfig:
                                         "margin, doubling while they repeat (null: no backoff)",
                                         Integer(minimum=1), nullable=True)
     max_backoff_steps: int = setting(1024, "the longest backoff in decisions (>= backoff_steps)", Integer(minimum=1))
-    ring_size: int = setting(1024, "recent decisions kept for /harvest/steps", Integer(minimum=1))
+    ring_size: int = setting(1024, "recent QoS decisions kept in memory for inspection (QoSController.recent_decisions)", Integer(minimum=1))
 
     def __post_init__(self) -> None:
         validate(self)

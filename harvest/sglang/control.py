@@ -1,105 +1,376 @@
-"""harvest's HTTP endpoint inside the scheduler process: metrics and trainer control.
-
-Served on harvest.yaml's ``metrics.port`` by a daemon thread (the scheduler process is
-where the trainer and the metrics live; SGLang's HTTP server runs in another process):
+"""harvest's HTTP endpoint for metrics and trainer control, in a process of its own.
 
     GET  /metrics          Prometheus text format (open, as SGLang's own /metrics)
-    GET  /harvest/status   JSON: trainer, SM level, memory, QoS counters
-    GET  /harvest/steps    JSON: the last steps, rows of StepRecord (time, batch size, ms,
-                           predicted ms, level, trainer ran, decode?, decision reason)
+    GET  /harvest/status   JSON: trainer, SM level, memory, QoS counters, snapshot_age_s
+    GET  /harvest/steps    JSON: {"fields": [...], "steps": [{field: value}, ...]}, oldest
+                           first (up to 8192 kept); ?since_seq=N for the steps after N,
+                           ?limit=N for the last N
     POST /harvest/pause    trainer pauses at its next unit boundary; the lent KV memory
                            goes back to decode (memory.release_on_pause)
     POST /harvest/resume
     POST /harvest/stop     trainer checkpoints and stops; every lent chunk comes back and
                            nothing more is lent
-    (409 for an action the trainer's state refuses: resume after stop, ...)
+    (409 for an action the trainer's state refuses, 405 for a method a route does not take)
+
+Why a process: served from a thread of the scheduler process, request handling competed
+with decode for the GIL, and polling the endpoint broke the latency target (2000 polls by
+8 clients: decode p99 29.7 -> 182.8 ms). Here the engine publishes a snapshot file at
+most every ``metrics.publish_interval_s`` and runs commands between steps
+(harvest.colocate.control_link); this process serves every request from its copy of the
+snapshot, at a lower CPU priority than decode, on a bounded pool of threads.
 
 The /harvest endpoints use SGLang's own auth rule for admin endpoints
 (``sglang.srt.utils.auth.decide_request_auth`` at ``ADMIN_OPTIONAL``): with no keys
 configured they are open; with ``--api-key`` and/or ``--admin-api-key`` they require the
-same Bearer token SGLang's admin endpoints require.
+same Bearer token SGLang's admin endpoints require. The keys reach this process in its
+environment, never on its command line (which any local user can read).
 """
 
 from __future__ import annotations
 
+import argparse
+import collections
+import importlib.util
 import json
+import math
+import os
+import socket
+import sys
 import threading
+import time
+import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Protocol
+from pathlib import Path
 
 from harvest.logs import get_logger
+from harvest.sglang.control_endpoint import ADMIN_API_KEY_VAR, API_KEY_VAR, READY, EndpointSettings
 
 logger = get_logger(__name__)
 
-
-class Controllable(Protocol):
-    def status(self) -> dict: ...
-    # Each returns (HTTP status, reply): 409 for an action the trainer's state refuses.
-    def pause_trainer(self) -> tuple[int, dict]: ...
-    def resume_trainer(self) -> tuple[int, dict]: ...
-    def stop_trainer(self) -> tuple[int, dict]: ...
-    def metrics_exposition(self) -> bytes: ...
-    def recent_steps(self) -> list: ...
+STEPS_KEPT = 8192
+COMMAND_TIMEOUT_S = 10.0
+MAX_BODY_BYTES = 64 * 1024
+GET_ROUTES = ("/metrics", "/harvest/status", "/harvest/steps")
+POST_ROUTES = ("/harvest/pause", "/harvest/resume", "/harvest/stop")
 
 
-class ControlServer:
-    def __init__(self, target: Controllable, *, port: int, api_key: str | None, admin_api_key: str | None, host: str = "127.0.0.1"):
-        from sglang.srt.utils.auth import AuthLevel, decide_request_auth
+def strict(value):
+    """``value`` with every non-finite float as None: JSON has no NaN (Python's json
+    writes a bare ``NaN`` that strict parsers, jq and browsers refuse)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: strict(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict(item) for item in value]
+    return value
 
-        actions = {"/harvest/pause": target.pause_trainer, "/harvest/resume": target.resume_trainer, "/harvest/stop": target.stop_trainer}
 
-        class Handler(BaseHTTPRequestHandler):
-            def _reply(self, code: int, body: bytes, content_type: str = "application/json") -> None:
-                self.send_response(code)
-                self.send_header("Content-Type", content_type)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
+def json_bytes(value) -> bytes:
+    return json.dumps(strict(value), allow_nan=False, separators=(",", ":")).encode()
+
+
+class Snapshot:
+    """The endpoint's copy of the engine's snapshot file, refreshed by a thread every
+    ``poll_interval_s``; the steps of successive snapshots merged by sequence number."""
+
+    def __init__(self, path: Path, poll_interval_s: float):
+        self.path = path
+        self.poll_interval_s = poll_interval_s
+        self._lock = threading.Lock()
+        self._stamp = None
+        self.published_at: float | None = None
+        self.status: dict | None = None
+        self.metrics = b""
+        self.fields: tuple = ()
+        self.steps: collections.deque = collections.deque(maxlen=STEPS_KEPT)
+        self.version = 0  # bumps per new snapshot: cached renderings key on it
+        self._rendered: dict = {}
+
+    def run(self) -> None:
+        while True:
+            try:
+                self.refresh()
+            except Exception:  # noqa: BLE001 - a bad snapshot must not end the endpoint
+                logger.exception("control: could not read the snapshot %s", self.path)
+            time.sleep(self.poll_interval_s)
+
+    def refresh(self) -> None:
+        try:
+            stat = self.path.stat()
+        except FileNotFoundError:
+            return  # the engine has not published yet
+        stamp = (stat.st_mtime_ns, stat.st_size, stat.st_ino)
+        if stamp == self._stamp:
+            return
+        document = json.loads(self.path.read_bytes())
+        steps = document["steps"]
+        rows = steps["rows"]
+        with self._lock:
+            self._stamp = stamp
+            self.published_at = document["published_at"]
+            self.status = strict(document["status"])
+            self.metrics = document["metrics"].encode()
+            self.fields = tuple(steps["fields"])
+            newest = self.steps[-1][0] if self.steps else 0
+            self.steps.extend(strict(row) for row in rows if row[0] > newest)
+            self.version += 1
+            self._rendered.clear()
+
+    def status_document(self) -> dict | None:
+        with self._lock:
+            if self.status is None:
+                return None
+            return {**self.status, "snapshot_age_s": round(max(0.0, time.time() - self.published_at), 3)}
+
+    def steps_document(self, since_seq: int | None, limit: int | None) -> bytes:
+        key = (since_seq, limit)
+        with self._lock:
+            cached = self._rendered.get(key)
+            if cached is None:
+                rows = [row for row in self.steps if since_seq is None or row[0] > since_seq]
+                if limit is not None:
+                    rows = rows[len(rows) - limit:] if limit else []
+                cached = json_bytes({"fields": self.fields, "steps": [dict(zip(self.fields, row)) for row in rows]})
+                if len(self._rendered) < 64:  # a cache per snapshot, bounded against odd queries
+                    self._rendered[key] = cached
+            return cached
+
+
+class CommandChannel:
+    """Commands to the engine over the socket, one at a time; replies by id. The socket
+    closing means the engine process is gone: this process ends too."""
+
+    def __init__(self, sock: socket.socket, on_closed):
+        self._sock = sock
+        self._send_lock = threading.Lock()
+        self._replies: dict = {}
+        self._arrived = threading.Condition()
+        self._next_id = 0
+        self._on_closed = on_closed
+        threading.Thread(target=self._read, name="commands", daemon=True).start()
+
+    def _read(self) -> None:
+        try:
+            with self._sock.makefile("rb") as lines:
+                for line in lines:
+                    message = json.loads(line)
+                    with self._arrived:
+                        self._replies[message["id"]] = message
+                        self._arrived.notify_all()
+        except (OSError, ValueError):
+            pass
+        self._on_closed()
+
+    def call(self, action: str, timeout_s: float = COMMAND_TIMEOUT_S) -> tuple[int, dict]:
+        with self._send_lock:
+            self._next_id += 1
+            command_id = self._next_id
+            try:
+                self._sock.sendall((json.dumps({"id": command_id, "action": action}) + "\n").encode())
+            except OSError:
+                return 503, {"error": "the serving process is gone"}
+        with self._arrived:
+            if not self._arrived.wait_for(lambda: command_id in self._replies, timeout_s):
+                return 503, {"error": f"the serving process did not take the {action} within {timeout_s:.0f} s (a long "
+                                      "step?); it stays queued and runs at its next step"}
+            message = self._replies.pop(command_id)
+        return message["code"], message["reply"]
+
+
+def _load_auth(path: str | None):
+    """SGLang's ``decide_request_auth`` and ``AuthLevel``, from its file alone (no sglang import)."""
+    if path is None:
+        return None
+    spec = importlib.util.spec_from_file_location("harvest_sglang_auth", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+class EndpointServer(ThreadingHTTPServer):
+    """A thread per connection, at most ``workers`` at once: when all are busy the accept
+    loop waits and new connections queue in the kernel's backlog."""
+
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, settings: EndpointSettings, handler):
+        self.request_queue_size = settings.backlog
+        self._slots = threading.BoundedSemaphore(settings.workers)
+        family = socket.getaddrinfo(settings.host, settings.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+        self.address_family = family
+        super().__init__((settings.host, settings.port), handler)
+
+    def process_request(self, request, client_address):
+        self._slots.acquire()
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def handle_error(self, request, client_address):
+        error = sys.exc_info()[1]
+        if isinstance(error, (ConnectionError, TimeoutError)):
+            # A client that went away or stalled: its business, not a fault here.
+            logger.debug("control: %s from %s", type(error).__name__, client_address)
+            return
+        logger.exception("control: request from %s failed", client_address)
+
+
+def make_handler(snapshot: Snapshot, commands: CommandChannel, auth, api_key: str | None, admin_api_key: str | None,
+                 idle_timeout_s: float):
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # keep-alive for scrapers; idle connections end after timeout
+        timeout = idle_timeout_s
+        server_version = "harvest-control"
+
+        def _reply(self, code: int, body: bytes, content_type: str = "application/json", headers: tuple = ()) -> None:
+            self.send_response(code)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            for name, value in headers:
+                self.send_header(name, value)
+            self.end_headers()
+            if self.command != "HEAD":
                 self.wfile.write(body)
 
-            def _json(self, code: int, payload: dict) -> None:
-                self._reply(code, json.dumps(payload).encode())
+        def _json(self, code: int, payload, headers: tuple = ()) -> None:
+            self._reply(code, json_bytes(payload), headers=headers)
 
-            def _allowed(self) -> bool:
-                decision = decide_request_auth(
-                    method=self.command, path=self.path, authorization_header=self.headers.get("Authorization"),
-                    api_key=api_key, admin_api_key=admin_api_key, auth_level=AuthLevel.ADMIN_OPTIONAL,
-                )
-                if not decision.allowed:
-                    self._json(decision.error_status_code or 401, {"error": "unauthorized"})
-                return decision.allowed
+        def _allowed(self, path: str) -> bool:
+            if auth is None:
+                if api_key or admin_api_key:  # keys without SGLang's rule to check them: refuse, never open
+                    self._json(503, {"error": "SGLang's auth rule is not available to check the API key"})
+                    return False
+                return True
+            decision = auth.decide_request_auth(
+                method=self.command, path=path, authorization_header=self.headers.get("Authorization"),
+                api_key=api_key, admin_api_key=admin_api_key, auth_level=auth.AuthLevel.ADMIN_OPTIONAL,
+            )
+            if not decision.allowed:
+                self._json(decision.error_status_code or 401, {"error": "unauthorized"})
+            return decision.allowed
 
-            def do_GET(self):  # noqa: N802 (http.server naming)
-                if self.path == "/metrics":
-                    self._reply(200, target.metrics_exposition(), "text/plain; version=0.0.4; charset=utf-8")
-                elif self.path == "/harvest/status":
-                    if self._allowed():
-                        self._json(200, target.status())
-                elif self.path == "/harvest/steps":
-                    if self._allowed():
-                        self._json(200, {"steps": target.recent_steps()})
+        def _route(self) -> tuple[str, dict]:
+            parts = urllib.parse.urlsplit(self.path)
+            return parts.path, urllib.parse.parse_qs(parts.query)
+
+        def _wrong_method(self, path: str) -> None:
+            allowed = "GET, HEAD" if path in GET_ROUTES else "POST" if path in POST_ROUTES else None
+            if allowed is None:
+                self._json(404, {"error": f"no such endpoint {path}"})
+            else:
+                self._json(405, {"error": f"{path} takes {allowed}, not {self.command}"}, headers=(("Allow", allowed),))
+
+        def do_GET(self):  # noqa: N802 (http.server naming)
+            path, query = self._route()
+            if path not in GET_ROUTES:
+                self._wrong_method(path)
+            elif path == "/metrics":
+                self._reply(200, snapshot.metrics, "text/plain; version=0.0.4; charset=utf-8")
+            elif self._allowed(path):
+                if path == "/harvest/status":
+                    status = snapshot.status_document()
+                    if status is None:
+                        self._json(503, {"error": "harvest is starting: no status published yet"})
+                    else:
+                        self._json(200, status)
                 else:
-                    self._json(404, {"error": f"no such endpoint {self.path}"})
+                    try:
+                        since = _int_param(query, "since_seq")
+                        limit = _int_param(query, "limit")
+                    except ValueError as exc:
+                        self._json(400, {"error": str(exc)})
+                        return
+                    self._reply(200, snapshot.steps_document(since, limit))
 
-            def do_POST(self):  # noqa: N802
-                action = actions.get(self.path)
-                if action is None:
-                    self._json(404, {"error": f"no such endpoint {self.path}"})
-                elif self._allowed():
-                    self._json(*action())
+        do_HEAD = do_GET  # noqa: N815
 
-            def log_message(self, fmt, *args):  # keep request lines out of the server log
-                logger.debug("control: " + fmt, *args)
+        def do_POST(self):  # noqa: N802
+            path, _ = self._route()
+            length = self.headers.get("Content-Length") or "0"
+            if not length.isdigit() or int(length) > MAX_BODY_BYTES:
+                self.close_connection = True
+                self._json(413, {"error": f"a body of at most {MAX_BODY_BYTES} bytes"})
+                return
+            self.rfile.read(int(length))  # the actions take no body; read it to keep the connection usable
+            if path not in POST_ROUTES:
+                self._wrong_method(path)
+            elif self._allowed(path):
+                self._json(*commands.call(path.rsplit("/", 1)[1]))
 
-        self._server = ThreadingHTTPServer((host, port), Handler)
-        self._server.daemon_threads = True
-        self.port = self._server.server_address[1]
-        self._thread = threading.Thread(target=self._server.serve_forever, name="harvest-control", daemon=True)
+        def _other(self):
+            self._wrong_method(self._route()[0])
 
-    def start(self) -> "ControlServer":
-        self._thread.start()
-        logger.info("harvest control and metrics on http://127.0.0.1:%d (/metrics, /harvest/status)", self.port)
-        return self
+        do_PUT = do_DELETE = do_PATCH = do_OPTIONS = _other  # noqa: N815
 
-    def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
+        def log_message(self, fmt, *args):  # request lines and timeouts stay out of the server log
+            logger.debug("control: " + fmt, *args)
+
+    return Handler
+
+
+def _int_param(query: dict, name: str) -> int | None:
+    values = query.get(name)
+    if not values:
+        return None
+    value = values[-1]
+    if not value.isdigit():
+        raise ValueError(f"{name} must be a non-negative integer, not {value!r}")
+    return int(value)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="harvest's control endpoint (started by the serving process)")
+    parser.add_argument("--host", required=True)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--backlog", type=int, default=EndpointSettings.backlog)
+    parser.add_argument("--workers", type=int, default=EndpointSettings.workers)
+    parser.add_argument("--idle-timeout-s", type=float, default=EndpointSettings.idle_timeout_s)
+    parser.add_argument("--nice", type=int, default=EndpointSettings.nice)
+    parser.add_argument("--snapshot", type=Path, required=True)
+    parser.add_argument("--poll-interval-s", type=float, required=True)
+    parser.add_argument("--commands-fd", type=int, required=True)
+    parser.add_argument("--auth-module", default=None)
+    args = parser.parse_args(argv)
+    settings = EndpointSettings(args.host, args.port, args.backlog, args.workers, args.idle_timeout_s, args.nice)
+    if settings.nice:
+        os.nice(settings.nice)
+    snapshot = Snapshot(args.snapshot, args.poll_interval_s)
+
+    def engine_gone():
+        # The engine process ended (or closed the channel): so does its endpoint.
+        os._exit(0)
+
+    commands = CommandChannel(socket.socket(fileno=args.commands_fd), engine_gone)
+    try:
+        auth = _load_auth(args.auth_module)
+    except Exception as exc:  # noqa: BLE001 - the first stdout line is the engine's error message
+        print(f"cannot load SGLang's auth rule from {args.auth_module}: {exc}", flush=True)
+        return 1
+    handler = make_handler(snapshot, commands, auth, os.environ.get(API_KEY_VAR), os.environ.get(ADMIN_API_KEY_VAR),
+                           settings.idle_timeout_s)
+    try:
+        server = EndpointServer(settings, handler)
+    except OSError as exc:
+        print(f"cannot listen on {settings.host}:{settings.port}: {exc.strerror or exc}", flush=True)
+        return 1
+    threading.Thread(target=snapshot.run, name="snapshot", daemon=True).start()
+    print(f"{READY} {server.server_address[1]}", flush=True)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())  # nobody reads stdout after the ready line
+    server.serve_forever()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -70,16 +70,32 @@ def _add_cli_args(result, parser):
     group = parser.add_argument_group("harvest (LoRA finetuning in idle decode capacity)")
     group.add_argument("--enable-harvest", action="store_true", help="co-locate the finetune job(s) of --harvest-config")
     group.add_argument("--harvest-config", type=str, default=None, help="path of harvest.yaml (default: built-in defaults)")
+    group.add_argument("--harvest-metrics-port", type=int, default=None,
+                       help="this instance's port for harvest's /metrics and control endpoints, over metrics.port of "
+                            "harvest.yaml (0: off)")
+    group.add_argument("--harvest-metrics-host", type=str, default=None,
+                       help="the address they listen on, over metrics.host of harvest.yaml (default: --host)")
     return result
 
 
 def _from_cli_args(original, cls, args):
     enabled = getattr(args, "enable_harvest", False)
     config_path = getattr(args, "harvest_config", None)
+    overrides = {config_env.METRICS_PORT_VAR: getattr(args, "harvest_metrics_port", None),
+                 config_env.METRICS_HOST_VAR: getattr(args, "harvest_metrics_host", None)}
     if config_path and not enabled:
         raise HarvestStartupError("--harvest-config given without --enable-harvest")
+    if any(value is not None for value in overrides.values()) and not enabled:
+        raise HarvestStartupError("--harvest-metrics-port/--harvest-metrics-host given without --enable-harvest")
     if enabled:
         _refuse_if_broken()
+        for var, value in overrides.items():  # the command line wins over the environment
+            if value is not None:
+                os.environ[var] = str(value)
+        try:
+            config_env.metrics_port(), config_env.metrics_host()
+        except ValueError as exc:
+            raise HarvestStartupError(str(exc)) from None
         from harvest.config import load
 
         if config_path:

@@ -48,7 +48,9 @@ class HarvestRuntime:
 
         self.colocation = colocation
         self.reporter = StatusReporter(colocation, interval_s=colocation.config.metrics.publish_interval_s)
-        self.control_server = None
+        self.control = None  # harvest.colocate.control_link.ControlLink while the endpoint runs
+        self.endpoint = None  # harvest.sglang.control_endpoint.EndpointProcess
+        self._run_dir = None
         self.shutdown_signals = None
         self.level_graphs = None  # harvest.sglang.level_graphs.LevelGraphs once captured
         self._whole_device_index = colocation.partitioner.ladder.whole_device_index
@@ -78,11 +80,11 @@ class HarvestRuntime:
         except BaseException:
             colocation.partitioner.close()
             raise
-        if config.metrics.port:
-            from harvest.sglang.control import ControlServer
-
-            runtime.control_server = ControlServer(runtime, port=config.metrics.port, api_key=server_args.api_key,
-                                                   admin_api_key=getattr(server_args, "admin_api_key", None)).start()
+        try:
+            runtime._start_control(config, server_args)
+        except BaseException:
+            colocation.partitioner.close()
+            raise
         colocation.start()
         if colocation.trainer_host is not None:
             from harvest.sglang.shutdown import SignalCheckpoint
@@ -98,12 +100,42 @@ class HarvestRuntime:
                     lending.policy.reserve_tokens, config.qos.target_tpot_ms, ", ".join(map(str, config.jobs)) or "none")
         return runtime
 
+    def _start_control(self, config, server_args) -> None:
+        """harvest's HTTP endpoint, in a process of its own (harvest.sglang.control): this
+        process only publishes a snapshot file and runs the commands between steps."""
+        import tempfile
+        from pathlib import Path
+
+        from harvest.colocate.control_link import ControlLink
+        from harvest.sglang.control_endpoint import EndpointProcess, endpoint_settings
+
+        resolved = endpoint_settings(config.metrics, server_args.host, config.source)
+        if resolved is None:
+            return
+        settings, where = resolved
+        self._run_dir = tempfile.TemporaryDirectory(prefix="harvest-control-")
+        snapshot_path = Path(self._run_dir.name) / "snapshot.json"
+        interval_s = config.metrics.publish_interval_s
+        self.endpoint = EndpointProcess.start(settings, snapshot_path, api_key=server_args.api_key,
+                                              admin_api_key=getattr(server_args, "admin_api_key", None),
+                                              poll_interval_s=max(0.05, interval_s / 2), where=where)
+        self.control = ControlLink(self.endpoint.commands, snapshot_path, self.colocation.operator,
+                                   self.colocation.request_attention)
+        self.colocation.attention_handlers.append(self._serve_commands)
+        self._publish()
+        logger.info("harvest metrics and control on http://%s:%d (/metrics, /harvest/status; %s)", settings.host,
+                    self.endpoint.port, where)
+
     # -- the scheduler's hooks ------------------------------------------------------------
     def run_step(self, original, scheduler, batch, *args, **kwargs):
         if batch.forward_mode in self._passthrough_modes:
             return original(scheduler, batch, *args, **kwargs)
         load = observe(batch, self._decode_modes)
-        return self.colocation.run_step(load, original, scheduler, batch, *args, **kwargs)
+        try:
+            return self.colocation.run_step(load, original, scheduler, batch, *args, **kwargs)
+        finally:
+            if self.reporter.due():  # one clock read per step: a busy server has no idle ticks
+                self._publish()
 
     def run_forward(self, original, worker, *args, **kwargs):
         """The step's forward: on the chosen level's stream, replaying that level's decode
@@ -117,7 +149,24 @@ class HarvestRuntime:
 
     def on_idle(self) -> None:
         self.colocation.on_idle()
-        self.reporter.maybe_publish()
+        if self.reporter.due():
+            self._publish()
+
+    def _publish(self) -> None:
+        """The gauges, and the endpoint's snapshot when it runs (at most every
+        ``metrics.publish_interval_s``: about a millisecond on the engine thread)."""
+        if self.control is None:
+            self.reporter.maybe_publish()
+            return
+        try:
+            self.control.publish(self.reporter.snapshot(decode_graphs=self._decode_graphs_status()))
+        except OSError as exc:  # a full or vanished temp dir must not stop serving
+            logger.warning("harvest: could not publish the control snapshot (%s)", exc)
+
+    def _serve_commands(self) -> bool:
+        self.control.serve_commands()
+        self._publish()  # the reply said the new state: the status says it too
+        return False
 
     def _poll_shutdown_signal(self) -> bool:
         """Hand a stop signal on once the trainer has checkpointed; True while it waits."""
@@ -130,33 +179,21 @@ class HarvestRuntime:
     def close(self) -> None:
         # The trainer checkpoints first; within SGLang's 15 s between ShutdownReq and SIGKILL.
         self.colocation.close(trainer_timeout_s=10.0)
-        if self.control_server is not None:
-            self.control_server.close()
-            self.control_server = None
+        if self.control is not None:
+            self.control.close()  # the endpoint process exits when its command socket closes
+            self.control = None
+        if self.endpoint is not None:
+            self.endpoint.close()
+            self.endpoint = None
+        if self._run_dir is not None:
+            self._run_dir.cleanup()
+            self._run_dir = None
 
-    # -- control endpoint (harvest.sglang.control.Controllable) --------------------------
-    def status(self) -> dict:
-        status = self.reporter.status()
+    def _decode_graphs_status(self) -> dict | None:
         graphs = self.level_graphs
-        status["decode_graphs"] = None if graphs is None else {
+        return None if graphs is None else {
             "per_level": True, "capture_s": round(graphs.capture_seconds, 2),
             "extra_bytes_by_level": [capture.extra_bytes for capture in graphs.captures]}
-        return status
-
-    def recent_steps(self) -> list:
-        return self.reporter.recent_steps()
-
-    def metrics_exposition(self) -> bytes:
-        return self.reporter.metrics_exposition()
-
-    def pause_trainer(self) -> tuple[int, dict]:
-        return self.colocation.operator("pause")
-
-    def resume_trainer(self) -> tuple[int, dict]:
-        return self.colocation.operator("resume")
-
-    def stop_trainer(self) -> tuple[int, dict]:
-        return self.colocation.operator("stop")
 
 
 def sglang_engine(scheduler, config):

@@ -42,6 +42,7 @@ def test_idle_and_prebuilt_batches_pass_straight_through_the_step_loop():
 
     runtime = HarvestRuntime.__new__(HarvestRuntime)
     runtime.colocation = _Colocation()
+    runtime.reporter = types.SimpleNamespace(due=lambda: False)  # no snapshot due
     runtime._passthrough_modes, runtime._decode_modes = forward_mode_sets()
     for mode in runtime._passthrough_modes:
         batch = types.SimpleNamespace(reqs=[], seq_lens_sum=0, forward_mode=mode)

@@ -1,0 +1,109 @@
+"""The engine's end of harvest's control plane: a snapshot file it publishes, and the
+operator's commands it runs between steps.
+
+The HTTP endpoint runs in a process of its own (``harvest.sglang.control``) so that
+serving requests never competes with decode for the engine process's GIL. The two meet
+through:
+
+- a **snapshot file**: the engine writes one JSON document (status, the steps recorded
+  since the previous two snapshots, the Prometheus exposition) at most every
+  ``metrics.publish_interval_s``, atomically (write, then rename). The endpoint reads it
+  and serves every GET from its own copy: a thousand scrapes cost the engine nothing.
+- a **command socket** (one end of a socketpair): the endpoint writes one JSON line per
+  operator action (``{"id": 7, "action": "pause"}``); a reader thread here, blocked in
+  ``recv`` (the GIL released), queues it and asks for the engine's attention; the engine
+  runs it at its next step or idle tick and writes the reply line
+  (``{"id": 7, "code": 200, "reply": {...}}``). When this process dies the socket
+  closes and the endpoint process exits with it.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import socket
+import threading
+from pathlib import Path
+from typing import Callable
+
+from harvest.logs import get_logger
+
+logger = get_logger(__name__)
+
+ACTIONS = ("pause", "resume", "stop")
+SNAPSHOT_VERSION = 1
+
+
+class ControlLink:
+    """``execute(action) -> (HTTP status, reply)`` runs on the engine thread, from
+    :meth:`serve_commands`, which the engine calls when ``request_attention`` was asked."""
+
+    def __init__(self, sock: socket.socket, snapshot_path: Path, execute: Callable[[str], tuple[int, dict]],
+                 request_attention: Callable[[], None]):
+        self.snapshot_path = Path(snapshot_path)
+        self._sock = sock
+        self._execute = execute
+        self._request_attention = request_attention
+        self._commands: collections.deque[dict] = collections.deque()
+        self._closed = False
+        self._reader = threading.Thread(target=self._read_commands, name="harvest-control-commands", daemon=True)
+        self._reader.start()
+
+    # -- snapshot (engine thread) -------------------------------------------------------
+    def publish(self, snapshot: dict) -> None:
+        """Replace the snapshot file atomically: a reader sees the old document or the new
+        one, never half of one. NaN stays NaN here (the endpoint turns it into null):
+        the engine thread pays for one ``json.dumps`` and one write, nothing more."""
+        document = json.dumps({"version": SNAPSHOT_VERSION, **snapshot}, separators=(",", ":"))
+        temporary = self.snapshot_path.with_name(self.snapshot_path.name + ".tmp")
+        temporary.write_text(document)
+        os.replace(temporary, self.snapshot_path)
+
+    # -- commands -----------------------------------------------------------------------
+    def _read_commands(self) -> None:
+        try:
+            with self._sock.makefile("rb") as lines:
+                for line in lines:
+                    try:
+                        command = json.loads(line)
+                    except ValueError:
+                        logger.warning("control: a command line that is not JSON: %r", line[:200])
+                        continue
+                    self._commands.append(command)
+                    self._request_attention()
+        except OSError:
+            pass  # closed under us: the engine is shutting down
+        if not self._closed:
+            logger.warning("control: the endpoint process closed its command channel; operator commands end here")
+
+    def serve_commands(self) -> bool:
+        """Engine thread: run the queued commands and reply to each. Returns False (an
+        attention handler's 'nothing left to wait for')."""
+        while self._commands:
+            command = self._commands.popleft()
+            action = command.get("action")
+            if action not in ACTIONS:
+                code, reply = 404, {"error": f"no such action {action!r}"}
+            else:
+                try:
+                    code, reply = self._execute(action)
+                except Exception as exc:  # noqa: BLE001 - the reply says what failed; serving goes on
+                    logger.exception("control: %s failed", action)
+                    code, reply = 500, {"error": f"{action} failed: {exc}"}
+            self._reply({"id": command.get("id"), "code": code, "reply": reply})
+        return False
+
+    def _reply(self, message: dict) -> None:
+        try:
+            self._sock.sendall((json.dumps(message) + "\n").encode())
+        except OSError as exc:
+            logger.warning("control: could not reply to the endpoint process (%s)", exc)
+
+    def close(self) -> None:
+        self._closed = True
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()

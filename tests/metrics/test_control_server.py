@@ -1,0 +1,71 @@
+"""harvest's endpoint on a real SGLang server (CPU): a process of its own, listening where
+the per-instance override says, strict JSON on an ordinary server (prefill steps have no
+prediction), and gone when the server is."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+import urllib.request
+
+import pytest
+
+from harvest.sglang import server
+
+pytestmark = [pytest.mark.sglang, pytest.mark.timeout(600)]
+
+
+def strict_loads(body: bytes):
+    def refuse(name):
+        raise ValueError(f"not JSON: {name}")
+    return json.loads(body, parse_constant=refuse)
+
+
+def _get(host, port, path):
+    with urllib.request.urlopen(f"http://{host}:{port}{path}", timeout=10) as response:
+        return response.read()
+
+
+def _listening(port: int) -> set[str]:
+    """The local addresses something listens on at ``port`` (from ss)."""
+    out = subprocess.run(["ss", "-Hltn", f"sport = :{port}"], capture_output=True, text=True).stdout
+    return {line.split()[3].rsplit(":", 1)[0] for line in out.splitlines() if line.strip()}
+
+
+def _endpoint_pids() -> set[int]:
+    out = subprocess.run(["pgrep", "-f", "harvest.sglang.control --host"], capture_output=True, text=True).stdout
+    return {int(pid) for pid in out.split()}
+
+
+def test_the_endpoint_listens_where_the_instance_says_and_serves_strict_json(tiny_llama_path, tmp_path):
+    yaml_port, instance_port = server.free_port(), server.free_port()
+    config = tmp_path / "harvest.yaml"
+    config.write_text(f"metrics: {{port: {yaml_port}}}\n")
+    before = _endpoint_pids()
+    args = server.cpu_server_args(tiny_llama_path) + [
+        "--enable-harvest", "--harvest-config", str(config),
+        "--harvest-metrics-port", str(instance_port), "--harvest-metrics-host", "0.0.0.0"]
+    with server.launch(args, log_path=tmp_path / "sglang.log") as srv:
+        for i in range(6):  # prefills (no prediction: NaN inside) and decode steps
+            srv.post("/generate", {"input_ids": [5 + i, 6, 7, 8], "sampling_params": {"max_new_tokens": 6, "temperature": 0}})
+        time.sleep(1.5)  # a snapshot is at most metrics.publish_interval_s old
+        listening = _listening(instance_port)
+        steps = strict_loads(_get("127.0.0.1", instance_port, "/harvest/steps"))
+        status = strict_loads(_get("127.0.0.1", instance_port, "/harvest/status"))
+        metrics = _get("127.0.0.1", instance_port, "/metrics").decode()
+        endpoints = _endpoint_pids() - before
+        yaml_port_used = _listening(yaml_port)
+    assert listening == {"0.0.0.0"} and not yaml_port_used  # the command line won over harvest.yaml
+    rows = steps["steps"]
+    assert rows and set(rows[0]) == set(steps["fields"])
+    prefill = [row for row in rows if not row["is_decode"]]
+    assert prefill and all(row["predicted_ms"] is None for row in prefill)  # NaN -> null
+    assert any(row["is_decode"] for row in rows)
+    assert status["trainer"] is None and status["snapshot_age_s"] < 5
+    assert "harvest_decode_step_seconds_count" in metrics
+    assert len(endpoints) == 1  # one endpoint process for the instance ...
+    deadline = time.monotonic() + 10
+    while endpoints & _endpoint_pids() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not endpoints & _endpoint_pids()  # ... gone with the server
