@@ -1,13 +1,17 @@
 """`harvest launch [--config harvest.yaml] -- <sglang launch_server args>`.
 
 The same as ``python -m sglang.launch_server <args> --enable-harvest --harvest-config
-harvest.yaml``: the config is validated here first (a bad field fails before SGLang
-loads a model), then this process becomes SGLang's launcher (exec, same PID), with
+harvest.yaml``: harvest's pre-flight check runs here first (harvest.preflight: harvest.yaml,
+its profile's content, its job files; a bad field fails with one message and exit status 2
+before SGLang starts), then this process becomes SGLang's launcher (exec, same PID), with
 CUDA_DEVICE_MAX_CONNECTIONS set to 32 unless the operator set it (harvest.compute.device).
+SGLang's launcher runs the same check again in the plugin's hook (a server may also be
+started without this command).
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 
@@ -30,17 +34,29 @@ def build_command(config: str | None, sglang_args: list[str]) -> list[str]:
     return [sys.executable, "-m", "sglang.launch_server", *args]
 
 
+def served_model_path(sglang_args: list[str]) -> str | None:
+    """The checkpoint given as ``--model-path`` (or SGLang's alias ``--model``); None when
+    the command line does not give it (SGLang's own ``--config`` file may: the plugin's
+    hook, which sees SGLang's parsed arguments, then compares the profile with it)."""
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False, exit_on_error=False)
+    parser.add_argument("--model-path", "--model", dest="model_path", default=None)
+    try:
+        known, _ = parser.parse_known_args(sglang_args)
+    except argparse.ArgumentError:  # e.g. the flag without a value: SGLang's parser says so
+        return None
+    return known.model_path
+
+
 def run(args) -> int:
-    from harvest.config import ConfigError, load
+    from harvest.preflight import PreflightError, check
 
     if not args.sglang_args:
         print("harvest launch: no SGLang arguments (e.g. harvest launch -- --model-path M)", file=sys.stderr)
         return 2
     try:
-        if args.config is not None:
-            load(args.config)
         command = build_command(args.config, args.sglang_args)
-    except (ConfigError, ValueError) as exc:
+        check(args.config, model_path=served_model_path(args.sglang_args))
+    except (PreflightError, ValueError) as exc:
         print(f"harvest launch: {exc}", file=sys.stderr)
         return 2
     from harvest.compute import device
