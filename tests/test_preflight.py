@@ -51,6 +51,11 @@ def _missing_job(directory: Path, config: Path) -> None:
     _edit_yaml(config, jobs=["job.yaml", "gone.yaml"])
 
 
+def _directory_as_job(directory: Path, config: Path) -> None:
+    (directory / "jobs").mkdir()
+    _edit_yaml(config, jobs=["jobs"])
+
+
 def _second_of_two_jobs_bad(directory: Path, config: Path) -> None:
     job = yaml.safe_load((directory / "job.yaml").read_text())
     (directory / "job2.yaml").write_text(yaml.safe_dump({**job, "lora_rank": -1}))
@@ -65,6 +70,7 @@ BAD_INPUTS = {
     "job with lora_rank -1": (_job_with_a_bad_rank,
                               "jobs[0]: job file '{dir}/job.yaml': lora_rank: must be an integer > 0, got -1"),
     "missing job": (_missing_job, "jobs[1]='gone.yaml': expected an existing file; not found: {dir}/gone.yaml; "),
+    "directory as job": (_directory_as_job, "jobs[0]: job file '{dir}/jobs' is not a file"),
     "second of two jobs bad": (_second_of_two_jobs_bad,
                                "jobs[1]: job file '{dir}/job2.yaml': lora_rank: must be an integer > 0, got -1"),
 }

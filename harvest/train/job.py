@@ -159,7 +159,7 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     from omegaconf.errors import OmegaConfBaseException
 
     if not path.is_file():
-        raise JobError(f"job file {str(path)!r} does not exist")
+        raise JobError(f"job file {str(path)!r} {'is not a file' if path.exists() else 'does not exist'}")
     try:
         data = OmegaConf.to_container(OmegaConf.load(path))
     except (OmegaConfBaseException, yaml.YAMLError, ValueError) as exc:
