@@ -120,10 +120,15 @@ class HarvestConfig:
                           "this GPU and model")
 
 
+def where(source: Path | None) -> str:
+    """The start of every message about a config: which harvest.yaml (when it came from a file)."""
+    return "harvest config: " if source is None else f"harvest config {source}: "
+
+
 def parse(raw: Any, *, base_dir: Path, source: Path | None = None) -> HarvestConfig:
-    """Validate a parsed YAML document into a HarvestConfig."""
+    """Validate a parsed YAML document into a HarvestConfig; errors name ``source``."""
     try:
-        return from_mapping(HarvestConfig, raw, where="harvest config: ", base_dir=base_dir, extra={"source": source})
+        return from_mapping(HarvestConfig, raw, where=where(source), base_dir=base_dir, extra={"source": source})
     except SettingError as error:
         raise ConfigError(str(error)) from None
 

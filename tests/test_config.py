@@ -102,6 +102,17 @@ def test_unreadable_and_invalid_yaml(tmp_path):
         load(bad)
 
 
+def test_a_loaded_files_messages_name_it(tmp_path):
+    path = tmp_path / "harvest.yaml"
+    path.write_text("qos: {target_tpot_ms: 0}\n")
+    with pytest.raises(ConfigError, match=rf"^harvest config {path}: qos\.target_tpot_ms=0: expected a finite number"):
+        load(path)
+    path.write_text("jobs: [a.yaml]\n")
+    (tmp_path / "a.yaml").write_text("x: 1\n")
+    with pytest.raises(ConfigError, match=rf"^harvest config {path}: profile=None: expected a calibration profile"):
+        load(path)
+
+
 def test_jobs_need_a_profile(tmp_path):
     (tmp_path / "a.yaml").write_text("x: 1\n")
     with pytest.raises(ConfigError, match=r"^harvest config: profile=None: expected a calibration profile when jobs are "

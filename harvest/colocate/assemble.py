@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from pathlib import Path
 from typing import Any, Callable
 
 from harvest.logs import get_logger
@@ -75,7 +74,12 @@ def assemble(config, engine: EngineAdapter, *, partitioner=None):
     it."""
     jobs = tuple(config.jobs) if engine.jobs is None else tuple(engine.jobs)
     if engine.jobs is None:
-        _validate_job_files(jobs)
+        # The launcher's pre-flight job check, again here: the files are read now, and a
+        # server may be started without that launcher. The jobs are built later, on the
+        # trainer thread.
+        from harvest.preflight import LaunchInputs, check_job_files
+
+        check_job_files(LaunchInputs(config))
     if partitioner is not None:
         return _assemble(config, engine, partitioner, jobs)
     partitioner = build_partitioner(config, engine.device)
@@ -223,15 +227,6 @@ def job_file_builder(allocator, device: str, budget=None, weight_source_for: Cal
         return build_trainer(job, allocator=window)
 
     return build
-
-
-def _validate_job_files(jobs: tuple) -> None:
-    """Field-level validation of every job file now, at start-up; they are built later,
-    on the trainer thread."""
-    from harvest.train.job import load_job
-
-    for path in jobs:
-        load_job(Path(path))
 
 
 def _metrics():

@@ -80,16 +80,25 @@ def mismatches(profile: Profile, running: RuntimeIdentity) -> list[str]:
         found.append(f"GPU: profile measured on {prov.device_name!r}, running on {running.device_name!r}")
     if prov.sm_count != running.sm_count:
         found.append(f"SM count: profile {prov.sm_count}, running device {running.sm_count}")
-    if prov.model.config_hash != running.model_config_hash:
-        found.append(
-            f"model: profile is for {prov.model.name!r} (config hash {prov.model.config_hash}), the served "
-            f"model's config hash is {running.model_config_hash}"
-        )
+    model = model_mismatch(profile, running.model_config_hash)
+    if model is not None:
+        found.append(model)
     if prov.model.dtype != running.model_dtype:
         found.append(f"model dtype: profile {prov.model.dtype}, served {running.model_dtype}")
     if profile.ladder != running.ladder:
         found.append(f"SM ladder: profile has {profile.ladder.describe()}; running {running.ladder.describe()}")
     return found
+
+
+def model_mismatch(profile: Profile, model_config_hash: str) -> str | None:
+    """How the profile's model differs from the served one (by :func:`model_config_hash`),
+    or None. Needs only the served checkpoint's config.json: a launcher checks it before
+    the model loads."""
+    model = profile.provenance.model
+    if model.config_hash == model_config_hash:
+        return None
+    return (f"model: profile is for {model.name!r} (config hash {model.config_hash}), the served model's config "
+            f"hash is {model_config_hash}")
 
 
 def check_compatible(profile: Profile, running: RuntimeIdentity, allow_mismatch: bool = False, source: str = "profile") -> list[str]:

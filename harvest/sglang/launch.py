@@ -1,16 +1,21 @@
 """`harvest launch [--config harvest.yaml] -- <sglang launch_server args>`.
 
 The same as ``python -m sglang.launch_server <args> --enable-harvest --harvest-config
-harvest.yaml``: the config is validated here first (a bad field fails before SGLang
-loads a model), then this process becomes SGLang's launcher (exec, same PID), with
+harvest.yaml``: harvest's pre-flight check runs here first (harvest.preflight: harvest.yaml,
+its profile's content, its job files; a bad field fails with one message and exit status 2
+before SGLang starts), then this process becomes SGLang's launcher (exec, same PID), with
 CUDA_DEVICE_MAX_CONNECTIONS set to 32 unless the operator set it (harvest.compute.device).
+SGLang's launcher runs the same check again in the plugin's hook (a server may also be
+started without this command).
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 
+SGLANG_DEFAULT_HOST = "127.0.0.1"  # sglang.launch_server's --host default
 HELP = "start an SGLang server with harvest enabled (arguments after -- go to sglang.launch_server)"
 
 
@@ -30,17 +35,47 @@ def build_command(config: str | None, sglang_args: list[str]) -> list[str]:
     return [sys.executable, "-m", "sglang.launch_server", *args]
 
 
+def sglang_flags(sglang_args: list[str]) -> argparse.Namespace:
+    """The SGLang flags the pre-flight check looks at: the checkpoint (``--model-path`` or
+    SGLang's alias ``--model``), ``--host``, and the per-instance metrics endpoint. Each
+    None when the command line does not give it (SGLang's own ``--config`` file may: the
+    plugin's hook, which sees SGLang's parsed arguments, checks again with those)."""
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False, exit_on_error=False)
+    parser.add_argument("--model-path", "--model", dest="model_path", default=None)
+    parser.add_argument("--host", default=None)
+    parser.add_argument("--harvest-metrics-port", default=None)
+    parser.add_argument("--harvest-metrics-host", default=None)
+    try:
+        known, _ = parser.parse_known_args(sglang_args)
+    except argparse.ArgumentError:  # e.g. a flag without a value: SGLang's parser says so
+        return argparse.Namespace(model_path=None, host=None, harvest_metrics_port=None, harvest_metrics_host=None)
+    return known
+
+
+def served_model_path(sglang_args: list[str]) -> str | None:
+    """The checkpoint given as ``--model-path`` or ``--model`` (None: not on the command line)."""
+    return sglang_flags(sglang_args).model_path
+
+
 def run(args) -> int:
-    from harvest.config import ConfigError, load
+    from harvest.preflight import PreflightError, check
 
     if not args.sglang_args:
         print("harvest launch: no SGLang arguments (e.g. harvest launch -- --model-path M)", file=sys.stderr)
         return 2
     try:
-        if args.config is not None:
-            load(args.config)
         command = build_command(args.config, args.sglang_args)
-    except (ConfigError, ValueError) as exc:
+        flags = sglang_flags(args.sglang_args)
+        # The per-instance endpoint flags as the plugin will apply them (the command line
+        # over the environment); the exec'd launcher inherits the same values.
+        from harvest import config_env
+
+        for var, value in ((config_env.METRICS_PORT_VAR, flags.harvest_metrics_port),
+                           (config_env.METRICS_HOST_VAR, flags.harvest_metrics_host)):
+            if value is not None:
+                os.environ[var] = value
+        check(args.config, model_path=flags.model_path, sglang_host=flags.host or SGLANG_DEFAULT_HOST)
+    except (PreflightError, ValueError) as exc:
         print(f"harvest launch: {exc}", file=sys.stderr)
         return 2
     from harvest.compute import device

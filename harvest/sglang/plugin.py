@@ -4,9 +4,11 @@ SGLang calls :func:`load` in every process it starts (launcher, engine, each sch
 subprocess). It registers harvest's hooks with SGLang's ``HookRegistry``:
 
 - ``ServerArgs.add_cli_args`` (AFTER): adds ``--enable-harvest`` and ``--harvest-config``.
-- ``ServerArgs.from_cli_args`` (AROUND): validates harvest.yaml in the launcher and hands
-  "enabled + config path" to the subprocesses through the environment (``ServerArgs`` is
-  a msgspec Struct: it cannot carry extra fields).
+- ``ServerArgs.from_cli_args`` (AROUND): runs harvest's pre-flight check in the launcher,
+  before SGLang loads the model (harvest.preflight: harvest.yaml, its profile's content
+  and served model, its job files; in a child process, so that the launcher starts no
+  CUDA), and hands "enabled + config path" to the subprocesses through the environment
+  (``ServerArgs`` is a msgspec Struct: it cannot carry extra fields).
 - the co-location hooks of :mod:`harvest.sglang.hooks`, active only when enabled.
 
 Two failure rules. SGLang catches and logs any exception a plugin's ``load`` raises, and
@@ -29,6 +31,7 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import pkgutil
+from pathlib import Path
 
 from harvest import config_env
 from harvest.logs import get_logger
@@ -92,15 +95,15 @@ def _from_cli_args(original, cls, args):
         for var, value in overrides.items():  # the command line wins over the environment
             if value is not None:
                 os.environ[var] = str(value)
-        try:
-            config_env.metrics_port(), config_env.metrics_host()
-        except ValueError as exc:
-            raise HarvestStartupError(str(exc)) from None
-        from harvest.config import load
+        from harvest.preflight import PreflightError, check_in_child
 
         if config_path:
-            config = load(config_path)  # ConfigError names the bad field
-            config_path = str(config.source)
+            config_path = str(Path(config_path).expanduser().resolve())  # the subprocesses may start elsewhere
+        try:
+            check_in_child(config_path, model_path=getattr(args, "model_path", None),
+                           sglang_host=getattr(args, "host", None))
+        except PreflightError as exc:  # names the file and the field
+            raise HarvestStartupError(str(exc)) from None
         os.environ[config_env.ENABLED_VAR] = "1"
         _record_cuda_connections()
         if config_path:

@@ -102,11 +102,18 @@ class TrainJob:
 
 
 def load_job(source: str | os.PathLike | Mapping[str, Any]) -> TrainJob:
-    """Read and validate a job from a YAML file or a mapping. Raises `JobError`."""
+    """Read and validate a job from a YAML file or a mapping. Raises `JobError`; for a
+    file, the message starts with the file (a server may run several)."""
     if isinstance(source, Mapping):
-        raw, origin = dict(source), "<dict>"
-    else:
-        raw, origin = _read_yaml(Path(source)), str(source)
+        return _validated_job(dict(source), "<dict>")
+    raw = _read_yaml(Path(source))  # its errors name the file already
+    try:
+        return _validated_job(raw, str(source))
+    except JobError as exc:
+        raise JobError(f"job file {str(source)!r}: {exc}") from None
+
+
+def _validated_job(raw: dict[str, Any], origin: str) -> TrainJob:
     options = HarvestOptions.from_mapping(raw.pop(HARVEST_SECTION, None))
     lf_args = {**_LLAMAFACTORY_DEFAULTS, **raw}
     _check_llamafactory_args(lf_args)
@@ -152,7 +159,7 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     from omegaconf.errors import OmegaConfBaseException
 
     if not path.is_file():
-        raise JobError(f"job file {str(path)!r} does not exist")
+        raise JobError(f"job file {str(path)!r} {'is not a file' if path.exists() else 'does not exist'}")
     try:
         data = OmegaConf.to_container(OmegaConf.load(path))
     except (OmegaConfBaseException, yaml.YAMLError, ValueError) as exc:

@@ -69,3 +69,22 @@ def test_the_endpoint_listens_where_the_instance_says_and_serves_strict_json(tin
     while endpoints & _endpoint_pids() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not endpoints & _endpoint_pids()  # ... gone with the server
+
+
+def test_a_busy_metrics_port_stops_the_server_before_the_model_loads(tiny_llama_path, tmp_path):
+    import socket
+
+    with socket.socket() as busy:  # as NVIDIA's dcgm-exporter, or a second instance, would hold it
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        config = tmp_path / "harvest.yaml"
+        config.write_text(f"metrics: {{port: {port}}}\n")
+        args = server.cpu_server_args(tiny_llama_path) + ["--enable-harvest", "--harvest-config", str(config)]
+        started = time.monotonic()
+        with pytest.raises(server.ServerStartError):
+            server.launch(args, log_path=tmp_path / "sglang.log", timeout_s=240)
+        log = (tmp_path / "sglang.log").read_text(errors="replace")
+    assert f"harvest's metrics endpoint (metrics.port in {config}): cannot listen on 127.0.0.1:{port}" in log
+    assert "Load weight begin" not in log, log[-2000:]  # refused before the model loaded
+    assert time.monotonic() - started < 120

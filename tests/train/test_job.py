@@ -90,6 +90,13 @@ harvest:
         load_job(tmp_path / "list.yaml")
 
 
+def test_a_bad_field_in_a_job_file_names_the_file(tiny_llama_path, tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text(json.dumps({**job_dict(tiny_llama_path, tmp_path / "out"), "lora_rank": -1}))
+    with pytest.raises(JobError, match=rf"^job file '{path}': lora_rank: must be an integer > 0, got -1$"):
+        load_job(path)
+
+
 def test_memory_budget_sets_the_window(tiny_llama_path, tmp_path):
     """A budget that holds the resident LoRA state plus two stages gives W = 2."""
     probe = load_and_build(job_dict(tiny_llama_path, tmp_path / "probe"))

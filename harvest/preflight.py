@@ -1,0 +1,212 @@
+"""What a co-location's configuration must pass before SGLang loads a model.
+
+`harvest launch` runs :func:`check` before it execs SGLang; the plugin's launcher hook
+(``ServerArgs.from_cli_args``) runs it through :func:`check_in_child` before SGLang loads
+the model. A bad field anywhere then stops the server in seconds with one message naming
+the file and the field, instead of a scheduler traceback once the model has loaded.
+
+:func:`check` loads harvest.yaml (:func:`harvest.config.load`: its own fields), then runs
+:data:`CHECKS` in order on it:
+
+- :func:`check_profile`: the profile's content, through the loader the scheduler uses
+  (``Profile.load``: every field, named by its JSON path; a directory or an unreadable
+  file is an error too); and, when the served checkpoint is a local directory and
+  ``allow_profile_mismatch`` is off, that the profile was measured for this model
+  (:func:`harvest.predict.compat.model_mismatch`);
+- :func:`check_job_files`: every ``jobs[]`` file through the job loader
+  (:func:`harvest.train.job.load_job`, LlamaFactory's own argument parser included). The
+  scheduler runs this same check again when it builds the co-location
+  (harvest.colocate.assemble).
+
+Every message starts with the harvest.yaml file (:func:`harvest.config.where`), then the
+field (``profile``, ``jobs[1]``), then the file that field names and what is wrong in it.
+- :func:`check_metrics_endpoint`: the address harvest's endpoint will listen on
+  (``metrics.port``/``metrics.host``, the per-instance ``--harvest-metrics-port``/``-host``
+  or HARVEST_METRICS_PORT/_HOST, SGLang's ``--host``) can be listened on now: a port
+  another process holds (NVIDIA's dcgm-exporter, a second instance) stops the start here.
+  The endpoint binds it later, in the scheduler; a port taken in between still stops the
+  start-up there, with the same message.
+
+Every message starts with the harvest.yaml file (:func:`harvest.config.where`), then the
+field (``profile``, ``jobs[1]``), then the file that field names and what is wrong in it.
+What needs the device or the loaded model (the profile's GPU, SM count, dtype and SM
+ladder) is checked by the scheduler when it knows them.
+
+``python -m harvest.preflight`` runs :func:`check` for :func:`check_in_child`; it is not a
+command for people (``harvest launch`` is).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Callable
+
+from harvest.config import ConfigError, HarvestConfig, load, where
+
+
+class PreflightError(ValueError):
+    """harvest cannot start with this configuration; the message names the file and the field."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchInputs:
+    """What the checks look at: harvest.yaml, loaded, and the served checkpoint as the
+    launcher was given it (None where it is not known)."""
+
+    config: HarvestConfig
+    model_path: str | None = None
+    sglang_host: str | None = None  # SGLang's --host, the endpoint's default host
+
+
+def check_profile(inputs: LaunchInputs) -> None:
+    config = inputs.config
+    if config.profile is None:
+        return
+    from harvest.predict.schema import Profile, ProfileError
+
+    try:
+        profile = Profile.load(config.profile)
+    except ProfileError as exc:  # names the profile file and the JSON path
+        raise PreflightError(f"{where(config.source)}profile: {exc}") from None
+    if config.allow_profile_mismatch or inputs.model_path is None:
+        return
+    model_dir = Path(inputs.model_path).expanduser()
+    if not (model_dir / "config.json").is_file():
+        # A hub name or a remote store: SGLang resolves it later, and the scheduler
+        # compares the profile with what it resolved to.
+        return
+    from harvest.predict.compat import model_config_hash_of_path, model_mismatch
+
+    try:
+        problem = model_mismatch(profile, model_config_hash_of_path(model_dir))
+    except ValueError as exc:  # the served config.json is unreadable: say so, naming it
+        raise PreflightError(f"{where(config.source)}profile: cannot compare {config.profile} with the served "
+                             f"model: {exc}") from None
+    if problem is not None:
+        raise PreflightError(f"{where(config.source)}profile: {config.profile} was measured for another model "
+                             f"({problem}); run `harvest profile` with the served model, or set "
+                             "allow_profile_mismatch: true (predictions will be off)")
+
+
+def check_job_files(inputs: LaunchInputs) -> None:
+    from harvest.train.errors import JobError
+    from harvest.train.job import load_job
+
+    config = inputs.config
+    for index, path in enumerate(config.jobs):
+        try:
+            load_job(path)
+        except JobError as exc:  # names the job file and the key
+            raise PreflightError(f"{where(config.source)}jobs[{index}]: {exc}") from None
+
+
+def check_metrics_endpoint(inputs: LaunchInputs) -> None:
+    from harvest.sglang.control_endpoint import check_bindable, endpoint_settings
+
+    config = inputs.config
+    try:
+        resolved = endpoint_settings(config.metrics, inputs.sglang_host, config.source)
+    except ValueError as exc:  # a bad HARVEST_METRICS_PORT/_HOST: the message names it
+        raise PreflightError(f"harvest's metrics endpoint: {exc}") from None
+    if resolved is None:
+        return
+    settings, origin = resolved
+    problem = check_bindable(settings.host, settings.port)
+    if problem is not None:
+        raise PreflightError(f"{where(config.source)}harvest's metrics endpoint ({origin}): {problem}; give this "
+                             "instance another port with --harvest-metrics-port N (or metrics.port; 0 turns the "
+                             "endpoint off)")
+
+
+# The checks `check` runs on a loaded harvest.yaml, in order; each raises PreflightError.
+# A check added here runs in `harvest launch` and in the plugin's launcher hook alike.
+# The port first: it costs nothing, the job check imports LlamaFactory.
+CHECKS: tuple[Callable[[LaunchInputs], None], ...] = (check_metrics_endpoint, check_profile, check_job_files)
+
+
+def load_config(config_path: str | os.PathLike | None) -> HarvestConfig:
+    """harvest.yaml (None: the built-in defaults), its own fields validated."""
+    if config_path is None:
+        return HarvestConfig()
+    try:
+        return load(config_path)
+    except ConfigError as exc:  # names the file and the field
+        raise PreflightError(str(exc)) from None
+
+
+def check(config_path: str | os.PathLike | None, *, model_path: str | None = None,
+          sglang_host: str | None = None) -> HarvestConfig:
+    """Everything checkable before the model loads (module docstring); returns the config.
+    ``model_path``, ``sglang_host``: the served checkpoint and SGLang's --host, when the
+    caller knows them."""
+    config = load_config(config_path)
+    inputs = LaunchInputs(config, model_path, sglang_host)
+    for run_check in CHECKS:
+        run_check(inputs)
+    return config
+
+
+def check_in_child(config_path: str | os.PathLike | None, *, model_path: str | None = None,
+                   sglang_host: str | None = None) -> None:
+    """:func:`check` in a child interpreter, for a process that must not start CUDA.
+
+    The job check runs LlamaFactory's argument parser, whose TrainingArguments set up the
+    device (``torch.cuda.set_device`` on a GPU machine): in SGLang's launcher, which
+    keeps running as the server's tokenizer, that would hold a CUDA context on the first
+    GPU for the server's whole life. The child pays the imports of torch, transformers
+    and LlamaFactory again (measured in docs/measurements.md)."""
+    command = [sys.executable, "-m", "harvest.preflight"]
+    if config_path is not None:
+        command += ["--config", str(config_path)]
+    if model_path is not None:
+        command += ["--model-path", str(model_path)]
+    if sglang_host is not None:
+        command += ["--sglang-host", str(sglang_host)]
+    out = subprocess.run(command, capture_output=True, text=True, check=False)
+    if out.returncode == 0:
+        return
+    reported = _reported_error(out.stdout)
+    if reported is not None:
+        raise PreflightError(reported)
+    raise PreflightError(f"harvest's pre-flight check failed (exit status {out.returncode}): "
+                         f"{out.stderr.strip()[-2000:] or 'no output'}")
+
+
+_REPORT_KEY = "preflight_error"
+
+
+def _reported_error(stdout: str) -> str | None:
+    """The child's PreflightError: its last stdout line (libraries may print before it)."""
+    lines = stdout.strip().splitlines()
+    if not lines:
+        return None
+    try:
+        report = json.loads(lines[-1])
+    except ValueError:
+        return None
+    return report.get(_REPORT_KEY) if isinstance(report, dict) else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m harvest.preflight",
+                                     description="harvest's pre-flight check, run by check_in_child")
+    parser.add_argument("--config", default=None, help="harvest.yaml (default: built-in defaults)")
+    parser.add_argument("--model-path", default=None, help="the served checkpoint")
+    parser.add_argument("--sglang-host", default=None, help="SGLang's --host")
+    args = parser.parse_args(argv)
+    try:
+        check(args.config, model_path=args.model_path, sglang_host=args.sglang_host)
+    except PreflightError as exc:
+        print(json.dumps({_REPORT_KEY: str(exc)}))
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

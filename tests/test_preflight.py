@@ -1,0 +1,262 @@
+"""harvest's pre-flight check: every bad input stops `harvest launch` (exit status 2, one
+message, no traceback, nothing exec'd) and the plugin's launcher hook (HarvestStartupError,
+SGLang not started) before any model loads, naming harvest.yaml, the field and the file it
+names. Both launchers run in this process: `harvest launch` with os.execv recorded, the
+plugin's ``ServerArgs.from_cli_args`` hook with a stand-in for SGLang's own."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from harvest import cli, colocation_config, config_env
+from harvest.preflight import PreflightError
+from harvest.sglang import launch, plugin
+
+
+def _edit_yaml(path: Path, **values) -> None:
+    data = yaml.safe_load(path.read_text())
+    data.update(values)
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+
+
+def _junk_profile(directory: Path, config: Path) -> None:
+    (directory / "p.json").write_text("not json {")
+    _edit_yaml(config, profile="p.json")
+
+
+def _directory_as_profile(directory: Path, config: Path) -> None:
+    (directory / "p.json").mkdir()
+    _edit_yaml(config, profile="p.json")
+
+
+def _profile_with_a_bad_field(directory: Path, config: Path) -> None:
+    profile = json.loads(colocation_config.CPU_PROFILE.read_text())
+    profile["samples"][0]["level"] = 99
+    (directory / "p.json").write_text(json.dumps(profile))
+    _edit_yaml(config, profile="p.json")
+
+
+def _job_with_a_bad_rank(directory: Path, config: Path) -> None:
+    _edit_yaml(directory / "job.yaml", lora_rank=-1)
+
+
+def _missing_job(directory: Path, config: Path) -> None:
+    _edit_yaml(config, jobs=["job.yaml", "gone.yaml"])
+
+
+def _directory_as_job(directory: Path, config: Path) -> None:
+    (directory / "jobs").mkdir()
+    _edit_yaml(config, jobs=["jobs"])
+
+
+def _second_of_two_jobs_bad(directory: Path, config: Path) -> None:
+    job = yaml.safe_load((directory / "job.yaml").read_text())
+    (directory / "job2.yaml").write_text(yaml.safe_dump({**job, "lora_rank": -1}))
+    _edit_yaml(config, jobs=["job.yaml", "job2.yaml"])
+
+
+# (how the setup is broken, what the message says after "harvest config <harvest.yaml>: ")
+BAD_INPUTS = {
+    "junk profile": (_junk_profile, "profile: {dir}/p.json: profile is not valid JSON: Expecting value"),
+    "directory as profile": (_directory_as_profile, "profile: cannot read profile {dir}/p.json: [Errno 21] Is a directory"),
+    "profile with a bad field": (_profile_with_a_bad_field, "profile: {dir}/p.json: profile: profile.samples[0].level=99: "),
+    "job with lora_rank -1": (_job_with_a_bad_rank,
+                              "jobs[0]: job file '{dir}/job.yaml': lora_rank: must be an integer > 0, got -1"),
+    "missing job": (_missing_job, "jobs[1]='gone.yaml': expected an existing file; not found: {dir}/gone.yaml; "),
+    "directory as job": (_directory_as_job, "jobs[0]: job file '{dir}/jobs' is not a file"),
+    "second of two jobs bad": (_second_of_two_jobs_bad,
+                               "jobs[1]: job file '{dir}/job2.yaml': lora_rank: must be an integer > 0, got -1"),
+}
+
+
+@pytest.fixture
+def setup_dir(tmp_path):
+    return tmp_path / "setup"
+
+
+def _broken_setup(setup_dir: Path, model: Path, case: str) -> tuple[Path, str]:
+    """harvest.yaml of the tiny model's ready setup, broken as ``case`` says; the message expected."""
+    config = colocation_config.write(setup_dir, model)
+    breaking, message = BAD_INPUTS[case]
+    breaking(setup_dir, config)
+    return config, f"harvest config {config}: " + message.format(dir=setup_dir)
+
+
+def _harvest_launch(monkeypatch, capsys, argv: list[str]) -> tuple[int, str, list]:
+    execs = []
+    monkeypatch.setattr(launch.os, "execv", lambda path, args: execs.append(args))
+    rc = cli.main(["launch", *argv])
+    return rc, capsys.readouterr().err, execs
+
+
+def _plugin_hook(config: Path | None, model: Path | str):
+    """SGLang's launcher parsing its arguments: the plugin's hook around from_cli_args."""
+    args = argparse.Namespace(enable_harvest=True, harvest_config=None if config is None else str(config),
+                              model_path=str(model))
+    started = []
+    plugin._from_cli_args(lambda cls, parsed: started.append(parsed) or "server args", object, args)
+    return started
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_harvest_launch_refuses_before_exec_naming_file_and_field(case, tiny_llama_path, setup_dir, monkeypatch,
+                                                                   capsys):
+    config, message = _broken_setup(setup_dir, tiny_llama_path, case)
+    rc, err, execs = _harvest_launch(monkeypatch, capsys, ["--config", str(config), "--", "--model-path",
+                                                           str(tiny_llama_path)])
+    assert rc == 2 and execs == []
+    assert "Traceback" not in err
+    ours = [line for line in err.splitlines() if line.startswith("harvest launch:")]
+    assert len(ours) == 1 and ours[0].startswith(f"harvest launch: {message}"), err
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_the_plugin_refuses_to_start_sglang_naming_file_and_field(case, tiny_llama_path, setup_dir):
+    config, message = _broken_setup(setup_dir, tiny_llama_path, case)
+    with pytest.raises(plugin.HarvestStartupError) as refused:
+        _plugin_hook(config, tiny_llama_path)
+    assert str(refused.value).startswith(message)
+    assert config_env.ENABLED_VAR not in os.environ  # nothing handed to SGLang's processes
+
+
+def test_a_good_setup_passes_and_is_launched(tiny_llama_path, setup_dir, monkeypatch, capsys):
+    config = colocation_config.write(setup_dir, tiny_llama_path)
+    rc, err, execs = _harvest_launch(monkeypatch, capsys, ["--config", str(config), "--", "--model-path",
+                                                           str(tiny_llama_path)])
+    assert rc == 0, err
+    assert execs and execs[0][1:3] == ["-m", "sglang.launch_server"]
+    assert execs[0][-3:] == ["--enable-harvest", "--harvest-config", str(config)]
+    # The plugin's hook passes it too, in its child process, and lets SGLang start.
+    assert _plugin_hook(config, tiny_llama_path) != []
+    assert os.environ[config_env.CONFIG_VAR] == str(config)
+
+
+def _model_of_another_shape(tiny_llama_path: Path, directory: Path) -> Path:
+    """A checkpoint directory whose config.json differs in a latency field (all a profile check reads)."""
+    directory.mkdir()
+    model_config = json.loads((tiny_llama_path / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**model_config, "num_hidden_layers": 7}))
+    return directory
+
+
+def test_a_profile_of_another_model_is_refused_unless_allowed(tiny_llama_path, setup_dir, tmp_path, monkeypatch,
+                                                              capsys):
+    other = _model_of_another_shape(tiny_llama_path, tmp_path / "other-model")
+    config = colocation_config.write(setup_dir, tiny_llama_path)
+    _edit_yaml(config, allow_profile_mismatch=False, jobs=[])
+    message = (f"harvest config {config}: profile: {colocation_config.CPU_PROFILE} was measured for another model "
+               f"(model: profile is for 'tiny-llama-h64-l2-a4-kv2-v512-s0-b1'")
+    rc, err, execs = _harvest_launch(monkeypatch, capsys, ["--config", str(config), "--", f"--model={other}"])
+    assert rc == 2 and execs == [] and f"harvest launch: {message}" in err
+    with pytest.raises(plugin.HarvestStartupError, match=r"set allow_profile_mismatch: true"):
+        _plugin_hook(config, other)
+    # The profile's own model, and the override, pass.
+    assert _harvest_launch(monkeypatch, capsys, ["--config", str(config), "--", "--model-path",
+                                                 str(tiny_llama_path)])[0] == 0
+    _edit_yaml(config, allow_profile_mismatch=True)
+    assert _harvest_launch(monkeypatch, capsys, ["--config", str(config), "--", "--model-path", str(other)])[0] == 0
+
+
+def test_a_bad_harvest_yaml_field_names_the_file(tmp_path, monkeypatch, capsys):
+    config = tmp_path / "harvest.yaml"
+    config.write_text("memory: {max_lend_fraction: 3}\n")
+    rc, err, execs = _harvest_launch(monkeypatch, capsys, ["--config", str(config), "--", "--model-path", "m"])
+    assert rc == 2 and execs == []
+    assert err.startswith(f"harvest launch: harvest config {config}: memory.max_lend_fraction=3: expected ")
+    with pytest.raises(plugin.HarvestStartupError, match=rf"^harvest config {config}: memory\.max_lend_fraction=3: "):
+        _plugin_hook(config, "m")
+
+
+def test_the_scheduler_runs_the_same_job_check(tiny_llama_path, setup_dir):
+    """The composition root checks the job files again, with the pre-flight's own function."""
+    from harvest.colocate.assemble import EngineAdapter, assemble
+    from harvest.config import load
+
+    config, message = _broken_setup(setup_dir, tiny_llama_path, "second of two jobs bad")
+    with pytest.raises(PreflightError) as refused:
+        assemble(load(config), EngineAdapter(device="cpu", model_path=str(tiny_llama_path), model_dtype="float32"))
+    assert str(refused.value).startswith(message)
+
+
+def test_a_child_that_fails_otherwise_is_reported_with_its_output(monkeypatch):
+    from harvest import preflight
+
+    monkeypatch.setattr(preflight.sys, "executable", shutil.which("false"))
+    with pytest.raises(PreflightError, match=r"^harvest's pre-flight check failed \(exit status 1\): no output$"):
+        preflight.check_in_child(None)
+
+
+@pytest.mark.parametrize("argv, model_path", [
+    (["--model-path", "m", "--device", "cpu"], "m"),
+    (["--device", "cpu", "--model=m"], "m"),
+    (["--device", "cpu"], None),  # e.g. given in SGLang's --config file: the plugin's hook checks it
+    (["--model-path"], None),  # SGLang's parser refuses it
+])
+def test_the_served_model_is_read_from_sglangs_arguments(argv, model_path):
+    assert launch.served_model_path(argv) == model_path
+
+
+@pytest.fixture
+def busy_port():
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield sock.getsockname()[1]
+
+
+@pytest.fixture
+def no_metrics_overrides(monkeypatch):
+    monkeypatch.delenv(config_env.METRICS_PORT_VAR, raising=False)
+    monkeypatch.delenv(config_env.METRICS_HOST_VAR, raising=False)
+
+
+def test_a_busy_metrics_port_stops_the_start_naming_the_setting(tiny_llama_path, setup_dir, busy_port, monkeypatch,
+                                                               capsys, no_metrics_overrides):
+    config = colocation_config.write(setup_dir, tiny_llama_path, metrics_port=busy_port)
+    _edit_yaml(config, jobs=[])  # the port is checked first; no LlamaFactory import needed to see it
+    message = (f"harvest config {config}: harvest's metrics endpoint (metrics.port in {config}): cannot listen on "
+               f"127.0.0.1:{busy_port}: Address already in use; give this instance another port with "
+               "--harvest-metrics-port N")
+    rc, err, execs = _harvest_launch(monkeypatch, capsys, ["--config", str(config), "--", "--model-path",
+                                                           str(tiny_llama_path)])
+    assert rc == 2 and execs == [] and err.startswith(f"harvest launch: {message}"), err
+    with pytest.raises(plugin.HarvestStartupError) as refused:
+        _plugin_hook(config, tiny_llama_path)
+    assert str(refused.value).startswith(message)
+
+
+def test_the_instance_port_on_the_command_line_is_the_one_checked(tiny_llama_path, setup_dir, busy_port, monkeypatch,
+                                                                  capsys, no_metrics_overrides):
+    from harvest.sglang.server import free_port
+
+    config = colocation_config.write(setup_dir, tiny_llama_path, metrics_port=busy_port)
+    _edit_yaml(config, jobs=[])
+    free = free_port()
+    argv = ["--config", str(config), "--", "--model-path", str(tiny_llama_path)]
+    # harvest.yaml's busy port, overridden per instance by a free one: passes.
+    rc, err, execs = _harvest_launch(monkeypatch, capsys, [*argv, "--harvest-metrics-port", str(free)])
+    assert rc == 0 and execs, err
+    # The other way round: a busy port on the command line stops it, naming the flag.
+    _edit_yaml(config, metrics={"port": free})
+    rc, err, _ = _harvest_launch(monkeypatch, capsys, [*argv, "--harvest-metrics-port", str(busy_port)])
+    assert rc == 2 and "(HARVEST_METRICS_PORT / --harvest-metrics-port)" in err and f":{busy_port}: " in err, err
+    # A value that is no port is refused, naming the variable.
+    rc, err, _ = _harvest_launch(monkeypatch, capsys, [*argv, "--harvest-metrics-port", "http"])
+    assert rc == 2 and "HARVEST_METRICS_PORT='http' must be a port number" in err, err
+
+
+def test_the_endpoint_host_defaults_to_sglangs(tiny_llama_path, setup_dir, monkeypatch, capsys, no_metrics_overrides):
+    config = colocation_config.write(setup_dir, tiny_llama_path, metrics_port=1234)
+    _edit_yaml(config, jobs=[])
+    rc, err, _ = _harvest_launch(monkeypatch, capsys, ["--config", str(config), "--", "--model-path",
+                                                       str(tiny_llama_path), "--host", "no-such-host.invalid"])
+    assert rc == 2 and "host 'no-such-host.invalid' does not resolve" in err, err
