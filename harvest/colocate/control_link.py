@@ -77,10 +77,11 @@ class ControlLink:
         if not self._closed:
             logger.warning("control: the endpoint process closed its command channel; operator commands end here")
 
-    def serve_commands(self) -> bool:
-        """Engine thread: run the queued commands and reply to each. Returns False (an
-        attention handler's 'nothing left to wait for')."""
+    def serve_commands(self) -> int:
+        """Engine thread: run the queued commands and reply to each; how many ran."""
+        served = 0
         while self._commands:
+            served += 1
             command = self._commands.popleft()
             action = command.get("action")
             if action not in ACTIONS:
@@ -92,7 +93,7 @@ class ControlLink:
                     logger.exception("control: %s failed", action)
                     code, reply = 500, {"error": f"{action} failed: {exc}"}
             self._reply({"id": command.get("id"), "code": code, "reply": reply})
-        return False
+        return served
 
     def _reply(self, message: dict) -> None:
         try:

@@ -77,10 +77,6 @@ class HarvestRuntime:
             from harvest.sglang.level_graphs import capture_level_graphs
 
             runtime.level_graphs = capture_level_graphs(scheduler.tp_worker.model_runner, colocation.partitioner.ladder)
-        except BaseException:
-            colocation.partitioner.close()
-            raise
-        try:
             runtime._start_control(config, server_args)
         except BaseException:
             colocation.partitioner.close()
@@ -164,8 +160,8 @@ class HarvestRuntime:
             logger.warning("harvest: could not publish the control snapshot (%s)", exc)
 
     def _serve_commands(self) -> bool:
-        self.control.serve_commands()
-        self._publish()  # the reply said the new state: the status says it too
+        if self.control.serve_commands():
+            self._publish()  # the reply said the new state: the status says it too
         return False
 
     def _poll_shutdown_signal(self) -> bool:
