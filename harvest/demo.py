@@ -78,7 +78,7 @@ def run(args) -> int:
         results = _replay(srv, trace, args, port, timeline)
         time.sleep(1.0)
         final = _get(port, "/harvest/status")
-        steps = [s for s in _get(port, "/harvest/steps")["steps"] if s["time_s"] >= replay_start]
+        steps = [s for s in _get(port, "/harvest/steps?limit=8192")["steps"] if s["time_s"] >= replay_start]
     args.out_dir.mkdir(parents=True, exist_ok=True)
     png = _plot(steps, timeline, args.target_tpot_ms, args.out_dir / "timeline.png")
     report = _report(results, first, final, steps, args.target_tpot_ms)

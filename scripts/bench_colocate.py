@@ -67,7 +67,7 @@ def _replay(srv, trace, args):
 
 def _steps(port):
     time.sleep(1.0)  # the endpoint serves a snapshot up to metrics.publish_interval_s (0.5 s) old
-    return _get(port, "/harvest/steps")["steps"]
+    return _get(port, "/harvest/steps?limit=8192")["steps"]
 
 
 def _by_reason(steps, target_ms) -> dict:

@@ -11,8 +11,14 @@ harvest and the LoRA job, in one run:
 Phases run quiet, polled, polled, quiet (``--rounds`` times), so that a drift of the
 machine (another tenant, thermal) falls on both alike. Decode step times are harvest's
 own measurements (``/harvest/steps``, decode steps only, read once after each phase);
-violations count steps over the target. The pollers run in a process of their own, as a
-Prometheus or a dashboard would.
+violations count steps over the target.
+
+The pollers run in a process of their own at ``--pollers-nice`` (19 by default): they
+stand for a Prometheus and dashboards, which run on other machines, and on this 2-core
+machine eight clients polling flat out would otherwise take a core from decode however
+cheap the endpoint is; what this measures is the endpoint's cost to decode (the
+scheduler's GIL, its snapshot, the endpoint process's own CPU, reported as
+``endpoint_cpu_ms_per_poll``). ``--pollers-nice 0`` measures them as local neighbours.
 
 The last stdout line is one JSON object. Targets: ``decode_p99_change`` <= 0.10 and
 ``added_violations`` <= 0 (polled minus quiet, per 1000 decode steps).
@@ -63,19 +69,21 @@ def _poll(port, stop, counts, index):
     counts.put((served, errors, latencies))
 
 
-def _pollers(port, num_clients):
+def _pollers(port, num_clients, nice):
     """``num_clients`` polling threads in one child process; returns (stop, results queue, process)."""
     context = multiprocessing.get_context("spawn")
     stop, results = context.Event(), context.Queue()
-    process = context.Process(target=_poller_process, args=(port, num_clients, stop, results), daemon=True)
+    process = context.Process(target=_poller_process, args=(port, num_clients, nice, stop, results), daemon=True)
     process.start()
     return stop, results, process
 
 
-def _poller_process(port, num_clients, stop, results):
+def _poller_process(port, num_clients, nice, stop, results):
+    import os
     import queue
     import threading
 
+    os.nice(nice)
     counts: queue.Queue = queue.Queue()
     threads = [threading.Thread(target=_poll, args=(port, stop, counts, i)) for i in range(num_clients)]
     for thread in threads:
@@ -88,6 +96,25 @@ def _poller_process(port, num_clients, stop, results):
         s, e, lat = counts.get()
         served, errors, latencies = served + s, errors + e, latencies + lat
     results.put((served, errors, latencies))
+
+
+def _endpoint_pid() -> int:
+    """harvest's endpoint process (the one server this benchmark runs)."""
+    import subprocess
+
+    pids = subprocess.run(["pgrep", "-f", "harvest.sglang.control --host"], capture_output=True, text=True).stdout.split()
+    if len(pids) != 1:
+        raise RuntimeError(f"expected one harvest endpoint process, found {pids}")
+    return int(pids[0])
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of ``pid`` so far."""
+    import os
+
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _load(srv, args):
@@ -107,17 +134,19 @@ def _phase(srv, port, args, polled):
     before = _status(port)
     seq = json.loads(_get(port, "/harvest/steps?limit=1"))["steps"]
     since = seq[-1]["seq"] if seq else 0
-    poll = _pollers(port, args.pollers) if polled else None
+    poll = _pollers(port, args.pollers, args.pollers_nice) if polled else None
+    endpoint_cpu = _cpu_seconds(_endpoint_pid())
     started = time.monotonic()
     request_s = _load(srv, args)
     elapsed = time.monotonic() - started
+    endpoint_cpu = _cpu_seconds(_endpoint_pid()) - endpoint_cpu
     polls = None
     if poll is not None:
         stop, results, process = poll
         stop.set()
         served, errors, latencies = results.get(timeout=120)
         process.join(timeout=30)
-        polls = {"served": served, "errors": errors, "per_s": served / elapsed,
+        polls = {"served": served, "errors": errors, "per_s": served / elapsed, "endpoint_cpu_s": endpoint_cpu,
                  "p50_ms": statistics.median(latencies) * 1e3 if latencies else None}
     time.sleep(1.5)  # the endpoint serves a snapshot up to metrics.publish_interval_s old
     after = _status(port)
@@ -157,6 +186,8 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--max-output", type=int, default=24)
     parser.add_argument("--pollers", type=int, default=8)
+    parser.add_argument("--pollers-nice", type=int, default=19,
+                        help="the pollers' nice value (19: as clients on other machines; 0: as local neighbours)")
     parser.add_argument("--rounds", type=int, default=2, help="rounds of quiet, polled, polled, quiet")
     parser.add_argument("--target-tpot-ms", type=float, default=40.0)
     args = parser.parse_args()
@@ -193,12 +224,15 @@ def main() -> int:
         "target_tpot_ms": args.target_tpot_ms,
         "requests_per_phase": args.requests,
         "pollers": args.pollers,
+        "pollers_nice": args.pollers_nice,
         "quiet": quiet,
         "polled": polled,
         "polls_served": sum(p["served"] for p in polls),
         "poll_errors": sum(p["errors"] for p in polls),
         "polls_per_s": round(statistics.median(p["per_s"] for p in polls), 1),
         "poll_p50_ms": round(statistics.median(p["p50_ms"] for p in polls if p["p50_ms"] is not None), 2),
+        "endpoint_cpu_ms_per_poll": round(1e3 * sum(p["endpoint_cpu_s"] for p in polls)
+                                          / max(1, sum(p["served"] for p in polls)), 3),
         "decode_p99_change": round(polled["decode_p99_ms"] / quiet["decode_p99_ms"] - 1, 4),
         "added_violations_per_1000_steps": round(polled["violations_per_1000_steps"] - quiet["violations_per_1000_steps"], 2),
         "trainer_error": final["trainer"]["error"],

@@ -3,8 +3,8 @@
     GET  /metrics          Prometheus text format (open, as SGLang's own /metrics)
     GET  /harvest/status   JSON: trainer, SM level, memory, QoS counters, snapshot_age_s
     GET  /harvest/steps    JSON: {"fields": [...], "steps": [{field: value}, ...]}, oldest
-                           first (up to 8192 kept); ?since_seq=N for the steps after N,
-                           ?limit=N for the last N
+                           first: the last 512 (?limit=N for the last N, up to the 8192
+                           kept), or ?since_seq=N for every kept step after N
     POST /harvest/pause    trainer pauses at its next unit boundary; the lent KV memory
                            goes back to decode (memory.release_on_pause)
     POST /harvest/resume
@@ -34,12 +34,13 @@ import importlib.util
 import json
 import math
 import os
+import queue
 import socket
 import sys
 import threading
 import time
 import urllib.parse
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
 from harvest.logs import get_logger
@@ -48,6 +49,7 @@ from harvest.sglang.control_endpoint import ADMIN_API_KEY_VAR, API_KEY_VAR, READ
 logger = get_logger(__name__)
 
 STEPS_KEPT = 8192
+STEPS_DEFAULT_LIMIT = 512  # a poll's default: ~75 kB, where all 8192 kept would be ~1.2 MB
 COMMAND_TIMEOUT_S = 10.0
 MAX_BODY_BYTES = 64 * 1024
 GET_ROUTES = ("/metrics", "/harvest/status", "/harvest/steps")
@@ -189,33 +191,34 @@ def _load_auth(path: str | None):
     return module
 
 
-class EndpointServer(ThreadingHTTPServer):
-    """A thread per connection, at most ``workers`` at once: when all are busy the accept
-    loop waits and new connections queue in the kernel's backlog."""
+class EndpointServer(HTTPServer):
+    """A fixed pool of ``workers`` threads serves the accepted connections: when all are
+    busy the accept loop waits and new connections queue in the kernel's backlog (no
+    thread per connection: 200 slow clients cost no more threads than 2)."""
 
-    daemon_threads = True
     allow_reuse_address = True
 
     def __init__(self, settings: EndpointSettings, handler):
         self.request_queue_size = settings.backlog
-        self._slots = threading.BoundedSemaphore(settings.workers)
-        family = socket.getaddrinfo(settings.host, settings.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
-        self.address_family = family
+        self.address_family = socket.getaddrinfo(settings.host, settings.port, type=socket.SOCK_STREAM,
+                                                 flags=socket.AI_PASSIVE)[0][0]
         super().__init__((settings.host, settings.port), handler)
+        self._accepted: queue.Queue = queue.Queue(maxsize=settings.workers)
+        for index in range(settings.workers):
+            threading.Thread(target=self._serve_connections, name=f"http-{index}", daemon=True).start()
 
     def process_request(self, request, client_address):
-        self._slots.acquire()
-        try:
-            super().process_request(request, client_address)
-        except BaseException:
-            self._slots.release()
-            raise
+        self._accepted.put((request, client_address))  # waits while every worker is busy
 
-    def process_request_thread(self, request, client_address):
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self._slots.release()
+    def _serve_connections(self) -> None:
+        while True:
+            request, client_address = self._accepted.get()
+            try:
+                self.finish_request(request, client_address)
+            except Exception:  # noqa: BLE001 - one connection's failure ends that connection only
+                self.handle_error(request, client_address)
+            finally:
+                self.shutdown_request(request)
 
     def handle_error(self, request, client_address):
         error = sys.exc_info()[1]
@@ -288,6 +291,8 @@ def make_handler(snapshot: Snapshot, commands: CommandChannel, auth, api_key: st
                     try:
                         since = _int_param(query, "since_seq")
                         limit = _int_param(query, "limit")
+                        if limit is None and since is None:
+                            limit = STEPS_DEFAULT_LIMIT
                     except ValueError as exc:
                         self._json(400, {"error": str(exc)})
                         return

@@ -28,7 +28,7 @@ class EndpointSettings:
     host: str
     port: int
     backlog: int = 128  # Prometheus plus a few dashboards and scripts; 5 (the default) stalled 8 clients
-    workers: int = 16  # connections served at once; the rest wait in the backlog
+    workers: int = 16  # threads serving connections; further connections wait in the backlog
     idle_timeout_s: float = 10.0  # an idle or slow connection is closed after this
     nice: int = 10  # below decode's priority: the engine process always gets the CPU first
 

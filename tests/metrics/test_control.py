@@ -202,6 +202,9 @@ def test_many_clients_at_once_are_all_served(endpoint):
         for k in range(10):
             results.append(request(endpoint.port, "GET", paths[(index + k) % 3])[0])
 
+    default = strict_loads(request(endpoint.port, "GET", "/harvest/steps")[1])["steps"]
+    assert len(default) == 512 and default[-1]["seq"] == 599  # a poll gets the last 512 unless it asks
+    assert len(strict_loads(request(endpoint.port, "GET", "/harvest/steps?since_seq=0")[1])["steps"]) == 599
     threads = [threading.Thread(target=client, args=(i,)) for i in range(48)]
     for thread in threads:
         thread.start()
