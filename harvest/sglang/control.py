@@ -35,6 +35,7 @@ import json
 import math
 import os
 import queue
+import shutil
 import socket
 import sys
 import threading
@@ -44,7 +45,7 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
 from harvest.logs import get_logger
-from harvest.sglang.control_endpoint import ADMIN_API_KEY_VAR, API_KEY_VAR, READY, EndpointSettings
+from harvest.sglang.control_endpoint import ADMIN_API_KEY_VAR, API_KEY_VAR, READY, RUN_DIR_PREFIX, EndpointSettings
 
 logger = get_logger(__name__)
 
@@ -353,7 +354,10 @@ def main(argv: list[str] | None = None) -> int:
     snapshot = Snapshot(args.snapshot, args.poll_interval_s)
 
     def engine_gone():
-        # The engine process ended (or closed the channel): so does its endpoint.
+        # The engine process ended (or closed the channel): so does its endpoint, removing
+        # the snapshot's directory (a killed engine could not).
+        if args.snapshot.parent.name.startswith(RUN_DIR_PREFIX):
+            shutil.rmtree(args.snapshot.parent, ignore_errors=True)
         os._exit(0)
 
     commands = CommandChannel(socket.socket(fileno=args.commands_fd), engine_gone)

@@ -21,6 +21,7 @@ from pathlib import Path
 API_KEY_VAR = "HARVEST_CONTROL_API_KEY"
 ADMIN_API_KEY_VAR = "HARVEST_CONTROL_ADMIN_API_KEY"
 READY = "ready"
+RUN_DIR_PREFIX = "harvest-control-"  # the snapshot's directory, removed by the endpoint when the engine is gone
 
 
 @dataclasses.dataclass(frozen=True)

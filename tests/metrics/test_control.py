@@ -254,10 +254,14 @@ def test_keep_alive_serves_several_requests_on_one_connection(endpoint):
     connection.close()
 
 
-def test_the_endpoint_exits_with_the_engine(tmp_path):
-    endpoint, engine = start(tmp_path)
+def test_the_endpoint_exits_with_the_engine_and_removes_the_snapshot(tmp_path):
+    run_dir = tmp_path / "harvest-control-x"
+    run_dir.mkdir()
+    endpoint, engine = start(run_dir)
+    engine.link.publish(snapshot([row(1)]))
     engine.close()  # the engine's end of the command socket closes, as when its process dies
     endpoint.process.wait(timeout=10)
+    assert not run_dir.exists()
 
 
 def test_a_busy_port_fails_start_up_naming_the_setting(tmp_path):
