@@ -5,7 +5,8 @@ than run on guessed values, so conversion is strict: every field present, no unk
 keys, every value of the declared type (``int`` never accepts ``bool`` or ``1.0``, nor a
 value outside 64 bits; ``float`` accepts integers and nothing non-finite, including a
 literal too large for a double such as ``1e309``, which JSON parsers read as infinity),
-errors naming the JSON path of the offending value (a NaN or Infinity token too).
+errors naming the JSON path of the offending value (a NaN or Infinity token, or an
+object naming a key twice, too).
 Supported annotations: str, int, float, bool, ``X | None``, ``tuple[X, ...]``,
 ``dict[str, X]``, dataclasses (recursively) and classes with a ``from_dict`` classmethod.
 """
@@ -28,16 +29,25 @@ class StrictJsonError(ValueError):
 INT_RANGE = (-(2**63), 2**63 - 1)
 
 
-class _Constant:
-    """A NaN/Infinity token held in place while parsing, so the refusal can name where it is."""
+class _Refused:
+    """What parsing met and must refuse (a NaN/Infinity token, an object naming a key
+    twice), held in place so the refusal can name its JSON path."""
 
-    def __init__(self, name: str):
-        self.name = name
+    def __init__(self, problem: str):
+        self.problem = problem
 
 
-def _first_constant(value, path: str):
-    if isinstance(value, _Constant):
-        return path, value.name
+class _ObjectWithDuplicate(dict):
+    def __init__(self, pairs: list, problem: str):
+        super().__init__(pairs)
+        self.duplicate = _Refused(problem)
+
+
+def _first_refused(value, path: str):
+    if isinstance(value, _Refused):
+        return path, value.problem
+    if isinstance(value, _ObjectWithDuplicate):
+        return path, value.duplicate.problem
     if isinstance(value, dict):
         items = ((f"{path}.{k}", v) for k, v in value.items())
     elif isinstance(value, list):
@@ -45,25 +55,34 @@ def _first_constant(value, path: str):
     else:
         return None
     for child_path, child in items:
-        found = _first_constant(child, child_path)
+        found = _first_refused(child, child_path)
         if found is not None:
             return found
     return None
 
 
 def loads(text: str, root: str = "$"):
-    """``json.loads`` that refuses NaN and Infinity instead of turning them into floats;
-    the error names the first one's JSON path (from ``root``)."""
-    constants: list[_Constant] = []
+    """``json.loads`` that refuses NaN and Infinity instead of turning them into floats,
+    and an object naming a key twice instead of keeping the last; the error names the
+    first one's JSON path (from ``root``)."""
+    refused: list[str] = []
 
-    def hold(name: str) -> _Constant:
-        constants.append(_Constant(name))
-        return constants[-1]
+    def constant(name: str) -> _Refused:
+        refused.append(f"{name} is not valid JSON (a measurement that failed?)")
+        return _Refused(refused[-1])
 
-    value = json.loads(text, parse_constant=hold)
-    if constants:
-        where, name = _first_constant(value, root) or (root, constants[0].name)
-        raise StrictJsonError(f"{where}: {name} is not valid JSON (a measurement that failed?)")
+    def object_from(pairs: list) -> dict:
+        keys = [key for key, _ in pairs]
+        if len(set(keys)) == len(keys):
+            return dict(pairs)
+        twice = next(key for index, key in enumerate(keys) if key in keys[:index])
+        refused.append(f"names {twice!r} twice (which one is meant?)")
+        return _ObjectWithDuplicate(pairs, refused[-1])
+
+    value = json.loads(text, parse_constant=constant, object_pairs_hook=object_from)
+    if refused:
+        where, problem = _first_refused(value, root) or (root, refused[0])
+        raise StrictJsonError(f"{where}: {problem}")
     return value
 
 

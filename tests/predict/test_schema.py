@@ -270,6 +270,12 @@ def test_a_negative_fitted_intercept_is_allowed_while_every_step_takes_time(prof
     assert _load_dict(data).stage1[0].c0 < 0
 
 
+def test_a_key_given_twice_is_refused_naming_the_object(profile):
+    text = profile.to_json().replace('"mape": ', '"mape": 0.0, "mape": ', 1)
+    with pytest.raises(ProfileError, match=r"profile.stage1\[0\].quality: names 'mape' twice"):
+        Profile.from_json(text)
+
+
 @pytest.mark.parametrize(
     "path, literal, message",
     [

@@ -201,6 +201,7 @@ BAD_PROFILES = [
     ("integer of 400 digits", lambda d: json.dumps(_set(d, ("stage2", "combined", "b1"), 10**400)), "profile.stage2.combined.b1: expected a finite number, got an integer of 1329 bits"),
     ("count over 64 bits", lambda d: json.dumps(_set(d, ("batch_size_buckets", 0), 2**64)), "profile.batch_size_buckets[0]: expected an integer within 64 bits"),
     ("bucket table too large to build", lambda d: json.dumps(_set(d, ("batch_size_buckets", 34), 2**40)), "profile.batch_size_buckets[34]=1099511627776: larger than any CUDA-graph capture size"),
+    ("key given twice", lambda d: json.dumps(d).replace('"k1": 1.3', '"k1": 1.3, "k1": -1.3', 1), "profile.stage2.combined: names 'k1' twice"),
     ("string for a number", lambda d: json.dumps(_set(d, ("stage1", 0, "b0"), "fast")), "profile.stage1[0].b0: expected a finite number, got 'fast'"),
     ("object for a list", lambda d: json.dumps(_set(d, ("stage1",), {})), "profile.stage1: expected a list, got an object"),
     ("bool for an integer", lambda d: json.dumps(_set(d, ("grid", "batch_sizes", 0), True)), "profile.grid.batch_sizes[0]: expected an integer, got True"),
