@@ -3,9 +3,15 @@
 A profile holds where and how it was measured (provenance), the ladder and batch-size
 buckets it was measured on, every raw step latency, the fitted coefficients of both
 stages and their error. ``profiles/README.md`` documents each field. Loading validates
-everything (:mod:`harvest.predict.strict_json`) and the cross-field invariants below, so
-a profile that loads is one the predictor can use; whether it matches the *running*
-GPU, model and ladder is :mod:`harvest.predict.compat`'s question.
+everything (:mod:`harvest.predict.strict_json`) and the cross-field invariants below,
+among them that the fitted coefficients are physically possible (:func:`_check_stage1`,
+:func:`_check_stage2`), so a profile that loads is one the predictor can use; whether it
+matches the *running* GPU, model and ladder is :mod:`harvest.predict.compat`'s question.
+Every refusal is a :class:`ProfileError` naming the file and the JSON path of the value.
+
+A profile whose co-run stage was never measured (no ``stage2``) is not a ``Profile``;
+:class:`Stage1Profile` reads one, checked the same way but for stage 2, for the uses
+that need no co-location model (``harvest replay``'s baselines).
 
 Bump SCHEMA_VERSION on any change a reader of the previous version would misread.
 Version 2 added the optional ``trainer`` section (the finetune workload's rate alone);
@@ -30,6 +36,9 @@ SCHEMA_NAME = "harvest-latency-profile"
 SCHEMA_VERSION = 2
 READABLE_VERSIONS = (1, 2)  # version 1: no `trainer` section
 STAGES = ("solo", "corun")
+# The largest CUDA-graph capture size a profile may name: SGLang captures a few hundred at
+# most, and BatchSizeBuckets builds a table this long.
+MAX_BATCH_SIZE_BUCKET = 1 << 16
 
 
 class ProfileError(ValueError):
@@ -62,6 +71,18 @@ class MeasurementSettings:
     switch_interval_s: float  # sys.getswitchinterval() during the run (GIL hand-over period)
     torch_threads: int  # torch.get_num_threads() (intra-op threads; decisive on a CPU)
 
+    def __post_init__(self) -> None:
+        # The ranges the profiler's own options allow (harvest.predict.profiler.measure).
+        for name, ok, need in (
+            ("warmup_steps", self.warmup_steps >= 0, ">= 0"),
+            ("timed_steps", self.timed_steps >= 1, ">= 1"),
+            ("trim_fraction", 0.0 <= self.trim_fraction < 0.5, "in [0, 0.5)"),
+            ("switch_interval_s", self.switch_interval_s > 0, "> 0"),
+            ("torch_threads", self.torch_threads >= 1, ">= 1"),
+        ):
+            if not ok:
+                raise ValueError(f"{name}={getattr(self, name)!r}: must be {need}")
+
 
 @dataclasses.dataclass(frozen=True)
 class Provenance:
@@ -84,11 +105,23 @@ class Provenance:
     created_utc: str
     command_line: str
 
+    def __post_init__(self) -> None:
+        if self.sm_count < 1:
+            raise ValueError(f"sm_count={self.sm_count}: must be >= 1 (a CPU counts as 1)")
+
 
 @dataclasses.dataclass(frozen=True)
 class Grid:
     batch_sizes: tuple[int, ...]
     context_lengths: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if not self.batch_sizes or not self.context_lengths:
+            raise ValueError("batch_sizes and context_lengths must be non-empty")
+        for name in ("batch_sizes", "context_lengths"):
+            for index, value in enumerate(getattr(self, name)):
+                if value <= 0:
+                    raise ValueError(f"{name}[{index}]={value}: must be > 0")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,10 +146,19 @@ class GridPointRecord:
             raise ValueError(f"phase={self.phase!r}: co-run points name a trainer phase, solo points none")
         if not self.step_latencies_s or len(self.step_latencies_s) != len(self.step_sum_contexts):
             raise ValueError("step_latencies_s and step_sum_contexts: equal, non-zero lengths")
-        if self.latency_s <= 0 or any(v <= 0 for v in self.step_latencies_s):
-            raise ValueError("latencies must be > 0")
-        if self.batch_size <= 0 or self.context_length <= 0 or self.level < 0:
-            raise ValueError("level >= 0, batch_size > 0 and context_length > 0")
+        if self.latency_s <= 0:
+            raise ValueError(f"latency_s={self.latency_s}: latencies must be > 0")
+        for name, unit in (("step_latencies_s", "seconds"), ("step_sum_contexts", "tokens, the one decoded included")):
+            for index, value in enumerate(getattr(self, name)):
+                if value <= 0:
+                    raise ValueError(f"{name}[{index}]={value}: must be > 0 ({unit})")
+        if self.sum_context <= 0:
+            raise ValueError(f"sum_context={self.sum_context}: must be > 0 (tokens, the one decoded included)")
+        for name, low in (("level", 0), ("batch_size", 1), ("context_length", 1)):
+            if getattr(self, name) < low:
+                raise ValueError(f"{name}={getattr(self, name)}: must be >= {low}")
+        if self.trainer_units is not None and self.trainer_units < 0:
+            raise ValueError(f"trainer_units={self.trainer_units}: must be >= 0")
 
     def as_sample(self) -> LatencySample:
         return LatencySample(self.level, self.batch_size, self.sum_context, self.latency_s, self.phase)
@@ -244,82 +286,202 @@ class Profile:
 
     @classmethod
     def from_dict(cls, data) -> "Profile":
-        if not isinstance(data, dict):
-            raise ProfileError(f"profile: expected a JSON object, got {type(data).__name__}")
-        if data.get("schema") != SCHEMA_NAME:
-            raise ProfileError(f"profile.schema={data.get('schema')!r}: not a harvest latency profile ({SCHEMA_NAME!r})")
-        version = data.get("schema_version")
-        if isinstance(version, bool) or version not in READABLE_VERSIONS:
-            raise ProfileError(
-                f"profile.schema_version={version!r}: this harvest reads versions {', '.join(map(str, READABLE_VERSIONS))}; "
-                f"re-run `harvest profile` to produce a compatible profile"
-            )
-        if version == 1:
-            if "trainer" in data:
-                raise ProfileError("profile.trainer: not a field of schema version 1 (a version-2 profile with the wrong version?)")
-            data = {**data, "trainer": None}
         try:
-            return strict_json.dataclass_from_dict(cls, data, "profile")
+            return strict_json.dataclass_from_dict(cls, _readable(data), "profile")
         except strict_json.StrictJsonError as exc:
             raise ProfileError(str(exc)) from exc
 
     @classmethod
     def from_json(cls, text: str) -> "Profile":
-        try:
-            data = strict_json.loads(text)
-        except (ValueError, RecursionError) as exc:
-            raise ProfileError(f"profile is not valid JSON: {exc}") from exc
-        return cls.from_dict(data)
+        return cls.from_dict(_parse(text))
 
     @classmethod
     def load(cls, path: str | Path) -> "Profile":
+        data = read_profile_json(path)
         try:
-            text = Path(path).read_text()
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ProfileError(f"cannot read profile {path}: {exc}") from exc
-        try:
-            return cls.from_json(text)
+            return cls.from_dict(data)
         except ProfileError as exc:
             raise ProfileError(f"{path}: {exc}") from exc
 
 
+@dataclasses.dataclass(frozen=True)
+class Stage1Profile:
+    """A profile whose co-run stage was never measured: ``stage2`` absent or null. Every
+    field it has is checked as :class:`Profile` checks it; only stage 2 may be missing."""
+
+    schema: str
+    schema_version: int
+    provenance: Provenance
+    ladder: Ladder
+    batch_size_buckets: tuple[int, ...]
+    grid: Grid
+    profiled_range: ProfiledRange
+    samples: tuple[GridPointRecord, ...]
+    stage1: tuple[Stage1Fit, ...]
+    trainer: TrainerSection | None = None
+
+    def __post_init__(self) -> None:
+        _check_all_but_stage2(self)
+
+    @property
+    def buckets(self) -> BatchSizeBuckets:
+        return BatchSizeBuckets(self.batch_size_buckets)
+
+    @classmethod
+    def from_dict(cls, data) -> "Stage1Profile":
+        data = _readable(data)
+        if data.get("stage2") is not None:
+            raise ProfileError("profile.stage2: present; load the profile as a Profile")
+        data = {k: v for k, v in data.items() if k != "stage2"}
+        try:
+            return strict_json.dataclass_from_dict(cls, data, "profile")
+        except strict_json.StrictJsonError as exc:
+            raise ProfileError(str(exc)) from exc
+
+
+def read_profile_json(path: str | Path):
+    """The JSON value in the profile file ``path`` (UTF-8; a byte-order mark, which
+    Windows editors add, is allowed), or a ProfileError naming the file and where in it
+    the damage is (line and column, or the JSON path of a NaN/Infinity token)."""
+    try:
+        raw = Path(path).read_bytes()
+    except OSError as exc:
+        raise ProfileError(f"cannot read profile {path}: {exc.strerror or exc}") from exc
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        column = exc.start - (raw.rfind(b"\n", 0, exc.start) + 1) + 1
+        raise ProfileError(
+            f"{path}: line {line} column {column}: byte 0x{raw[exc.start]:02x} is not UTF-8 (a profile is UTF-8 JSON)"
+        ) from exc
+    try:
+        return _parse(text)
+    except ProfileError as exc:
+        raise ProfileError(f"{path}: {exc}") from exc
+
+
+def _parse(text: str):
+    try:
+        return strict_json.loads(text, root="profile")
+    except strict_json.StrictJsonError as exc:
+        raise ProfileError(str(exc)) from exc
+    except ValueError as exc:
+        raise ProfileError(f"profile is not valid JSON: {exc}") from exc
+    except RecursionError as exc:
+        raise ProfileError("profile is not valid JSON: nested too deeply") from exc
+
+
+def _readable(data) -> dict:
+    """``data`` if it is a profile of a schema version this harvest reads (a version-1
+    profile given its ``trainer`` None), else a ProfileError."""
+    if not isinstance(data, dict):
+        raise ProfileError(f"profile: expected a JSON object, got {type(data).__name__}")
+    if data.get("schema") != SCHEMA_NAME:
+        raise ProfileError(f"profile.schema={data.get('schema')!r}: not a harvest latency profile ({SCHEMA_NAME!r})")
+    version = data.get("schema_version")
+    if isinstance(version, bool) or version not in READABLE_VERSIONS:
+        raise ProfileError(
+            f"profile.schema_version={version!r}: this harvest reads versions {', '.join(map(str, READABLE_VERSIONS))}; "
+            f"re-run `harvest profile` to produce a compatible profile"
+        )
+    if version == 1:
+        if "trainer" in data:
+            raise ProfileError("profile.trainer: not a field of schema version 1 (a version-2 profile with the wrong version?)")
+        data = {**data, "trainer": None}
+    return data
+
+
 def _check_consistency(p: Profile) -> None:
     """Invariants across fields (each field's own type is checked on construction)."""
+    _check_all_but_stage2(p)
+    if not any(r.stage == "corun" for r in p.samples):
+        raise ProfileError("profile.samples: no co-run samples (stage 2 cannot have been fitted)")
+    _check_stage2(p)
+
+
+def _check_all_but_stage2(p: Profile | Stage1Profile) -> None:
     if p.schema != SCHEMA_NAME or p.schema_version not in READABLE_VERSIONS:
         raise ProfileError(f"profile: schema {p.schema!r} version {p.schema_version}, expected {SCHEMA_NAME!r} {READABLE_VERSIONS}")
-    if p.trainer is not None:
-        _check_trainer(p)
     if not isinstance(p.ladder, Ladder):
         raise ProfileError("profile.ladder: expected a Ladder")
+    if p.trainer is not None:
+        _check_trainer(p)
+    for index, size in enumerate(p.batch_size_buckets):
+        if size > MAX_BATCH_SIZE_BUCKET:
+            raise ProfileError(
+                f"profile.batch_size_buckets[{index}]={size}: larger than any CUDA-graph capture size (at most {MAX_BATCH_SIZE_BUCKET})"
+            )
     try:
         BatchSizeBuckets(p.batch_size_buckets)
     except ValueError as exc:
         raise ProfileError(f"profile.batch_size_buckets: {exc}") from exc
-    if len(p.stage1) != p.ladder.num_levels:
-        raise ProfileError(f"profile.stage1: {len(p.stage1)} entries for a ladder of {p.ladder.num_levels} levels")
-    for index, fit in enumerate(p.stage1):
-        SoloCoefficients(fit.b0, fit.c0, fit.k0)
-        _check_quality(fit.quality, f"profile.stage1[{index}].quality")
-    for name, fit in [("combined", p.stage2.combined)] + sorted(p.stage2.by_phase.items()):
-        _check_quality(fit.quality, f"profile.stage2.{name}.quality")
-    if p.stage2.use_phase_models and len(p.stage2.by_phase) < 2:
-        raise ProfileError("profile.stage2.use_phase_models is true but by_phase has fewer than 2 phases")
-    if not p.grid.batch_sizes or not p.grid.context_lengths:
-        raise ProfileError("profile.grid: batch_sizes and context_lengths must be non-empty")
+    _check_stage1(p)
     levels_with_solo = set()
     for index, record in enumerate(p.samples):
         if record.level >= p.ladder.num_levels:
             raise ProfileError(f"profile.samples[{index}].level={record.level}: the ladder has {p.ladder.num_levels} levels")
         if record.stage == "solo":
             levels_with_solo.add(record.level)
+        elif not p.ladder.levels[record.level].runs_trainer:
+            raise ProfileError(
+                f"profile.samples[{index}]: a co-run sample at level {record.level}, where the trainer has no SMs"
+            )
     missing = sorted(set(range(p.ladder.num_levels)) - levels_with_solo)
     if missing:
         raise ProfileError(f"profile.samples: no solo samples for level(s) {missing}")
-    if not any(r.stage == "corun" for r in p.samples):
-        raise ProfileError("profile.samples: no co-run samples (stage 2 cannot have been fitted)")
 
 
-def _check_trainer(p: Profile) -> None:
+def _check_stage1(p: Profile | Stage1Profile) -> None:
+    """``L_solo = b0·bs + c0 + k0·Σctx`` must be a latency: never falling as the batch or
+    its context grows (b0, k0 >= 0, as the fit constrains them), and > 0 for the smallest
+    step there is (one request, one context token; a negative c0 is a fitted intercept and
+    allowed while that holds). Otherwise the scheduler would take a level for free."""
+    if len(p.stage1) != p.ladder.num_levels:
+        raise ProfileError(f"profile.stage1: {len(p.stage1)} entries for a ladder of {p.ladder.num_levels} levels")
+    smallest_batch = p.buckets.padded(1)
+    for index, fit in enumerate(p.stage1):
+        where = f"profile.stage1[{index}]"
+        if fit.b0 < 0:
+            raise ProfileError(f"{where}.b0={fit.b0!r}: seconds per request must be >= 0 (a step cannot get faster as its batch grows)")
+        if fit.k0 < 0:
+            raise ProfileError(f"{where}.k0={fit.k0!r}: seconds per context token must be >= 0 (a step cannot get faster as its context grows)")
+        smallest = SoloCoefficients(fit.b0, fit.c0, fit.k0).predict(smallest_batch, 1.0)
+        if not smallest > 0:
+            raise ProfileError(
+                f"{where}.c0={fit.c0!r}: predicts {smallest:.3g} s for the smallest decode step (1 request, 1 context token); "
+                "a step takes > 0 s"
+            )
+        _check_quality(fit.quality, f"{where}.quality")
+
+
+def _check_stage2(p: Profile) -> None:
+    """``L_colo = (SM_infer·b1 + SM_ft·k1)·L_solo``: b1 and k1 are the slowdown each SM
+    share brings, so neither may be negative (more trainer SMs cannot speed decode up: a
+    negative k1 predicts latency falling as the trainer grows, and below zero beyond), and
+    the factor must be > 0 on every level or co-located latency is zero or negative."""
+    fits = [("combined", p.stage2.combined)] + [(f"by_phase.{name}", fit) for name, fit in sorted(p.stage2.by_phase.items())]
+    for name, fit in fits:
+        where = f"profile.stage2.{name}"
+        for coefficient, meaning in (("b1", "decode's"), ("k1", "the trainer's")):
+            value = getattr(fit, coefficient)
+            if value < 0:
+                raise ProfileError(
+                    f"{where}.{coefficient}={value!r}: must be >= 0 (the slowdown per unit of {meaning} SM share; "
+                    "co-location cannot speed decode up)"
+                )
+        for level in range(p.ladder.num_levels):
+            factor = CoRunCoefficients(fit.b1, fit.k1).factor(p.ladder.decode_fraction(level), p.ladder.trainer_fraction(level))
+            if not factor > 0:
+                raise ProfileError(
+                    f"{where}: b1={fit.b1!r}, k1={fit.k1!r} give level {level} a co-located latency factor of {factor!r}; must be > 0"
+                )
+        _check_quality(fit.quality, f"{where}.quality")
+    if p.stage2.use_phase_models and len(p.stage2.by_phase) < 2:
+        raise ProfileError("profile.stage2.use_phase_models is true but by_phase has fewer than 2 phases")
+
+
+def _check_trainer(p: Profile | Stage1Profile) -> None:
     """Every level that gives the trainer SMs, and the whole device, measured in the same phases."""
     section, levels = p.trainer, p.ladder.levels
     if p.schema_version < 2:
@@ -340,8 +502,14 @@ def _check_trainer(p: Profile) -> None:
         raise ProfileError(
             f"profile.trainer.alone: expected the same phases on every level in {sorted(expected, key=str)}, got {phases_by_level}"
         )
-    if not any(r.units > 0 for r in section.records(where)):
-        raise ProfileError("profile.trainer.alone: no unit finished on the whole device; its rate is unknown")
+    for index, record in enumerate(section.alone):
+        if record.level == where and record.units == 0:
+            # The rate alone is that of a trainer alternating the phases: one that never
+            # finishes leaves it zero, and every rate relative to it undefined.
+            raise ProfileError(
+                f"profile.trainer.alone[{index}].units=0: no {record.phase!r} unit finished on the whole device, "
+                "so the trainer's rate alone is unknown"
+            )
 
 
 def _check_quality(quality: FitQuality, path: str) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -74,6 +75,20 @@ def _fail(message: str, code: int = 2) -> int:
     return code
 
 
+def check_out_dir(out_dir: Path) -> None:
+    """ValueError if ``out_dir`` cannot take the plots and replay.json, before minutes of
+    replay are spent: it, or the nearest part of its path that exists, must be a
+    writable directory (it is created only when there is something to write)."""
+    existing = out_dir
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        where = "it exists and" if existing == out_dir else f"cannot create it: {existing}"
+        raise ValueError(f"--out-dir {out_dir}: {where} is not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"--out-dir {out_dir}: {existing} is not writable")
+
+
 def resolve_profile(spec: str | None):
     """The profile ``spec`` names (a path, or SYNTHETIC_A100), or the project's best one."""
     from harvest.config_env import PROJECT_ROOT
@@ -112,6 +127,8 @@ def run(args) -> int:
             **({} if args.kv_bytes_per_token is None else {"kv_bytes_per_token": args.kv_bytes_per_token}),
         )
         settings.check()
+        if not args.no_plots:
+            check_out_dir(args.out_dir)
         profile = resolve_profile(args.profile)
         trainer = trainer_model.build(profile, args.trainer_tokens_per_s)
     except (ValueError, FileNotFoundError) as exc:  # ProfileError is a ValueError
@@ -120,8 +137,6 @@ def run(args) -> int:
         requests = read_trace(trace_path)
     except TraceError as exc:
         return _fail(str(exc))
-    except OSError as exc:
-        return _fail(f"cannot read trace {trace_path}: {exc}")
 
     random_inputs = window.is_random or settings.error_noise > 0
     seeds = args.seeds if random_inputs else args.seeds[:1]
@@ -135,14 +150,17 @@ def run(args) -> int:
         return _fail(str(exc))
 
     written: list[str] = []
-    if not args.no_plots:
-        written = plots.write_all(comparisons[0], profile, settings.target_tpot_ms, args.out_dir)
     trace_label = str(trace_path)
-    data = report.as_dict(comparisons, profile, trainer, settings, window, trace_label, written)
-    if not random_inputs and len(args.seeds) > 1:
-        data["note"] = "seeds ignored: no rate scaling or noise, so every seed replays the same thing"
-    if not args.no_plots:
-        (args.out_dir / "replay.json").write_text(json.dumps(data, indent=1) + "\n")
+    try:
+        if not args.no_plots:
+            written = plots.write_all(comparisons[0], profile, settings.target_tpot_ms, args.out_dir)
+        data = report.as_dict(comparisons, profile, trainer, settings, window, trace_label, written)
+        if not random_inputs and len(args.seeds) > 1:
+            data["note"] = "seeds ignored: no rate scaling or noise, so every seed replays the same thing"
+        if not args.no_plots:
+            (args.out_dir / "replay.json").write_text(json.dumps(data, indent=1) + "\n")
+    except OSError as exc:  # the disk filled, or --out-dir changed under the replay
+        return _fail(f"--out-dir {args.out_dir}: cannot write {exc.filename or ''}: {exc.strerror or exc}")
     if args.json:
         print(json.dumps(data))
     else:

@@ -17,7 +17,7 @@ from harvest.replay import policies as policy_mod
 from harvest.replay.policies import ALL_POLICIES, DECODE_ONLY, SEPARATE, LatencyErrors, PolicyRefused
 from harvest.replay.profile_source import ReplayProfile
 from harvest.replay.results import PolicyResult, add_gains, summarise
-from harvest.replay.simulator import DecodeLimits, DecodeRun, simulate
+from harvest.replay.simulator import MAX_STEP_S, DecodeLimits, DecodeRun, simulate
 from harvest.replay.trace import TraceRequest
 from harvest.replay.trainer_model import TrainerModel
 from harvest.schedule import SchedulerConfig
@@ -54,6 +54,30 @@ class ReplaySettings:
         LatencyErrors(self.error_scale, self.error_noise)
 
 
+def check_largest_step(profile: ReplayProfile, limits: DecodeLimits) -> None:
+    """ValueError naming the profile and level if any level predicts a step over
+    MAX_STEP_S for the largest batch the replay can form (``max_batch_size`` requests
+    holding the whole KV capacity). The profile's checks make both stages grow with batch
+    size and context, so that batch is where each level's prediction is largest."""
+    batch, tokens = limits.max_batch_size, limits.kv_capacity_tokens
+    padded = profile.buckets.padded(batch)
+    predictor = profile.predictor
+    for level, solo in enumerate(profile.solo):
+        predictions = [(f"profile.stage1[{level}]", solo.predict(padded, tokens))]
+        if predictor is not None:
+            predictions += [
+                (f"profile.stage2 ({name}) at level {level}", predictor.evaluate(level, batch, tokens, phase))
+                for phase, name in enumerate(predictor.phase_names)
+            ]
+        for field, seconds in predictions:
+            if not seconds <= MAX_STEP_S:
+                raise ValueError(
+                    f"{profile.label}: {field} predicts {seconds:.3g} s for one decode step of {batch} requests holding "
+                    f"{tokens} tokens (--max-batch-size, --kv-capacity-tokens); no decode step takes over {MAX_STEP_S:g} s, "
+                    "so the profile's coefficients are broken"
+                )
+
+
 @dataclasses.dataclass
 class Comparison:
     seed: int
@@ -86,6 +110,7 @@ def run(
     """Replay ``requests`` through ``settings.policies``; refused policies are reported
     as such and the others still run."""
     settings.check()
+    check_largest_step(profile, settings.limits)
     built: dict[str, policy_mod.BasePolicy] = {}
     results: dict[str, PolicyResult] = {}
     for name in settings.policies:

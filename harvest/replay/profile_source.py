@@ -2,11 +2,12 @@
 
 A full profile loads through :class:`~harvest.predict.schema.Profile` (every invariant
 checked) and gives the real :class:`~harvest.predict.model.LatencyPredictor`. A profile
-without stage-2 data (the co-run stage skipped or cut short: no co-run samples, no
-``stage2`` fit) is refused by ``Profile``; the replay still reads its stage-1 fits, so
-the baselines that need no co-location model (decode-only, separate) run, and the
-policies that do (harvest, static) are refused with :attr:`ReplayProfile.stage2_missing`
-as the reason. Anything else wrong with the file is a :class:`ProfileError`.
+without stage 2 (the co-run stage skipped or cut short: ``stage2`` absent or null) loads
+through :class:`~harvest.predict.schema.Stage1Profile`, checked the same way but for
+stage 2, so the baselines that need no co-location model (decode-only, separate) run,
+and the policies that do (harvest, static) are refused with
+:attr:`ReplayProfile.stage2_missing` as the reason. Anything wrong with the file is a
+:class:`ProfileError` naming it and the JSON path of the value.
 """
 
 from __future__ import annotations
@@ -14,19 +15,17 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from harvest.predict import strict_json
 from harvest.predict.buckets import BatchSizeBuckets
 from harvest.ladder import Ladder
 from harvest.predict.model import CoRunCoefficients, LatencyPredictor, ProfiledRange, SoloCoefficients
 from harvest.predict.schema import (
-    READABLE_VERSIONS,
-    SCHEMA_NAME,
     GridPointRecord,
     Profile,
     ProfileError,
     Provenance,
-    Stage1Fit,
+    Stage1Profile,
     TrainerSection,
+    read_profile_json,
 )
 
 
@@ -121,71 +120,35 @@ def committed_profiles(directory: Path) -> list[ReplayProfile]:
 def load(path: str | Path) -> ReplayProfile:
     """Load a profile file for replay; raises ProfileError naming the file and field."""
     path = Path(path)
+    data = read_profile_json(path)
     try:
-        data = strict_json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ProfileError(f"cannot read profile {path}: {exc}") from exc
-    except (ValueError, RecursionError) as exc:
-        raise ProfileError(f"{path}: not valid JSON: {exc}") from exc
-    try:
+        if isinstance(data, dict) and data.get("stage2") is None:
+            return _stage1_only(Stage1Profile.from_dict(data), path, "stage2" in data)
         return from_profile(Profile.from_dict(data), path.name)
     except ProfileError as exc:
-        if not _lacks_stage2(data):
-            raise ProfileError(f"{path}: {exc}") from exc
-        return _stage1_only(data, path, reason=str(exc))
+        raise ProfileError(f"{path}: {exc}") from exc
 
 
-def _lacks_stage2(data) -> bool:
-    """A harvest profile of this schema version whose only defect may be missing stage 2."""
-    if not isinstance(data, dict) or data.get("schema") != SCHEMA_NAME or data.get("schema_version") not in READABLE_VERSIONS:
-        return False
-    samples = data.get("samples")
-    no_corun = isinstance(samples, list) and not any(isinstance(s, dict) and s.get("stage") == "corun" for s in samples)
-    return data.get("stage2") is None or no_corun
-
-
-def _stage1_only(data: dict, path: Path, reason: str) -> ReplayProfile:
-    """Read what decode-only replay needs from a profile without stage 2, as strictly
-    as ``Profile`` would read those fields."""
-    where = str(path)
-    try:
-        ladder = strict_json.from_jsonable(Ladder, _field(data, "ladder", where), f"{where}: profile.ladder")
-        stage1 = strict_json.from_jsonable(tuple[Stage1Fit, ...], _field(data, "stage1", where), f"{where}: profile.stage1")
-        buckets = BatchSizeBuckets(strict_json.from_jsonable(tuple[int, ...], _field(data, "batch_size_buckets", where), "buckets"))
-        profiled_range = strict_json.from_jsonable(ProfiledRange, _field(data, "profiled_range", where), f"{where}: profile.profiled_range")
-        provenance = strict_json.from_jsonable(Provenance, _field(data, "provenance", where), f"{where}: profile.provenance")
-    except (strict_json.StrictJsonError, ValueError) as exc:
-        raise ProfileError(f"{where}: {exc}") from exc
-    if len(stage1) != ladder.num_levels:
-        raise ProfileError(f"{where}: profile.stage1 has {len(stage1)} entries for a ladder of {ladder.num_levels} levels")
-    try:
-        solo = tuple(SoloCoefficients(f.b0, f.c0, f.k0) for f in stage1)
-    except ValueError as exc:
-        raise ProfileError(f"{where}: profile.stage1: {exc}") from exc
+def _stage1_only(profile: Stage1Profile, path: Path, stage2_null: bool) -> ReplayProfile:
+    prov = profile.provenance
     return ReplayProfile(
         label=path.name,
-        description=_describe(provenance),
-        synthetic=_is_synthetic(provenance),
-        device_kind=provenance.device_kind,
-        ladder=ladder,
-        buckets=buckets,
-        profiled_range=profiled_range,
-        solo=solo,
+        description=_describe(prov),
+        synthetic=_is_synthetic(prov),
+        device_kind=prov.device_kind,
+        ladder=profile.ladder,
+        buckets=profile.buckets,
+        profiled_range=profile.profiled_range,
+        solo=tuple(SoloCoefficients(f.b0, f.c0, f.k0) for f in profile.stage1),
         corun=None,
         predictor=None,
         stage2_missing=(
-            f"{path.name} has no stage-2 (co-run) data ({reason}); re-run `harvest profile` to completion "
-            "so the co-run stage is measured"
+            f"{path.name} has no stage-2 (co-run) data (profile.stage2 is {'null' if stage2_null else 'missing'}); "
+            "re-run `harvest profile` to completion so the co-run stage is measured"
         ),
-        finetune_description=provenance.finetune.description,
+        finetune_description=prov.finetune.description,
         trainer_records=(),
     )
-
-
-def _field(data: dict, name: str, where: str):
-    if name not in data:
-        raise ProfileError(f"{where}: profile.{name} is missing")
-    return data[name]
 
 
 def _trainer_records(samples: tuple[GridPointRecord, ...]) -> tuple[LevelTrainerRecord, ...]:

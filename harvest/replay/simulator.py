@@ -40,6 +40,10 @@ from harvest.replay.policies import BasePolicy
 from harvest.replay.trace import TraceRequest
 
 PROGRESS_EVERY_STEPS = 4096
+# No decode step takes an hour: a longer one comes from a broken profile (a coefficient
+# off by orders of magnitude) or an absurd --error-scale/--error-noise, and such steps
+# summed over a trace overflow the clock and the summaries into inf/NaN.
+MAX_STEP_S = 3600.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,6 +166,12 @@ def simulate(
             progress(nxt)
     if progress is not None:
         progress(nxt)
+    longest = max(latencies, default=0.0)
+    if not longest <= MAX_STEP_S:
+        raise ValueError(
+            f"a simulated decode step took {longest:.3g} s, over {MAX_STEP_S:g} s: the profile's prediction times "
+            "--error-scale and --error-noise is no decode step"
+        )
 
     return DecodeRun(
         step_start_s=np.frombuffer(starts, dtype=np.float64),

@@ -158,7 +158,7 @@ def test_corrupt_json_and_nan_tokens_are_refused(profile, tmp_path):
         Profile.load(bad)
     nan = tmp_path / "nan.json"
     nan.write_text(text.replace('"latency_s": ', '"latency_s": NaN, "x": ', 1))
-    with pytest.raises(ProfileError, match="NaN, which is not valid JSON"):
+    with pytest.raises(ProfileError, match=r"nan.json: profile.samples\[0\].latency_s: NaN is not valid JSON"):
         Profile.load(nan)
     with pytest.raises(ProfileError, match="cannot read profile"):
         Profile.load(tmp_path / "missing.json")
@@ -235,3 +235,114 @@ def test_committed_cpu_profile_is_valid_and_matches_the_tiny_model(tiny_llama_pa
     assert profile.provenance.measurement.torch_threads == 1  # decode on the core the trainer leaves, as the server runs it
     assert profile.trainer is not None and profile.trainer.whole_device_level == 0  # schema 2: measured alone too
     assert all(r.units > 0 for r in profile.trainer.alone)
+
+
+# -- physically impossible coefficients, refused for every user of the profile -------------
+
+
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda d: d["stage1"][2].update(b0=-1e-5), r"profile.stage1\[2\].b0=-1e-05: seconds per request must be >= 0"),
+        (lambda d: d["stage1"][0].update(k0=-1e-9), r"profile.stage1\[0\].k0=-1e-09: seconds per context token must be >= 0"),
+        (lambda d: d["stage1"][6].update(c0=-1.0), r"profile.stage1\[6\].c0=-1.0: predicts -1 s for the smallest decode step"),
+        (lambda d: d["stage2"]["combined"].update(k1=-0.4), r"profile.stage2.combined.k1=-0.4: must be >= 0"),
+        (lambda d: d["stage2"]["combined"].update(b1=-0.1), r"profile.stage2.combined.b1=-0.1: must be >= 0"),
+        (lambda d: d["stage2"]["by_phase"]["forward"].update(k1=-2.0), r"profile.stage2.by_phase.forward.k1=-2.0: must be >= 0"),
+        (lambda d: d["stage2"]["combined"].update(b1=0.0, k1=0.0), r"profile.stage2.combined: b1=0.0, k1=0.0 give level 0 a co-located latency factor of 0.0"),
+    ],
+)
+def test_physically_impossible_coefficients_are_refused_naming_the_json_path(profile, tmp_path, mutate, message):
+    data = copy.deepcopy(_data(profile))
+    mutate(data)
+    path = tmp_path / "impossible.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ProfileError, match=f"impossible.json: {message}"):
+        Profile.load(path)
+    # the server's start-up path (compat.load_for) refuses it the same way, before any comparison
+    with pytest.raises(ProfileError, match=message):
+        load_for(path, running(profile))
+
+
+def test_a_negative_fitted_intercept_is_allowed_while_every_step_takes_time(profile):
+    data = copy.deepcopy(_data(profile))
+    data["stage1"][0]["c0"] = -0.5 * (data["stage1"][0]["b0"] * BUCKETS.padded(1) + data["stage1"][0]["k0"])
+    assert _load_dict(data).stage1[0].c0 < 0
+
+
+def test_a_key_given_twice_is_refused_naming_the_object(profile):
+    text = profile.to_json().replace('"mape": ', '"mape": 0.0, "mape": ', 1)
+    with pytest.raises(ProfileError, match=r"profile.stage1\[0\].quality: names 'mape' twice"):
+        Profile.from_json(text)
+
+
+@pytest.mark.parametrize(
+    "path, literal, message",
+    [
+        (("stage1", 0, "k0"), "NaN", r"profile.stage1\[0\].k0: NaN is not valid JSON"),
+        (("stage2", "combined", "b1"), "-Infinity", r"profile.stage2.combined.b1: -Infinity is not valid JSON"),
+        (("samples", 3, "latency_s"), "1e309", r"profile.samples\[3\].latency_s: expected a finite number, got inf \(too large for a double\)"),
+        (("profiled_range", "max_sum_context"), "1" + "0" * 400, r"profile.profiled_range.max_sum_context: expected a finite number, got an integer of 1329 bits"),
+        (("profiled_range", "max_batch_size"), str(2**64), r"profile.profiled_range.max_batch_size: expected an integer within 64 bits"),
+        (("samples", 3, "trainer_units"), str(2**70), r"profile.samples\[3\].trainer_units: expected an integer within 64 bits"),
+    ],
+)
+def test_non_finite_and_overflowing_numbers_are_refused_naming_the_json_path(profile, tmp_path, path, literal, message):
+    data = copy.deepcopy(_data(profile))
+    target = data
+    for key in path[:-1]:
+        target = target[key]
+    target[path[-1]] = "__LITERAL__"
+    file = tmp_path / "numbers.json"
+    file.write_text(json.dumps(data).replace('"__LITERAL__"', literal))
+    with pytest.raises(ProfileError, match=f"numbers.json: {message}"):
+        Profile.load(file)
+
+
+def _first_corun(data: dict) -> dict:
+    return next(s for s in data["samples"] if s["stage"] == "corun")
+
+
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda d: d["provenance"].update(sm_count=0), r"profile.provenance: sm_count=0: must be >= 1"),
+        (lambda d: d["provenance"]["measurement"].update(trim_fraction=0.5), r"profile.provenance.measurement: trim_fraction=0.5: must be in \[0, 0.5\)"),
+        (lambda d: d["provenance"]["measurement"].update(timed_steps=0), r"profile.provenance.measurement: timed_steps=0: must be >= 1"),
+        (lambda d: d["grid"].update(batch_sizes=[4, -16]), r"profile.grid: batch_sizes\[1\]=-16: must be > 0"),
+        (lambda d: d["samples"][2].update(sum_context=0), r"profile.samples\[2\]: sum_context=0.0: must be > 0"),
+        (lambda d: d["samples"][2]["step_sum_contexts"].__setitem__(1, -3.0), r"profile.samples\[2\]: step_sum_contexts\[1\]=-3.0: must be > 0"),
+        (lambda d: _first_corun(d).update(trainer_units=-1), r"profile.samples\[\d+\]: trainer_units=-1: must be >= 0"),
+        (lambda d: _first_corun(d).update(context_length=0), r"profile.samples\[\d+\]: context_length=0: must be >= 1"),
+        (lambda d: d["batch_size_buckets"].append(10**9), r"profile.batch_size_buckets\[9\]=1000000000: larger than any CUDA-graph capture size"),
+        (lambda d: d["samples"].append(dict(_first_corun(d), level=6)), r"profile.samples\[\d+\]: a co-run sample at level 6, where the trainer has no SMs"),
+    ],
+)
+def test_out_of_range_values_are_refused_naming_the_field(profile, mutate, message):
+    data = copy.deepcopy(_data(profile))
+    mutate(data)
+    with pytest.raises(ProfileError, match=message):
+        _load_dict(data)
+
+
+def test_a_whole_device_phase_that_finished_no_unit_is_refused(profile):
+    data = copy.deepcopy(_data(profile))
+    data["trainer"] = strict_json.to_jsonable(_section())
+    index = next(i for i, r in enumerate(data["trainer"]["alone"]) if r["level"] is None and r["phase"] == "backward")
+    data["trainer"]["alone"][index]["units"] = 0
+    with pytest.raises(ProfileError, match=rf"profile.trainer.alone\[{index}\].units=0: no 'backward' unit finished on the whole device"):
+        _load_dict(data)
+
+
+def test_profile_files_with_a_byte_order_mark_load_and_bad_bytes_are_placed(profile, tmp_path):
+    text = profile.to_json()
+    bom = tmp_path / "bom.json"
+    bom.write_bytes(b"\xef\xbb\xbf" + text.encode())
+    assert Profile.load(bom) == profile
+    latin = tmp_path / "latin.json"
+    latin.write_bytes(text.encode().replace(b'"llama3-8b"', b'"llama3-8b\xe9"', 1))
+    line = text[: text.index('"llama3-8b"')].count("\n") + 1
+    with pytest.raises(ProfileError, match=rf"latin.json: line {line} column \d+: byte 0xe9 is not UTF-8"):
+        Profile.load(latin)
+    with pytest.raises(ProfileError, match=rf"cannot read profile {tmp_path}: Is a directory"):
+        Profile.load(tmp_path)

@@ -75,7 +75,7 @@ def test_unreadable_and_non_json_files(tmp_path):
     with pytest.raises(ProfileError, match="cannot read profile"):
         profile_source.load(tmp_path / "absent.json")
     (tmp_path / "x.json").write_text("{not json")
-    with pytest.raises(ProfileError, match="x.json: not valid JSON"):
+    with pytest.raises(ProfileError, match="x.json: profile is not valid JSON: .* line 1 column 2"):
         profile_source.load(tmp_path / "x.json")
 
 
@@ -108,3 +108,35 @@ def test_corun_trainer_units_are_summarised_per_level_and_reported(tmp_path, a10
     assert record.units_per_s == pytest.approx(5 * 12 / sum(sum(s["step_latencies_s"]) for s in points))
     note = trainer_model.build(loaded).profile_note
     assert "level 2 (54 trainer SMs)" in note and "reported, not used" in note
+
+
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda d: d["samples"][0].update(latency_s=-1.0), r"profile.samples\[0\]: latency_s=-1.0: latencies must be > 0"),
+        (lambda d: d["stage1"][3].update(k0=-1e-7), r"profile.stage1\[3\].k0=-1e-07: seconds per context token must be >= 0"),
+        (lambda d: d["stage1"][5].update(c0=-1.0), r"profile.stage1\[5\].c0=-1.0: predicts"),
+        (lambda d: d["grid"].update(context_lengths=[]), r"profile.grid: batch_sizes and context_lengths must be non-empty"),
+        (lambda d: d["provenance"]["measurement"].update(warmup_steps=-3), r"profile.provenance.measurement: warmup_steps=-3"),
+        (lambda d: d.update(trainer={"tokens_per_unit": 0}), r"profile.trainer: missing field\(s\)"),
+        (lambda d: d.update(colour="red"), r"profile: unknown field\(s\) colour"),
+    ],
+)
+def test_profile_without_stage2_gets_every_other_check(tmp_path, a100, mutate, message):
+    """Before: a profile without stage 2 was read field by field and the rest never checked."""
+    data = synthetic.without_stage2(a100)
+    mutate(data)
+    path = tmp_path / "solo-only.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ProfileError, match=f"solo-only.json: {message}"):
+        profile_source.load(path)
+
+
+def test_stage2_fit_without_co_run_samples_is_refused_not_ignored(tmp_path, a100):
+    data = a100.to_dict()
+    data["samples"] = [s for s in data["samples"] if s["stage"] == "solo"]
+    data["stage2"]["combined"]["k1"] = -5.0  # before, never looked at: the profile loaded as stage-1 only
+    path = tmp_path / "fit-no-samples.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ProfileError, match="fit-no-samples.json: profile.samples: no co-run samples"):
+        profile_source.load(path)

@@ -24,7 +24,7 @@ from harvest.predict.profiler.partial import PartialRun, PartialRunError, grid_k
 from harvest.predict.profiler.report import write_report
 from harvest.predict.profiler.runner import plan_points, run_grid
 from harvest.predict.profiler.trainer_alone import measure_section
-from harvest.predict.schema import FinetuneIdentity, Grid, MeasurementSettings
+from harvest.predict.schema import FinetuneIdentity, Grid, MeasurementSettings, ProfileError
 from harvest.train import trainer_cpu
 
 logger = get_logger(__name__)
@@ -140,6 +140,8 @@ def profile(args, model_path: str, measure: MeasureConfig) -> int:
         result = build_profile(prov, ladder, buckets, grid, records, trainer)
     except FitError as exc:
         raise ProfilingFailed(f"cannot fit the measured grid points: {exc}") from exc
+    except ProfileError as exc:  # a fit no decode step can have (e.g. co-location speeding decode up)
+        raise ProfilingFailed(f"the fit of the measured grid points is not a usable profile: {exc}") from exc
     result.save(out)
     write_report(result, report_path)
     partial.finish()
