@@ -17,7 +17,7 @@ with decode for the GIL, and polling the endpoint broke the latency target (2000
 8 clients: decode p99 29.7 -> 182.8 ms). Here the engine publishes a snapshot file at
 most every ``metrics.publish_interval_s`` and runs commands between steps
 (harvest.colocate.control_link); this process serves every request from its copy of the
-snapshot, at a lower CPU priority than decode, on a bounded pool of threads.
+snapshot, on CPU time decode and the trainer leave (SCHED_IDLE), with a fixed pool of threads.
 
 The /harvest endpoints use SGLang's own auth rule for admin endpoints
 (``sglang.srt.utils.auth.decide_request_auth`` at ``ADMIN_OPTIONAL``): with no keys
@@ -335,6 +335,19 @@ def _int_param(query: dict, name: str) -> int | None:
     return int(value)
 
 
+def _lower_priority(nice: int) -> None:
+    """Below every normal thread, decode's first: Linux's SCHED_IDLE runs this process
+    only on CPU time nothing else wants (a GPU server has cores to spare; on a machine
+    whose cores decode and the trainer keep busy, polls wait, decode does not). Where
+    there is no SCHED_IDLE, the nice value."""
+    if nice <= 0:
+        return
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):
+        os.nice(nice)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="harvest's control endpoint (started by the serving process)")
     parser.add_argument("--host", required=True)
@@ -349,8 +362,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--auth-module", default=None)
     args = parser.parse_args(argv)
     settings = EndpointSettings(args.host, args.port, args.backlog, args.workers, args.idle_timeout_s, args.nice)
-    if settings.nice:
-        os.nice(settings.nice)
+    _lower_priority(settings.nice)
     snapshot = Snapshot(args.snapshot, args.poll_interval_s)
 
     def engine_gone():

@@ -31,7 +31,7 @@ class EndpointSettings:
     backlog: int = 128  # Prometheus plus a few dashboards and scripts; 5 (the default) stalled 8 clients
     workers: int = 16  # threads serving connections; further connections wait in the backlog
     idle_timeout_s: float = 10.0  # an idle or slow connection is closed after this
-    nice: int = 10  # below decode's priority: the engine process always gets the CPU first
+    nice: int = 10  # > 0: SCHED_IDLE (only CPU time nothing else wants), or this nice value where there is none
 
 
 def endpoint_settings(metrics, sglang_host: str | None, source=None) -> tuple[EndpointSettings, str] | None:
