@@ -65,8 +65,8 @@ def _second_of_two_jobs_bad(directory: Path, config: Path) -> None:
 # (how the setup is broken, what the message says after "harvest config <harvest.yaml>: ")
 BAD_INPUTS = {
     "junk profile": (_junk_profile, "profile: {dir}/p.json: profile is not valid JSON: Expecting value"),
-    "directory as profile": (_directory_as_profile, "profile: cannot read profile {dir}/p.json: [Errno 21] Is a directory"),
-    "profile with a bad field": (_profile_with_a_bad_field, "profile: {dir}/p.json: profile: profile.samples[0].level=99: "),
+    "directory as profile": (_directory_as_profile, "profile: cannot read profile {dir}/p.json: Is a directory"),
+    "profile with a bad field": (_profile_with_a_bad_field, "profile: {dir}/p.json: profile.samples[0].level=99: "),
     "job with lora_rank -1": (_job_with_a_bad_rank,
                               "jobs[0]: job file '{dir}/job.yaml': lora_rank: must be an integer > 0, got -1"),
     "missing job": (_missing_job, "jobs[1]='gone.yaml': expected an existing file; not found: {dir}/gone.yaml; "),
