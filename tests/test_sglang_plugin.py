@@ -4,6 +4,8 @@
 - An unsupported SGLang version refuses to start when harvest is enabled, and leaves a
   server without `--enable-harvest` alone.
 - `harvest launch` validates before exec'ing SGLang.
+- A server configuration harvest refuses (harvest.sglang.refusals; here a KV page size
+  of 16) stops start-up, naming the flag.
 """
 
 from __future__ import annotations
@@ -65,6 +67,17 @@ def test_unsupported_version_without_harvest_is_only_logged(tiny_llama_path):
     out = _launch_server(["--model-path", "/nonexistent/model", "--device", "cpu"], fake_sglang_version="0.6.0")
     assert "harvest plugin NOT active" in out.stderr
     assert "HarvestStartupError" not in out.stderr
+
+
+def test_refused_server_configuration_stops_start_up_naming_the_flag(tiny_llama_path):
+    # Page size 16: SGLang's paged allocator, whose free list holds page ids, not token
+    # slots (before the refusal, harvest's first idle tick crashed the scheduler).
+    from harvest.sglang import server
+
+    out = _launch_server(server.cpu_server_args(tiny_llama_path) + ["--page-size", "16", "--enable-harvest"])
+    assert out.returncode != 0
+    assert "UnsupportedServer: harvest cannot run on this server: KV page size 16 (PagedTokenToKVPoolAllocator" in out.stderr
+    assert "run with --page-size 1" in out.stderr
 
 
 def test_launch_builds_the_sglang_command():

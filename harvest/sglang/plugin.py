@@ -154,10 +154,10 @@ def load() -> bool:
     problem = version_problem(version)
     if problem is not None:
         _problems.append(problem)
-    from harvest.sglang.level_graphs import SGLANG_ATTRIBUTES
+    from harvest.sglang import level_graphs, refusals
 
     missing = unresolvable_targets([f"{SERVER_ARGS}.add_cli_args", f"{SERVER_ARGS}.from_cli_args", *hooks.TARGETS,
-                                    *SGLANG_ATTRIBUTES])
+                                    *level_graphs.SGLANG_ATTRIBUTES, *refusals.SGLANG_ATTRIBUTES])
     if missing:
         _problems.append("hook target(s) not found: " + ", ".join(missing))
 

@@ -61,16 +61,14 @@ class HarvestRuntime:
     def attach(cls, scheduler) -> "HarvestRuntime":
         from harvest.colocate.assemble import assemble
         from harvest.config import HarvestConfig, load
+        from harvest.sglang.refusals import UnsupportedServer, problems
 
         path = config_env.harvest_config_path()
         config = load(path) if path is not None else HarvestConfig()
         server_args = scheduler.server_args
-        if server_args.tp_size != 1 or server_args.pp_size != 1 or server_args.dp_size != 1:
-            raise RuntimeError("harvest supports tp_size = pp_size = dp_size = 1 for now")
-        if not scheduler.spec_algorithm.is_none():
-            # A speculative step runs several forwards (draft, verify): harvest places and
-            # times one forward per step.
-            raise RuntimeError("harvest does not support speculative decoding yet: run without --speculative-algorithm")
+        refused = problems(scheduler)  # before anything is built: nothing to undo
+        if refused:
+            raise UnsupportedServer("harvest cannot run on this server: " + "; ".join(refused))
         colocation = assemble(config, sglang_engine(scheduler, config))
         try:
             runtime = cls(colocation)
