@@ -85,23 +85,23 @@ class ReplayProfile:
 
 
 def from_profile(profile: Profile, label: str) -> ReplayProfile:
-    prov = profile.provenance
     return ReplayProfile(
-        label=label,
-        description=_describe(prov),
-        synthetic=_is_synthetic(prov),
-        device_kind=prov.device_kind,
-        ladder=profile.ladder,
-        buckets=profile.buckets,
-        profiled_range=profile.profiled_range,
-        solo=tuple(SoloCoefficients(f.b0, f.c0, f.k0) for f in profile.stage1),
+        **_measured(profile, label),
         corun=CoRunCoefficients(profile.stage2.combined.b1, profile.stage2.combined.k1),
         predictor=profile.predictor(),
         stage2_missing=None,
-        finetune_description=prov.finetune.description,
         trainer_records=_trainer_records(profile.samples),
         trainer_alone=profile.trainer,
     )
+
+
+def _measured(profile: Profile | Stage1Profile, label: str) -> dict:
+    """The ReplayProfile fields a profile with or without stage 2 gives alike."""
+    prov = profile.provenance
+    return dict(label=label, description=_describe(prov), synthetic=_is_synthetic(prov), device_kind=prov.device_kind,
+                ladder=profile.ladder, buckets=profile.buckets, profiled_range=profile.profiled_range,
+                solo=tuple(SoloCoefficients(f.b0, f.c0, f.k0) for f in profile.stage1),
+                finetune_description=prov.finetune.description)
 
 
 def committed_profiles(directory: Path) -> list[ReplayProfile]:
@@ -130,23 +130,14 @@ def load(path: str | Path) -> ReplayProfile:
 
 
 def _stage1_only(profile: Stage1Profile, path: Path, stage2_null: bool) -> ReplayProfile:
-    prov = profile.provenance
     return ReplayProfile(
-        label=path.name,
-        description=_describe(prov),
-        synthetic=_is_synthetic(prov),
-        device_kind=prov.device_kind,
-        ladder=profile.ladder,
-        buckets=profile.buckets,
-        profiled_range=profile.profiled_range,
-        solo=tuple(SoloCoefficients(f.b0, f.c0, f.k0) for f in profile.stage1),
+        **_measured(profile, path.name),
         corun=None,
         predictor=None,
         stage2_missing=(
             f"{path.name} has no stage-2 (co-run) data (profile.stage2 is {'null' if stage2_null else 'missing'}); "
             "re-run `harvest profile` to completion so the co-run stage is measured"
         ),
-        finetune_description=prov.finetune.description,
         trainer_records=(),
     )
 
