@@ -4,8 +4,9 @@ Names follow Prometheus conventions: ``harvest_`` prefix, base units (seconds, b
 ratios), ``_total`` on counters. The runtime owns one :class:`HarvestMetrics` and pushes
 plain numbers into it; nothing here reads harvest state by itself.
 
-Where they are exported (docs/metrics.md): harvest serves its own registry on the
-``metrics.port`` of harvest.yaml (``/metrics``) from the scheduler process. When SGLang
+Where they are exported (docs/metrics.md): the scheduler process renders this registry
+into the control snapshot, and harvest's endpoint process serves it on ``metrics.port``
+(``/metrics``; harvest.sglang.control). When SGLang
 runs with ``--enable-metrics`` it sets ``PROMETHEUS_MULTIPROC_DIR``; prometheus-client
 then stores harvest's values in that directory too, so SGLang's own ``/metrics`` shows
 them as well. Gauges use ``multiprocess_mode="mostrecent"`` so that case aggregates to the
