@@ -8,6 +8,12 @@ the file and the field, instead of a scheduler traceback once the model has load
 :func:`check` loads harvest.yaml (:func:`harvest.config.load`: its own fields), then runs
 :data:`CHECKS` in order on it:
 
+- :func:`check_metrics_endpoint`: the address harvest's endpoint will listen on
+  (``metrics.port``/``metrics.host``, the per-instance ``--harvest-metrics-port``/``-host``
+  or HARVEST_METRICS_PORT/_HOST, SGLang's ``--host``) can be listened on now: a port
+  another process holds (NVIDIA's dcgm-exporter, a second instance) stops the start here.
+  The endpoint binds it later, in the scheduler; a port taken in between stops the
+  start-up there (ControlEndpointError, naming the setting too);
 - :func:`check_profile`: the profile's content, through the loader the scheduler uses
   (``Profile.load``: every field, named by its JSON path; a directory or an unreadable
   file is an error too); and, when the served checkpoint is a local directory and
@@ -17,15 +23,6 @@ the file and the field, instead of a scheduler traceback once the model has load
   (:func:`harvest.train.job.load_job`, LlamaFactory's own argument parser included). The
   scheduler runs this same check again when it builds the co-location
   (harvest.colocate.assemble).
-
-Every message starts with the harvest.yaml file (:func:`harvest.config.where`), then the
-field (``profile``, ``jobs[1]``), then the file that field names and what is wrong in it.
-- :func:`check_metrics_endpoint`: the address harvest's endpoint will listen on
-  (``metrics.port``/``metrics.host``, the per-instance ``--harvest-metrics-port``/``-host``
-  or HARVEST_METRICS_PORT/_HOST, SGLang's ``--host``) can be listened on now: a port
-  another process holds (NVIDIA's dcgm-exporter, a second instance) stops the start here.
-  The endpoint binds it later, in the scheduler; a port taken in between still stops the
-  start-up there, with the same message.
 
 Every message starts with the harvest.yaml file (:func:`harvest.config.where`), then the
 field (``profile``, ``jobs[1]``), then the file that field names and what is wrong in it.

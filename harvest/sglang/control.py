@@ -45,7 +45,8 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
 from harvest.logs import get_logger
-from harvest.sglang.control_endpoint import ADMIN_API_KEY_VAR, API_KEY_VAR, READY, RUN_DIR_PREFIX, EndpointSettings
+from harvest.sglang.control_endpoint import (ADMIN_API_KEY_VAR, API_KEY_VAR, READY, RUN_DIR_PREFIX, EndpointSettings,
+                                             listen_address)
 
 logger = get_logger(__name__)
 
@@ -201,8 +202,7 @@ class EndpointServer(HTTPServer):
 
     def __init__(self, settings: EndpointSettings, handler):
         self.request_queue_size = settings.backlog
-        self.address_family = socket.getaddrinfo(settings.host, settings.port, type=socket.SOCK_STREAM,
-                                                 flags=socket.AI_PASSIVE)[0][0]
+        self.address_family = listen_address(settings.host, settings.port)[0]
         super().__init__((settings.host, settings.port), handler)
         self._accepted: queue.Queue = queue.Queue(maxsize=settings.workers)
         for index in range(settings.workers):

@@ -139,14 +139,19 @@ def _sglang_auth_module_path() -> Path | None:
     return path if path.is_file() else None
 
 
+def listen_address(host: str, port: int) -> tuple:
+    """(family, type, proto, canonname, sockaddr) to listen on ``host``:``port``: the check
+    and the endpoint resolve it alike (raises socket.gaierror when the host does not resolve)."""
+    return socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+
+
 def check_bindable(host: str, port: int) -> str | None:
     """Why ``(host, port)`` cannot be listened on now, or None (the start-up check: the
     endpoint itself binds later, in the engine process, after the model has loaded)."""
     try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, kind, proto, _, address = listen_address(host, port)
     except socket.gaierror as exc:
         return f"host {host!r} does not resolve ({exc.strerror})"
-    family, kind, proto, _, address = infos[0]
     with socket.socket(family, kind, proto) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the endpoint binds
         try:
