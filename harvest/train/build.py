@@ -57,6 +57,7 @@ class TrainerSettings:
     output_dir: Path | None = None
     autocast_dtype: torch.dtype | None = None
     fingerprint: dict = dataclasses.field(default_factory=dict)
+    shuffle: bool = True  # False: each epoch in dataset order (LlamaFactory's disable_shuffling)
 
     @classmethod
     def from_job(cls, job: TrainJob) -> "TrainerSettings":
@@ -74,7 +75,7 @@ class TrainerSettings:
             lr_scheduler_kwargs=dict(args.lr_scheduler_kwargs or {}), warmup_steps=args.warmup_steps,
             save_steps=save_steps, save_total_limit=args.save_total_limit, max_grad_norm=args.max_grad_norm,
             output_dir=Path(args.output_dir), autocast_dtype=torch.bfloat16 if args.bf16 else None,
-            fingerprint=job.fingerprint())
+            fingerprint=job.fingerprint(), shuffle=not job.finetuning_args.disable_shuffling)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -152,7 +153,7 @@ def assemble_trainer(peft_model, dataset: Sequence[dict[str, Any]], collate: Cal
         allocator = TorchWindowAllocator(device, limit_bytes=window_limit)
     window = WeightWindow(layouts, weight_source, allocator, capacity=capacity)
 
-    batches = StepBatches(dataset, collate, settings.samples_per_step, settings.seed)
+    batches = StepBatches(dataset, collate, settings.samples_per_step, settings.seed, shuffle=settings.shuffle)
     total_steps = settings.max_steps if settings.max_steps > 0 else math.ceil(
         settings.num_train_epochs * batches.steps_per_epoch)
     optimizer = _adamw(split.causal_lm, settings, device)

@@ -115,7 +115,7 @@ def load_job(source: str | os.PathLike | Mapping[str, Any]) -> TrainJob:
 
 def _validated_job(raw: dict[str, Any], origin: str) -> TrainJob:
     options = HarvestOptions.from_mapping(raw.pop(HARVEST_SECTION, None))
-    lf_args = {**_LLAMAFACTORY_DEFAULTS, **raw}
+    lf_args = {**_LLAMAFACTORY_DEFAULTS, **_translate_warmup_ratio(raw)}
     _check_llamafactory_args(lf_args)
     parsed = _parse_with_llamafactory(lf_args)
     model_args, data_args, training_args, finetuning_args = parsed
@@ -135,6 +135,23 @@ def _validated_job(raw: dict[str, Any], origin: str) -> TrainJob:
     if data_args.neat_packing:
         raise JobError("neat_packing: not supported by the layer-split trainer (set neat_packing: false)")
     return TrainJob(lf_args, options, model_args, data_args, training_args, finetuning_args, origin)
+
+
+def _translate_warmup_ratio(raw: dict[str, Any]) -> dict[str, Any]:
+    """``warmup_ratio: r`` as ``warmup_steps: r``. transformers 5 dropped warmup_ratio from
+    TrainingArguments (a ``warmup_steps`` below 1 is the fraction of the run now), so
+    LlamaFactory's parser rejects the key its own examples still use."""
+    if "warmup_ratio" not in raw:
+        return raw
+    ratio = _as_number(raw["warmup_ratio"])
+    if ratio is None or not 0 <= ratio < 1:
+        raise JobError(f"warmup_ratio: must be a number in [0, 1), got {raw['warmup_ratio']!r}")
+    if _as_number(raw.get("warmup_steps", 0)):
+        raise JobError("warmup_ratio and warmup_steps: give one of them (both set the warmup; "
+                       f"warmup_steps: {raw['warmup_steps']!r}, warmup_ratio: {raw['warmup_ratio']!r})")
+    translated = {key: value for key, value in raw.items() if key != "warmup_ratio"}
+    translated["warmup_steps"] = ratio
+    return translated
 
 
 def import_llamafactory():
