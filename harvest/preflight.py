@@ -19,9 +19,10 @@ the file and the field, instead of a scheduler traceback once the model has load
   file is an error too); and, when the served checkpoint is a local directory and
   ``allow_profile_mismatch`` is off, that the profile was measured for this model
   (:func:`harvest.predict.compat.model_mismatch`);
-- :func:`check_job_files`: every ``jobs[]`` file through the job loader
-  (:func:`harvest.train.job.load_job`, LlamaFactory's own argument parser included). The
-  scheduler runs this same check again when it builds the co-location
+- :func:`check_job_files`: every ``jobs[]`` file as ``harvest train --check`` checks it
+  (:func:`harvest.train.plan.check_job`: every key's fate, LlamaFactory's argument parser,
+  model, tokenizer, template against the vocabulary, datasets, the checkpoint a run
+  would resume). The scheduler loads each job again when it builds the co-location
   (harvest.colocate.assemble).
 
 Every message starts with the harvest.yaml file (:func:`harvest.config.where`), then the
@@ -92,15 +93,20 @@ def check_profile(inputs: LaunchInputs) -> None:
 
 
 def check_job_files(inputs: LaunchInputs) -> None:
-    from harvest.train.errors import JobError
+    """Each job as `harvest train --check` checks it (tokenizer, template, datasets, steps,
+    the checkpoint it would resume), with the server's caps, before the model loads."""
+    from harvest.train.errors import CheckpointError, JobError
     from harvest.train.job import load_job
+    from harvest.train.plan import check_job
 
     config = inputs.config
     for index, path in enumerate(config.jobs):
         try:
-            load_job(path)
+            check_job(load_job(path, in_server=True))
         except JobError as exc:  # names the job file and the key
             raise PreflightError(f"{where(config.source)}jobs[{index}]: {exc}") from None
+        except CheckpointError as exc:  # names the checkpoint
+            raise PreflightError(f"{where(config.source)}jobs[{index}] ({path}): {exc}") from None
 
 
 def check_metrics_endpoint(inputs: LaunchInputs) -> None:

@@ -212,7 +212,7 @@ def job_file_builder(allocator, device: str, budget=None, weight_source_for: Cal
         from harvest.train.errors import WeightSourceError
         from harvest.train.job import load_job
 
-        job = load_job(job_path)
+        job = load_job(job_path, in_server=True)
         window = ArenaWindowAllocator(allocator, device, budget)
         if weight_source_for is not None:
             try:

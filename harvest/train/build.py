@@ -97,21 +97,17 @@ def build_trainer(job: TrainJob, *, weight_source: BaseWeightSource | None = Non
     """A trainer for `job`, resumed from ``resume_from_checkpoint`` (which LlamaFactory sets
     to the newest ``checkpoint-N`` in output_dir unless ``overwrite_output_dir``)."""
     import_llamafactory()
-    from llamafactory.data import SFTDataCollatorWith4DAttentionMask, get_dataset, get_template_and_fix_tokenizer
-    from llamafactory.model import load_model, load_tokenizer
+    from llamafactory.data import SFTDataCollatorWith4DAttentionMask
+    from llamafactory.model import load_model
+
+    from harvest.train.plan import prepare_data
 
     device = resolve_device(job.harvest.device)
     settings = TrainerSettings.from_job(job)
     model_args = copy.copy(job.model_args)
     model_args.device_map = {"": "cpu"}  # frozen weights belong in host memory; the trainer places the rest
-    tokenizer_module = load_tokenizer(model_args)
-    template = get_template_and_fix_tokenizer(tokenizer_module["tokenizer"], job.data_args)
-    dataset_module = get_dataset(template, model_args, job.data_args, job.training_args, stage="sft",
-                                 **tokenizer_module)
-    dataset = dataset_module.get("train_dataset")
-    if dataset is None or len(dataset) == 0:
-        raise JobError(f"dataset: {job.llamafactory_args['dataset']!r} gives no training samples "
-                       "(check the data file and cutoff_len)")
+    data = prepare_data(job)  # what `harvest train --check` accepted
+    tokenizer_module, template, dataset = data.tokenizer_module, data.template, data.train_dataset
     try:
         model = load_model(tokenizer_module["tokenizer"], model_args, job.finetuning_args, is_trainable=True)
     except ValueError as exc:
@@ -125,13 +121,40 @@ def build_trainer(job: TrainJob, *, weight_source: BaseWeightSource | None = Non
     checkpoint_path = job.training_args.resume_from_checkpoint if resume else None
     return assemble_trainer(model, dataset, collator, settings, job.harvest, device=device,
                             weight_source=weight_source, allocator=allocator, resume_from=checkpoint_path,
-                            max_sample_len=job.data_args.cutoff_len)
+                            max_sample_len=job.data_args.cutoff_len, make_optimizer=job_optimizer(job))
+
+
+def job_optimizer(job: TrainJob) -> Callable[[torch.nn.Module], torch.optim.Optimizer]:
+    """``make(peft_model)``: the optimizer ``llamafactory-cli train`` would build for the job.
+
+    LlamaFactory's own factory first (LoRA+, Muon, Adam-mini), else the Hugging Face
+    Trainer's: the class and arguments for ``optim`` (and ``optim_args``), over its two
+    weight-decay groups. Only optimizers the optimizer unit can drive get here (job.py
+    checks ``optim``)."""
+
+    def make(peft_model: torch.nn.Module) -> torch.optim.Optimizer:
+        import_llamafactory()
+        from llamafactory.train.trainer_utils import create_custom_optimizer
+        from transformers import Trainer
+
+        custom = create_custom_optimizer(peft_model, job.training_args, job.finetuning_args)
+        if custom is not None:
+            return custom
+        optimizer_cls, optimizer_kwargs = Trainer.get_optimizer_cls_and_kwargs(job.training_args, peft_model)
+        groups = _decay_groups(peft_model, job.training_args.weight_decay)
+        return optimizer_cls(groups, **optimizer_kwargs)
+
+    return make
 
 
 def assemble_trainer(peft_model, dataset: Sequence[dict[str, Any]], collate: Callable, settings: TrainerSettings,
                      options: HarvestOptions, *, device: torch.device, weight_source: BaseWeightSource | None = None,
                      allocator: BaseWindowAllocator | None = None, resume_from: str | Path | None = None,
-                     max_sample_len: int | None = None, record_device_events: bool = False) -> LayerSplitTrainer:
+                     max_sample_len: int | None = None, record_device_events: bool = False,
+                     make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer] | None = None
+                     ) -> LayerSplitTrainer:
+    """The trainer over a PEFT model. ``make_optimizer(peft_model)`` builds the optimizer
+    (default: AdamW from ``settings``, as the Hugging Face Trainer builds it)."""
     device = resolve_device(str(device))
     split = SplitCausalLM(peft_model)
     layouts = split.layouts()
@@ -156,7 +179,7 @@ def assemble_trainer(peft_model, dataset: Sequence[dict[str, Any]], collate: Cal
     batches = StepBatches(dataset, collate, settings.samples_per_step, settings.seed, shuffle=settings.shuffle)
     total_steps = settings.max_steps if settings.max_steps > 0 else math.ceil(
         settings.num_train_epochs * batches.steps_per_epoch)
-    optimizer = _adamw(split.causal_lm, settings, device)
+    optimizer = make_optimizer(split.peft_model) if make_optimizer is not None else _adamw(split.peft_model, settings)
     from transformers import get_scheduler
 
     scheduler = get_scheduler(settings.lr_scheduler_type, optimizer,
@@ -202,18 +225,23 @@ def _window_capacity(options: HarvestOptions, stage_bytes: list[int], resident_b
     return max(1, min(wanted, stages_fitting(stage_bytes, window_limit))), window_limit
 
 
-def _adamw(model: torch.nn.Module, settings: TrainerSettings, device: torch.device) -> torch.optim.AdamW:
+def _adamw(model: torch.nn.Module, settings: TrainerSettings) -> torch.optim.AdamW:
+    groups = _decay_groups(model, settings.weight_decay)
+    return torch.optim.AdamW(groups, lr=settings.learning_rate, betas=(settings.adam_beta1, settings.adam_beta2),
+                             eps=settings.adam_epsilon, fused=settings.fused_adamw or None)
+
+
+def _decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """The Hugging Face Trainer's parameter groups: weight decay except for biases and norms."""
     from transformers.trainer_pt_utils import get_parameter_names
 
     decay_names = set(get_parameter_names(model, [torch.nn.LayerNorm], _NO_DECAY_PATTERNS))
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     groups = [
-        {"params": [p for n, p in named if n in decay_names], "weight_decay": settings.weight_decay},
+        {"params": [p for n, p in named if n in decay_names], "weight_decay": weight_decay},
         {"params": [p for n, p in named if n not in decay_names], "weight_decay": 0.0},
     ]
-    groups = [g for g in groups if g["params"]]
-    return torch.optim.AdamW(groups, lr=settings.learning_rate, betas=(settings.adam_beta1, settings.adam_beta2),
-                             eps=settings.adam_epsilon, fused=settings.fused_adamw or None)
+    return [g for g in groups if g["params"]]
 
 
 def _steps(value: float | None, total_steps: int) -> int | None:

@@ -18,6 +18,9 @@ HELP = "run a LoRA finetune job (LlamaFactory YAML + harvest: section) standalon
 def add_arguments(parser) -> None:
     parser.add_argument("job", type=Path,
                         help="job YAML: LlamaFactory training keys plus an optional 'harvest:' mapping")
+    parser.add_argument("--check", action="store_true",
+                        help="check the job and print its plan (model, template, samples, steps, resume), then exit; "
+                             "nothing is trained or written")
     parser.add_argument("--no-progress", action="store_true", help="print one line per step instead of a progress bar")
 
 
@@ -27,8 +30,17 @@ def run(args) -> int:
     from harvest.train.gate import Gate
     from harvest.train.job import load_job
 
+    from harvest.train.plan import check_job
+
     try:
         job = load_job(args.job)
+        if args.check:
+            for line in check_job(job).lines():
+                print(line)
+            print(f"harvest train --check: {args.job} is ready to train")
+            return 0
+        for note in job.notes:
+            print(f"harvest train: note: {note}", file=sys.stderr)
         trainer = build_trainer(job)
     except (JobError, CheckpointError) as exc:
         print(f"harvest train: {exc}", file=sys.stderr)
@@ -41,7 +53,7 @@ def run(args) -> int:
         gate.stop()
 
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
-    progress = _progress(trainer, args.no_progress)
+    progress = _progress(trainer, args.no_progress or job.training_args.disable_tqdm)
     trainer.step_callbacks.append(progress)
     try:
         outcome = trainer.run(gate)

@@ -15,15 +15,25 @@ A job file is the YAML a user would give `llamafactory-cli train` (``model_name_
       device: auto                # auto | cpu | cuda | cuda:N
 
 Everything is validated here, once, before any model or data is loaded: a bad value raises
-`JobError` naming the field. LlamaFactory's own parser (`get_train_args`) then runs and its
-errors are re-raised as `JobError` too. Paths are resolved the way LlamaFactory resolves
-them (relative to the working directory). Models are loaded from local directories only.
+`JobError` naming the field. Every LlamaFactory key has a fate (`harvest.train.job_keys`):
+honoured, refused naming the key and the reason, or accepted with a note (`TrainJob.notes`).
+LlamaFactory's own parser (`get_train_args`) then runs and its errors are re-raised as
+`JobError` too.
+
+Paths: a job read from a file resolves a relative ``output_dir``, ``dataset_dir``,
+``media_dir`` and ``tokenized_path`` against the job file's folder (a server's working
+directory is often ``/``); ``dataset_dir`` falls back to the working directory where the
+job file's folder has no such folder (``llamafactory-cli train examples/x.yaml`` run from
+LlamaFactory's checkout), and the log says which it took. ``model_name_or_path`` is a local
+directory or a hub id found in the local Hugging Face cache (offline: nothing is
+downloaded). `check_job` (harvest.train.plan) goes further: tokenizer, template and dataset.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any, Mapping
@@ -31,6 +41,7 @@ from typing import Any, Mapping
 from harvest.settings import Integer, Number, SettingError, Text, from_mapping, setting, validate
 from harvest.train.errors import JobError
 
+logger = logging.getLogger(__name__)
 HARVEST_SECTION = "harvest"
 
 # Keys harvest sets when the job does not: the layer-split trainer keeps one micro-batch
@@ -42,7 +53,14 @@ _LLAMAFACTORY_DEFAULTS = {
     "disable_gradient_checkpointing": True,
     "report_to": "none",
 }
-_SUPPORTED_OPTIMIZERS = ("adamw_torch", "adamw_torch_fused")
+# The Hugging Face Trainer's optimizers that are plain torch optimizers (one step() per
+# optimizer step, no closure, no train/eval mode, no extra package): what the layer-split
+# trainer's optimizer unit can drive.
+SUPPORTED_OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "adafactor", "sgd", "adagrad", "rmsprop")
+# Inside a decode server preprocessing runs on the trainer thread: datasets' worker
+# processes would fork a process that holds the serving engine's CUDA context.
+SERVER_PREPROCESSING_WORKERS = None
+_PATH_KEYS = ("output_dir", "media_dir", "tokenized_path")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +103,7 @@ class TrainJob:
     training_args: Any
     finetuning_args: Any
     source: str = "<dict>"
+    notes: tuple[str, ...] = ()  # keys accepted without effect, and paths resolved: say them once
 
     @property
     def output_dir(self) -> Path:
@@ -97,44 +116,140 @@ class TrainJob:
     def fingerprint(self) -> dict[str, Any]:
         """The fields a checkpoint must agree on to be resumed by this job."""
         keys = ("model_name_or_path", "dataset", "template", "cutoff_len", "lora_rank", "lora_alpha",
-                "lora_target", "per_device_train_batch_size", "gradient_accumulation_steps", "seed")
+                "lora_target", "lora_dropout", "per_device_train_batch_size", "gradient_accumulation_steps", "seed",
+                "learning_rate", "lr_scheduler_type", "warmup_steps", "weight_decay", "disable_shuffling")
         return {key: _jsonable(self.llamafactory_args.get(key)) for key in keys}
 
 
-def load_job(source: str | os.PathLike | Mapping[str, Any]) -> TrainJob:
+def load_job(source: str | os.PathLike | Mapping[str, Any], *, in_server: bool = False) -> TrainJob:
     """Read and validate a job from a YAML file or a mapping. Raises `JobError`; for a
-    file, the message starts with the file (a server may run several)."""
+    file, the message starts with the file (a server may run several). ``in_server``: the
+    job runs inside a decode server (preprocessing workers are capped)."""
     if isinstance(source, Mapping):
-        return _validated_job(dict(source), "<dict>")
+        return _validated_job(dict(source), "<dict>", None, in_server)
     raw = _read_yaml(Path(source))  # its errors name the file already
     try:
-        return _validated_job(raw, str(source))
+        return _validated_job(raw, str(source), Path(source).resolve().parent, in_server)
     except JobError as exc:
         raise JobError(f"job file {str(source)!r}: {exc}") from None
 
 
-def _validated_job(raw: dict[str, Any], origin: str) -> TrainJob:
+def _validated_job(raw: dict[str, Any], origin: str, job_dir: Path | None, in_server: bool) -> TrainJob:
+    from harvest.train.job_keys import judge, llamafactory_argument_fields
+
     options = HarvestOptions.from_mapping(raw.pop(HARVEST_SECTION, None))
-    lf_args = {**_LLAMAFACTORY_DEFAULTS, **_translate_warmup_ratio(raw)}
+    given = _translate_warmup_ratio(raw)
+    fields = llamafactory_argument_fields()
+    unknown = sorted(set(given) - set(fields))
+    if unknown:
+        raise JobError(f"{unknown[0]}: not a LlamaFactory training argument "
+                       f"(harvest's own keys go under '{HARVEST_SECTION}:')")
+    refusals, notes = judge(given, fields)
+    if refusals:
+        raise JobError(refusals[0][1])
+    lf_args = {**_LLAMAFACTORY_DEFAULTS, **given}
+    notes += _resolve_paths(lf_args, job_dir)
     _check_llamafactory_args(lf_args)
+    notes += _resolve_model(lf_args)
+    if in_server and lf_args.get("preprocessing_num_workers") not in (None, SERVER_PREPROCESSING_WORKERS):
+        notes.append(f"preprocessing_num_workers: {lf_args['preprocessing_num_workers']!r} is capped to none inside "
+                     "a decode server (preprocessing runs on the trainer thread; worker processes would fork the "
+                     "serving process)")
+        lf_args["preprocessing_num_workers"] = SERVER_PREPROCESSING_WORKERS
     parsed = _parse_with_llamafactory(lf_args)
     model_args, data_args, training_args, finetuning_args = parsed
+    _check_parsed(lf_args, model_args, data_args, training_args, finetuning_args)
+    for note in notes:
+        logger.info("job %s: %s", origin, note)
+    return TrainJob(lf_args, options, model_args, data_args, training_args, finetuning_args, origin, tuple(notes))
+
+
+def _check_parsed(lf_args, model_args, data_args, training_args, finetuning_args) -> None:
+    """Checks on values LlamaFactory has parsed (enums, derived fields)."""
     optim = str(getattr(training_args.optim, "value", training_args.optim))
-    if optim not in _SUPPORTED_OPTIMIZERS:
-        raise JobError(f"optim: {optim!r} is not supported by the layer-split trainer "
-                       f"(use one of {', '.join(_SUPPORTED_OPTIMIZERS)})")
+    custom = finetuning_args.loraplus_lr_ratio is not None or finetuning_args.use_muon or finetuning_args.use_adam_mini
+    if optim not in SUPPORTED_OPTIMIZERS and not (custom and optim in ("adamw_torch", "adamw_torch_fused")):
+        raise JobError(f"optim: {optim!r} is not supported by the layer-split trainer (use one of "
+                       f"{', '.join(SUPPORTED_OPTIMIZERS)}, or LoRA+ / use_muon / use_adam_mini)")
+    if finetuning_args.use_adam_mini:
+        import importlib.util
+
+        if importlib.util.find_spec("adam_mini") is None:
+            raise JobError("use_adam_mini: the adam-mini package is not installed here (pip install adam-mini)")
     save_strategy = str(getattr(training_args.save_strategy, "value", training_args.save_strategy))
     if save_strategy not in ("steps", "no"):
         raise JobError(f"save_strategy: {save_strategy!r} is not supported; use steps (with save_steps) or no")
+    scheduler = str(getattr(training_args.lr_scheduler_type, "value", training_args.lr_scheduler_type))
+    if scheduler == "reduce_lr_on_plateau":
+        raise JobError("lr_scheduler_type: reduce_lr_on_plateau needs an evaluation metric every step; "
+                       "use a schedule (linear, cosine, ...)")
     if training_args.do_eval or data_args.val_size > 0 or data_args.eval_dataset:
         raise JobError("do_eval / val_size / eval_dataset: the harvest trainer does not evaluate; remove them and "
                        "evaluate the saved adapter separately (e.g. llamafactory-cli eval)")
+    if not training_args.do_train:
+        raise JobError("do_train: false leaves nothing to do; a harvest job trains (do_train: true)")
     if model_args.disable_gradient_checkpointing is False:
         raise JobError("disable_gradient_checkpointing: false is not supported; the layer-split trainer keeps one "
                        "micro-batch pass of activations instead (lower harvest.micro_batch_size to use less memory)")
     if data_args.neat_packing:
         raise JobError("neat_packing: not supported by the layer-split trainer (set neat_packing: false)")
-    return TrainJob(lf_args, options, model_args, data_args, training_args, finetuning_args, origin)
+
+
+def _resolve_paths(args: dict[str, Any], job_dir: Path | None) -> list[str]:
+    """Relative paths of a job file against its folder (``dataset_dir`` also against the
+    working directory, as LlamaFactory resolves it). Returns notes saying what was taken."""
+    notes = []
+    if job_dir is None:
+        return notes
+    for key in _PATH_KEYS:
+        value = args.get(key)
+        if value and not Path(str(value)).expanduser().is_absolute():
+            args[key] = str(job_dir / str(value))
+            notes.append(f"{key}: {value!r} is relative: taken relative to the job file ({args[key]})")
+    dataset_dir = str(args.get("dataset_dir", "data"))
+    if not Path(dataset_dir).expanduser().is_absolute():
+        beside_job, beside_cwd = job_dir / dataset_dir, Path.cwd() / dataset_dir
+        if (beside_job / "dataset_info.json").is_file() or not (beside_cwd / "dataset_info.json").is_file():
+            args["dataset_dir"] = str(beside_job)
+            notes.append(f"dataset_dir: {dataset_dir!r} is relative: taken relative to the job file ({beside_job})")
+        else:
+            args["dataset_dir"] = str(beside_cwd)
+            notes.append(f"dataset_dir: {dataset_dir!r} is relative and the job file's folder has none: taken "
+                         f"relative to the working directory, as LlamaFactory does ({beside_cwd})")
+    return notes
+
+
+def _resolve_model(args: dict[str, Any]) -> list[str]:
+    """A hub id in ``model_name_or_path`` becomes its snapshot in the local Hugging Face cache
+    (nothing is downloaded: a serving process must not reach the hub)."""
+    given = str(args["model_name_or_path"])
+    local = Path(given).expanduser()
+    if (local / "config.json").is_file():
+        return []
+    looked = [f"{str(local)!r} (a local directory)"]
+    if _looks_like_hub_id(given):
+        from huggingface_hub import constants, snapshot_download
+        from huggingface_hub.errors import LocalEntryNotFoundError
+
+        cache_dir = args.get("cache_dir") or constants.HF_HUB_CACHE
+        looked.append(f"the Hugging Face cache {str(cache_dir)!r}")
+        try:
+            snapshot = snapshot_download(given, revision=args.get("model_revision") or None,
+                                         cache_dir=args.get("cache_dir"), local_files_only=True)
+        except (LocalEntryNotFoundError, OSError, ValueError):
+            snapshot = None
+        if snapshot is not None and (Path(snapshot) / "config.json").is_file():
+            args["model_name_or_path"] = snapshot
+            return [f"model_name_or_path: {given!r} found in the Hugging Face cache ({snapshot})"]
+    raise JobError(f"model_name_or_path: {given!r} is not a local model directory (no config.json) and not in the "
+                   f"local Hugging Face cache; looked in {' and '.join(looked)}. Download it first "
+                   "(huggingface-cli download, or give the path of a downloaded checkpoint): harvest never "
+                   "downloads from a serving process")
+
+
+def _looks_like_hub_id(value: str) -> bool:
+    parts = value.split("/")
+    return len(parts) == 2 and all(parts) and not value.startswith((".", "~"))
 
 
 def _translate_warmup_ratio(raw: dict[str, Any]) -> dict[str, Any]:
@@ -195,10 +310,7 @@ def _check_llamafactory_args(args: Mapping[str, Any]) -> None:
         raise JobError(f"stage: {args['stage']!r} is not supported; the layer-split trainer runs stage: sft")
     if args["finetuning_type"] != "lora":
         raise JobError(f"finetuning_type: {args['finetuning_type']!r} is not supported; use finetuning_type: lora")
-    model_path = Path(str(args["model_name_or_path"])).expanduser()
-    if not (model_path / "config.json").is_file():
-        raise JobError(f"model_name_or_path: {str(model_path)!r} is not a local model directory (no config.json); "
-                       "give the path of a downloaded checkpoint")
+    _check_output_dir(str(args["output_dir"]))
     _check_datasets(str(args["dataset"]), str(args.get("dataset_dir", "data")))
     for field in ("cutoff_len", "per_device_train_batch_size", "gradient_accumulation_steps", "lora_rank"):
         if field in args and not (_is_int(args[field]) and args[field] > 0):
@@ -224,6 +336,26 @@ def _check_llamafactory_args(args: Mapping[str, Any]) -> None:
                            + (f" (similar: {', '.join(close)})" if close else ""))
 
 
+def _check_output_dir(output_dir: str) -> None:
+    """output_dir must be a writable folder, or creatable: LlamaFactory's parser lists it, and
+    the first checkpoint would fail after a step has run."""
+    path = Path(output_dir).expanduser()
+    if path.exists() and not path.is_dir():
+        raise JobError(f"output_dir: {output_dir!r} is a file, not a folder")
+    existing = path
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise JobError(f"output_dir: {output_dir!r} lies below {str(existing)!r}, which is a file")
+    try:  # try it (permission bits say nothing for root or a read-only mount)
+        import tempfile
+
+        os.rmdir(tempfile.mkdtemp(prefix=".harvest-write-check-", dir=existing))
+    except OSError as exc:
+        raise JobError(f"output_dir: {output_dir!r} cannot be written: creating a folder in {str(existing)!r} "
+                       f"failed ({exc.strerror or exc})") from None
+
+
 def _check_datasets(names: str, dataset_dir: str) -> None:
     info_path = Path(dataset_dir).expanduser() / "dataset_info.json"
     if not info_path.is_file():
@@ -244,13 +376,7 @@ def _check_datasets(names: str, dataset_dir: str) -> None:
 def _parse_with_llamafactory(args: dict[str, Any]):
     import_llamafactory()
     from llamafactory.hparams import get_train_args
-    from llamafactory.hparams.parser import _TRAIN_ARGS
 
-    known = {f.name for cls in _TRAIN_ARGS for f in dataclasses.fields(cls)}
-    unknown = sorted(set(args) - known)
-    if unknown:
-        raise JobError(f"{unknown[0]}: not a LlamaFactory training argument "
-                       f"(harvest's own keys go under '{HARVEST_SECTION}:')")
     try:
         model_args, data_args, training_args, finetuning_args, _ = get_train_args(dict(args))
     except ValueError as exc:

@@ -30,7 +30,7 @@ BAD_JOBS = [
     ({"max_steps": 0}, r"^max_steps: must be a positive integer"),
     ({"learning_rate": -1}, r"^learning_rate: must be a number > 0"),
     ({"finetuning_type": "full"}, r"^finetuning_type: 'full' is not supported"),
-    ({"optim": "sgd"}, r"^optim: 'sgd' is not supported"),
+    ({"optim": "adamw_bnb_8bit"}, r"^optim: 'adamw_bnb_8bit' is not supported"),
     ({"fp16": True}, r"^fp16: not supported"),
     ({"save_strategy": "epoch"}, r"^save_strategy: 'epoch' is not supported"),
     ({"disable_gradient_checkpointing": False}, r"^disable_gradient_checkpointing: false is not supported"),

@@ -1,0 +1,184 @@
+"""Checking a job before anything starts: what it will train on, for how long, and where.
+
+`check_job` does everything `build_trainer` does before the weights load: LlamaFactory's
+tokenizer, the template (and whether it fits the model's vocabulary), the datasets
+(loaded and preprocessed, so an empty or broken data file is named here), the step count
+and the checkpoint a run would resume from. ``harvest train --check JOB``, ``harvest
+launch`` and the plugin's start-up check run it; `build_trainer` shares `prepare_data`, so
+what the check accepted is what trains.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from harvest.train.errors import CheckpointError, JobError
+from harvest.train.job import TrainJob, import_llamafactory
+
+
+@dataclasses.dataclass
+class PreparedData:
+    """What LlamaFactory's data side gives a job: tokenizer module, template, datasets."""
+
+    tokenizer_module: dict[str, Any]
+    template: Any
+    train_dataset: Any
+    eval_dataset: Any  # a dataset, a dict of them (eval_on_each_dataset), or None
+
+
+@dataclasses.dataclass(frozen=True)
+class JobPlan:
+    """What a job will do, as `harvest train --check` prints it."""
+
+    source: str
+    model_path: str
+    model_type: str
+    vocab_size: int
+    template: str
+    datasets: tuple[str, ...]
+    num_train_samples: int
+    num_eval_samples: int
+    samples_per_step: int
+    steps_per_epoch: int
+    total_steps: int
+    output_dir: str
+    start: str  # "fresh", or "resumes from <checkpoint> at step N"
+    notes: tuple[str, ...]
+
+    def lines(self) -> list[str]:
+        epochs = self.total_steps / self.steps_per_epoch
+        lines = [
+            f"job         {self.source}",
+            f"model       {self.model_path} ({self.model_type}, vocabulary {self.vocab_size})",
+            f"template    {self.template}",
+            f"datasets    {', '.join(self.datasets)}: {self.num_train_samples} training samples"
+            + (f", {self.num_eval_samples} evaluation samples" if self.num_eval_samples else ""),
+            f"steps       {self.total_steps} optimizer steps of {self.samples_per_step} samples "
+            f"({self.steps_per_epoch} per epoch, {epochs:.2f} epochs)",
+            f"output_dir  {self.output_dir}",
+            f"start       {self.start}",
+        ]
+        return lines + [f"note        {note}" for note in self.notes]
+
+
+def prepare_data(job: TrainJob) -> PreparedData:
+    """Tokenizer, template and preprocessed datasets, through LlamaFactory, as
+    ``llamafactory-cli train`` prepares them. `JobError` names the key on any problem."""
+    import copy
+
+    import_llamafactory()
+    from llamafactory.data import get_dataset, get_template_and_fix_tokenizer
+    from llamafactory.model import load_tokenizer
+
+    model_args = copy.copy(job.model_args)
+    model_args.device_map = {"": "cpu"}
+    try:
+        tokenizer_module = load_tokenizer(model_args)
+    except (OSError, ValueError) as exc:
+        raise JobError(f"model_name_or_path: LlamaFactory could not load the tokenizer of "
+                       f"{job.model_args.model_name_or_path!r}: {exc}") from None
+    tokenizer = tokenizer_module["tokenizer"]
+    try:
+        template = get_template_and_fix_tokenizer(tokenizer, job.data_args)
+    except ValueError as exc:
+        raise JobError(f"template: {job.data_args.template!r} does not work with this tokenizer: {exc}") from None
+    _check_vocabulary(job, tokenizer)
+    try:
+        dataset_module = get_dataset(template, model_args, job.data_args, job.training_args, stage="sft",
+                                     **tokenizer_module)
+    except Exception as exc:  # datasets raises many types (DatasetGenerationError, ArrowInvalid, ...)
+        raise JobError(f"dataset: {job.data_args.dataset} could not be loaded from {_data_files(job)}: "
+                       f"{type(exc).__name__}: {_first_line(exc)}") from None
+    train = dataset_module.get("train_dataset")
+    if train is None or len(train) == 0:
+        raise JobError(f"dataset: {job.data_args.dataset} gives no training samples (from {_data_files(job)}; "
+                       f"check the data file, max_samples and cutoff_len: {job.data_args.cutoff_len})")
+    return PreparedData(tokenizer_module, template, train, dataset_module.get("eval_dataset"))
+
+
+def check_job(job: TrainJob) -> JobPlan:
+    """Everything up to loading the weights; `JobError` or `CheckpointError` naming the key,
+    file or checkpoint on any problem. Writes nothing."""
+    data = prepare_data(job)
+    steps_per_epoch = math.ceil(len(data.train_dataset) / job.samples_per_step)
+    args = job.training_args
+    total_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * steps_per_epoch)
+    eval_set = data.eval_dataset
+    num_eval = (sum(len(d) for d in eval_set.values()) if isinstance(eval_set, dict)
+                else len(eval_set) if eval_set is not None else 0)
+    config = _model_config(job)
+    return JobPlan(
+        source=job.source, model_path=str(job.model_args.model_name_or_path),
+        model_type=str(getattr(config, "model_type", "?")), vocab_size=int(getattr(config, "vocab_size", 0)),
+        template=str(job.data_args.template), datasets=tuple(job.data_args.dataset or ()),
+        num_train_samples=len(data.train_dataset), num_eval_samples=num_eval, samples_per_step=job.samples_per_step,
+        steps_per_epoch=steps_per_epoch, total_steps=total_steps, output_dir=str(job.output_dir),
+        start=_start(job, total_steps), notes=job.notes)
+
+
+def _start(job: TrainJob, total_steps: int) -> str:
+    from harvest.train.checkpoint import list_checkpoints, read_checkpoint_state
+
+    if job.training_args.overwrite_output_dir:
+        stale = list_checkpoints(job.output_dir)
+        return "fresh (overwrite_output_dir: true" + (
+            f"; removes {len(stale)} checkpoint(s) of an earlier run: {', '.join(p.name for p in stale)})"
+            if stale else ")")
+    checkpoint = job.training_args.resume_from_checkpoint
+    if not checkpoint:
+        return "fresh"
+    state = read_checkpoint_state(Path(checkpoint))  # CheckpointError names it
+    step = int(state["global_step"])
+    if step > total_steps:
+        raise CheckpointError(f"checkpoint {str(checkpoint)!r} is at step {step}, beyond this job's {total_steps} "
+                              "steps: it was written by another run; set overwrite_output_dir: true to start over "
+                              "(its checkpoints are removed) or delete it")
+    return f"resumes from {checkpoint} at step {step}"
+
+
+def _check_vocabulary(job: TrainJob, tokenizer) -> None:
+    """A template that adds tokens the model's embedding lacks would fail at the first step
+    with an IndexError; LlamaFactory only warns ("make sure resize_vocab is True")."""
+    if job.model_args.resize_vocab:
+        return
+    vocab_size = int(getattr(_model_config(job), "vocab_size", 0) or 0)
+    if vocab_size and len(tokenizer) > vocab_size:
+        extra = [token for token, index in tokenizer.get_vocab().items() if index >= vocab_size]
+        raise JobError(f"template: {job.data_args.template!r} needs tokens the model's vocabulary lacks "
+                       f"({', '.join(sorted(extra)[:5])}; {len(tokenizer)} tokens > vocab_size {vocab_size}): use the "
+                       "template made for this model, or set resize_vocab: true to grow the embeddings")
+
+
+def _model_config(job: TrainJob):
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(job.model_args.model_name_or_path,
+                                          trust_remote_code=job.model_args.trust_remote_code)
+    except (OSError, ValueError) as exc:
+        raise JobError(f"model_name_or_path: {job.model_args.model_name_or_path!r} has no readable config.json: "
+                       f"{exc}") from None
+
+
+def _data_files(job: TrainJob) -> str:
+    """The files behind the job's datasets, for messages."""
+    dataset_dir = Path(job.data_args.dataset_dir)
+    try:
+        info = json.loads((dataset_dir / "dataset_info.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return repr(str(dataset_dir))
+    files = [str(dataset_dir / info[name]["file_name"]) for name in job.data_args.dataset or ()
+             if name in info and info[name].get("file_name")]
+    return ", ".join(repr(f) for f in files) or repr(str(dataset_dir))
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip() or repr(exc)
+    cause = exc.__cause__ or exc.__context__
+    if cause is not None and str(cause).strip():  # datasets wraps the parser's own message
+        text = f"{text.splitlines()[0]} ({str(cause).strip().splitlines()[0]})"
+    return text.splitlines()[0]
