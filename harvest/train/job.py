@@ -179,10 +179,6 @@ def _check_parsed(lf_args, model_args, data_args, training_args, finetuning_args
     save_strategy = str(getattr(training_args.save_strategy, "value", training_args.save_strategy))
     if save_strategy not in ("steps", "no"):
         raise JobError(f"save_strategy: {save_strategy!r} is not supported; use steps (with save_steps) or no")
-    scheduler = str(getattr(training_args.lr_scheduler_type, "value", training_args.lr_scheduler_type))
-    if scheduler == "reduce_lr_on_plateau":
-        raise JobError("lr_scheduler_type: reduce_lr_on_plateau needs an evaluation metric every step; "
-                       "use a schedule (linear, cosine, ...)")
     if training_args.do_eval or data_args.val_size > 0 or data_args.eval_dataset:
         raise JobError("do_eval / val_size / eval_dataset: the harvest trainer does not evaluate; remove them and "
                        "evaluate the saved adapter separately (e.g. llamafactory-cli eval)")
@@ -325,6 +321,9 @@ def _check_llamafactory_args(args: Mapping[str, Any]) -> None:
         raise JobError(f"num_train_epochs: must be > 0 when max_steps is not set, got {epochs!r}")
     if "save_steps" in args and not (_as_number(args["save_steps"]) or 0) > 0:
         raise JobError(f"save_steps: must be > 0 (a step count, or a fraction of the run), got {args['save_steps']!r}")
+    if str(args.get("lr_scheduler_type")) == "reduce_lr_on_plateau":
+        raise JobError("lr_scheduler_type: reduce_lr_on_plateau needs an evaluation metric every step; "
+                       "use a schedule (linear, cosine, ...)")
     template = args.get("template")
     if template is not None:
         import_llamafactory()
@@ -369,8 +368,21 @@ def _check_datasets(names: str, dataset_dir: str) -> None:
             raise JobError(f"dataset: {name!r} is not defined in {str(info_path)!r} "
                            f"(defined: {', '.join(sorted(info)) or 'none'})")
         file_name = info[name].get("file_name")
-        if file_name and not (Path(dataset_dir).expanduser() / file_name).exists():
+        data_path = Path(dataset_dir).expanduser() / file_name if file_name else None
+        if data_path is not None and not data_path.exists():
             raise JobError(f"dataset: {name!r} points to {file_name!r}, which does not exist in {dataset_dir!r}")
+        if data_path is not None and data_path.is_file() and _holds_no_samples(data_path):
+            raise JobError(f"dataset: {name!r} has no samples: {str(data_path)!r} is empty")
+
+
+def _holds_no_samples(path: Path) -> bool:
+    """An empty data file, or a JSON file that is an empty list (datasets then reports
+    'Instruction "train" corresponds to no data!')."""
+    if path.stat().st_size == 0:
+        return True
+    if path.suffix == ".json" and path.stat().st_size < 64:
+        return path.read_text(errors="replace").strip() in ("[]", "{}", "")
+    return False
 
 
 def _parse_with_llamafactory(args: dict[str, Any]):
