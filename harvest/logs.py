@@ -16,11 +16,29 @@ from harvest import config_env
 _ROOT_NAME = "harvest"
 
 
+class StderrHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is when a record is emitted (as logging's own
+    last-resort handler does), not the stream of the moment the logger was first used:
+    a caller that swaps stderr (pytest's capture, a CLI redirect) must not leave harvest
+    writing to a closed file."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value) -> None:
+        pass
+
+
 def get_logger(name: str) -> logging.Logger:
     """A child of the ``harvest`` logger (``name`` is usually ``__name__``)."""
     root = logging.getLogger(_ROOT_NAME)
     if not root.handlers:
-        handler = logging.StreamHandler(sys.stderr)
+        handler = StderrHandler()
         handler.setFormatter(logging.Formatter("[%(asctime)s harvest pid=%(process)d] %(levelname)s %(message)s", "%Y-%m-%d %H:%M:%S"))
         root.addHandler(handler)
         root.setLevel(config_env.log_level())

@@ -39,8 +39,6 @@ def run(args) -> int:
                 print(line)
             print(f"harvest train --check: {args.job} is ready to train")
             return 0
-        for note in job.notes:
-            print(f"harvest train: note: {note}", file=sys.stderr)
         trainer = build_trainer(job)
     except (JobError, CheckpointError) as exc:
         print(f"harvest train: {exc}", file=sys.stderr)

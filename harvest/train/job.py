@@ -276,7 +276,31 @@ def import_llamafactory():
     os.environ.setdefault("LLAMAFACTORY_VERBOSITY", "WARN")
     import llamafactory  # noqa: F401
 
+    _llamafactory_logs_to_stderr()
     return llamafactory
+
+
+def _llamafactory_logs_to_stderr() -> None:
+    """LlamaFactory's handler writes to the stdout of the moment it was imported; move its
+    messages to the current stderr, where logs belong (``harvest train --check`` prints its
+    plan on stdout). Skipped if LlamaFactory's logging module changes shape."""
+    from harvest.logs import StderrHandler
+
+    try:
+        from llamafactory.extras import logging as lf_logging
+
+        lf_logging._configure_library_root_logger()
+        old, root = lf_logging._default_handler, lf_logging._get_library_root_logger()
+    except (ImportError, AttributeError):
+        return
+    if old is None or isinstance(old, StderrHandler):
+        return
+    new = StderrHandler()
+    new.setFormatter(old.formatter)
+    new.setLevel(old.level)
+    root.removeHandler(old)
+    root.addHandler(new)
+    lf_logging._default_handler = new
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
