@@ -217,7 +217,7 @@ del H, R, N
 
 def llamafactory_argument_fields() -> dict[str, dataclasses.Field]:
     """Every field of LlamaFactory's training argument dataclasses, by name."""
-    from harvest.train.job import import_llamafactory
+    from harvest.train.llamafactory_env import import_llamafactory
 
     import_llamafactory()
     from llamafactory.hparams.parser import _TRAIN_ARGS

@@ -82,11 +82,12 @@ def prepare_data(job: TrainJob) -> PreparedData:
         raise JobError(f"model_name_or_path: LlamaFactory could not load the tokenizer of "
                        f"{job.model_args.model_name_or_path!r}: {exc}") from None
     tokenizer = tokenizer_module["tokenizer"]
+    size_before = len(tokenizer)
     try:
         template = get_template_and_fix_tokenizer(tokenizer, job.data_args)
     except ValueError as exc:
         raise JobError(f"template: {job.data_args.template!r} does not work with this tokenizer: {exc}") from None
-    _check_vocabulary(job, tokenizer)
+    _check_vocabulary(job, tokenizer, size_before)
     try:
         dataset_module = get_dataset(template, model_args, job.data_args, job.training_args, stage="sft",
                                      **tokenizer_module)
@@ -140,17 +141,23 @@ def _start(job: TrainJob, total_steps: int) -> str:
     return f"resumes from {checkpoint} at step {step}"
 
 
-def _check_vocabulary(job: TrainJob, tokenizer) -> None:
-    """A template that adds tokens the model's embedding lacks would fail at the first step
-    with an IndexError; LlamaFactory only warns ("make sure resize_vocab is True")."""
+def _check_vocabulary(job: TrainJob, tokenizer, size_before: int) -> None:
+    """A template that adds tokens the model's embedding lacks (or makes one of them its
+    end-of-sequence or padding token) fails at the first step with an IndexError;
+    LlamaFactory only warns ("make sure resize_vocab is True")."""
     if job.model_args.resize_vocab:
         return
     vocab_size = int(getattr(_model_config(job), "vocab_size", 0) or 0)
-    if vocab_size and len(tokenizer) > vocab_size:
-        extra = [token for token, index in tokenizer.get_vocab().items() if index >= vocab_size]
+    if not vocab_size:
+        return
+    used = {tokenizer.convert_ids_to_tokens(index) for index in range(max(size_before, vocab_size), len(tokenizer))}
+    for token_id in (tokenizer.eos_token_id, tokenizer.pad_token_id):
+        if token_id is not None and token_id >= vocab_size:
+            used.add(tokenizer.convert_ids_to_tokens(token_id))
+    if used:
         raise JobError(f"template: {job.data_args.template!r} needs tokens the model's vocabulary lacks "
-                       f"({', '.join(sorted(extra)[:5])}; {len(tokenizer)} tokens > vocab_size {vocab_size}): use the "
-                       "template made for this model, or set resize_vocab: true to grow the embeddings")
+                       f"({', '.join(sorted(used)[:5])}; vocab_size {vocab_size}): use the template made for this "
+                       "model, or set resize_vocab: true to grow the embeddings")
 
 
 def _model_config(job: TrainJob):
