@@ -58,6 +58,7 @@ class TrainerSettings:
     autocast_dtype: torch.dtype | None = None
     fingerprint: dict = dataclasses.field(default_factory=dict)
     shuffle: bool = True  # False: each epoch in dataset order (LlamaFactory's disable_shuffling)
+    save_only_model: bool = False  # checkpoints without optimizer/schedule/RNG state (not resumable)
 
     @classmethod
     def from_job(cls, job: TrainJob) -> "TrainerSettings":
@@ -75,7 +76,8 @@ class TrainerSettings:
             lr_scheduler_kwargs=dict(args.lr_scheduler_kwargs or {}), warmup_steps=args.warmup_steps,
             save_steps=save_steps, save_total_limit=args.save_total_limit, max_grad_norm=args.max_grad_norm,
             output_dir=Path(args.output_dir), autocast_dtype=torch.bfloat16 if args.bf16 else None,
-            fingerprint=job.fingerprint(), shuffle=not job.finetuning_args.disable_shuffling)
+            fingerprint=job.fingerprint(), shuffle=not job.finetuning_args.disable_shuffling,
+            save_only_model=bool(args.save_only_model))
 
 
 def resolve_device(name: str) -> torch.device:
@@ -119,9 +121,39 @@ def build_trainer(job: TrainJob, *, weight_source: BaseWeightSource | None = Non
         template=template, model=None, pad_to_multiple_of=8, label_pad_token_id=IGNORE_INDEX,
         compute_dtype=model_args.compute_dtype or torch.float32, **tokenizer_module)
     checkpoint_path = job.training_args.resume_from_checkpoint if resume else None
+    if resume and job.training_args.overwrite_output_dir:
+        _remove_earlier_run(job.output_dir)
+
+    def make_log(total_steps: int, steps_per_epoch: int):
+        from harvest.train.train_log import TrainLog
+
+        return TrainLog(job.training_args, output_dir=job.output_dir, total_steps=total_steps,
+                        steps_per_epoch=steps_per_epoch, samples_per_step=job.samples_per_step,
+                        plot_loss=bool(job.finetuning_args.plot_loss))
+
     return assemble_trainer(model, dataset, collator, settings, job.harvest, device=device,
                             weight_source=weight_source, allocator=allocator, resume_from=checkpoint_path,
-                            max_sample_len=job.data_args.cutoff_len, make_optimizer=job_optimizer(job))
+                            max_sample_len=job.data_args.cutoff_len, make_optimizer=job_optimizer(job),
+                            make_log=make_log if resume else None)
+
+
+def _remove_earlier_run(output_dir: Path) -> None:
+    """``overwrite_output_dir: true``: an older run's checkpoints and state go before this run
+    writes its own (a later run without overwrite would otherwise resume from them)."""
+    import shutil
+
+    from harvest.train.checkpoint import list_checkpoints
+    from harvest.train.train_log import TRAINER_LOG, TRAINER_STATE
+
+    stale = list_checkpoints(output_dir)
+    files = [output_dir / name for name in (TRAINER_STATE, TRAINER_LOG) if (output_dir / name).is_file()]
+    for path in stale:
+        shutil.rmtree(path)
+    for path in files:
+        path.unlink()
+    if stale or files:
+        logger.warning("overwrite_output_dir: removed an earlier run's %s from %s",
+                       ", ".join(p.name for p in stale + files), output_dir)
 
 
 def job_optimizer(job: TrainJob) -> Callable[[torch.nn.Module], torch.optim.Optimizer]:
@@ -151,10 +183,11 @@ def assemble_trainer(peft_model, dataset: Sequence[dict[str, Any]], collate: Cal
                      options: HarvestOptions, *, device: torch.device, weight_source: BaseWeightSource | None = None,
                      allocator: BaseWindowAllocator | None = None, resume_from: str | Path | None = None,
                      max_sample_len: int | None = None, record_device_events: bool = False,
-                     make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer] | None = None
-                     ) -> LayerSplitTrainer:
+                     make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer] | None = None,
+                     make_log: Callable[[int, int], Any] | None = None) -> LayerSplitTrainer:
     """The trainer over a PEFT model. ``make_optimizer(peft_model)`` builds the optimizer
-    (default: AdamW from ``settings``, as the Hugging Face Trainer builds it)."""
+    (default: AdamW from ``settings``, as the Hugging Face Trainer builds it);
+    ``make_log(total_steps, steps_per_epoch)`` its TrainLog (default: none)."""
     device = resolve_device(str(device))
     split = SplitCausalLM(peft_model)
     layouts = split.layouts()
@@ -191,7 +224,9 @@ def assemble_trainer(peft_model, dataset: Sequence[dict[str, Any]], collate: Cal
         device=device, output_dir=settings.output_dir, microbatches_per_pass=options.microbatches_per_pass,
         save_steps=_steps(settings.save_steps, total_steps), save_total_limit=settings.save_total_limit,
         max_grad_norm=settings.max_grad_norm, autocast_dtype=settings.autocast_dtype,
-        fingerprint=settings.fingerprint, record_device_events=record_device_events)
+        fingerprint=settings.fingerprint, record_device_events=record_device_events,
+        train_log=make_log(total_steps, batches.steps_per_epoch) if make_log is not None and settings.output_dir
+        else None, save_only_model=settings.save_only_model)
     resumed = None
     if resume_from:
         resumed = trainer.resume_from(Path(resume_from))

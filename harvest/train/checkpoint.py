@@ -5,7 +5,10 @@ look for when they auto-resume):
 
 - ``adapter_config.json``, ``adapter_model.safetensors`` — loadable by
   ``peft.PeftModel.from_pretrained`` and by SGLang's LoRA serving;
-- ``optimizer.pt``, ``scheduler.pt``, ``rng_state.pth`` — AdamW, LR schedule and RNG state;
+- ``optimizer.pt``, ``scheduler.pt``, ``rng_state.pth`` — AdamW, LR schedule and RNG state
+  (not with ``save_only_model``: such a checkpoint cannot be resumed, and says so);
+- ``trainer_state.json`` — the Hugging Face TrainerState, log history included (absent in
+  checkpoints of harvest before it; those still resume);
 - ``harvest_state.json`` — step, data position, micro-batch size, the job fingerprint and
   a SHA-256 of every other file. Written last.
 
@@ -35,6 +38,7 @@ STATE_FILE = "harvest_state.json"
 FORMAT_VERSION = 1
 _ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 _STATE_FILES = ("optimizer.pt", "scheduler.pt", "rng_state.pth")
+_OPTIONAL_FILES = ("trainer_state.json",)
 _CHECKPOINT_NAME = re.compile(r"^checkpoint-(\d+)$")
 
 
@@ -59,8 +63,10 @@ def restore_rng_state(state: dict[str, Any], device: torch.device) -> None:
 
 
 def save_checkpoint(output_dir: Path, step: int, *, peft_model, optimizer, scheduler,
-                    rng_state: dict[str, Any], state: dict[str, Any], save_total_limit: int | None = None) -> Path:
-    """Write checkpoint-`step` atomically and return its path."""
+                    rng_state: dict[str, Any], state: dict[str, Any], save_total_limit: int | None = None,
+                    text_files: dict[str, str] | None = None, model_only: bool = False) -> Path:
+    """Write checkpoint-`step` atomically and return its path. ``text_files``: more files
+    by name (trainer_state.json); ``model_only``: no optimizer, schedule or RNG state."""
     output_dir.mkdir(parents=True, exist_ok=True)
     final = output_dir / f"checkpoint-{step}"
     staging = output_dir / f".tmp-checkpoint-{step}-{os.getpid()}"
@@ -70,11 +76,18 @@ def save_checkpoint(output_dir: Path, step: int, *, peft_model, optimizer, sched
         # The window's evicted weights are meta placeholders; save_pretrained only reads
         # the adapter's tensors. save_embedding_layers=False: no hub lookups, no base weights.
         peft_model.save_pretrained(str(staging), save_embedding_layers=False)
-        torch.save(optimizer.state_dict(), staging / "optimizer.pt")
-        torch.save(scheduler.state_dict(), staging / "scheduler.pt")
-        torch.save(rng_state, staging / "rng_state.pth")
-        checksums = {name: _sha256(staging / name) for name in _ADAPTER_FILES + _STATE_FILES}
-        document = {"format_version": FORMAT_VERSION, "global_step": step, **state, "sha256": checksums}
+        names = list(_ADAPTER_FILES)
+        if not model_only:
+            torch.save(optimizer.state_dict(), staging / "optimizer.pt")
+            torch.save(scheduler.state_dict(), staging / "scheduler.pt")
+            torch.save(rng_state, staging / "rng_state.pth")
+            names += _STATE_FILES
+        for name, text in (text_files or {}).items():
+            (staging / name).write_text(text)
+            names.append(name)
+        checksums = {name: _sha256(staging / name) for name in names}
+        document = {"format_version": FORMAT_VERSION, "global_step": step, **state, "model_only": model_only,
+                    "sha256": checksums}
         (staging / STATE_FILE).write_text(json.dumps(document, indent=2, sort_keys=True))
         for path in staging.iterdir():
             _fsync_file(path)
@@ -121,8 +134,14 @@ def read_checkpoint_state(path: Path) -> dict[str, Any]:
             raise CheckpointError(f"checkpoint {str(path)!r} is corrupt: {name} does not match its recorded "
                                   "SHA-256; refusing to resume (delete the checkpoint to resume from an earlier "
                                   "one, or set overwrite_output_dir: true to start over)")
-    if set(state.get("sha256", {})) != set(_ADAPTER_FILES + _STATE_FILES):
+    listed = set(state.get("sha256", {}))
+    required = set(_ADAPTER_FILES) | (set() if state.get("model_only") else set(_STATE_FILES))
+    if not required <= listed <= required | set(_OPTIONAL_FILES):
         raise CheckpointError(f"checkpoint {str(path)!r} does not list all of its files; refusing to resume")
+    if state.get("model_only"):
+        raise CheckpointError(f"checkpoint {str(path)!r} was saved with save_only_model: true (adapter only, no "
+                              "optimizer, schedule or RNG state): it cannot be resumed exactly; set "
+                              "overwrite_output_dir: true to start over, or resume_from_checkpoint to an earlier one")
     return state
 
 

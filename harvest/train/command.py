@@ -26,7 +26,7 @@ def add_arguments(parser) -> None:
 
 def run(args) -> int:
     from harvest.train.build import build_trainer
-    from harvest.train.errors import CheckpointError, JobError
+    from harvest.train.errors import CheckpointError, JobError, TrainingDiverged
     from harvest.train.gate import Gate
     from harvest.train.job import load_job
 
@@ -55,6 +55,9 @@ def run(args) -> int:
     trainer.step_callbacks.append(progress)
     try:
         outcome = trainer.run(gate)
+    except TrainingDiverged as exc:  # the last good step is checkpointed
+        print(f"harvest train: {job.source}: {exc}", file=sys.stderr)
+        return 3
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -26,3 +26,9 @@ class WindowMemoryUnavailable(RuntimeError):
     """Transient: the window allocator cannot give memory for the stage the next unit needs,
     even after everything else was evicted. The caller backs off and retries later; the
     trainer's state is unchanged (the unit did not run)."""
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss of a step is not finite (NaN or infinity). Raised before that step's update,
+    so the weights and the checkpoint written on the way out are the last good step's.
+    The message names the key to change (learning_rate)."""

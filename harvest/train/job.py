@@ -177,6 +177,9 @@ def _check_parsed(lf_args, model_args, data_args, training_args, finetuning_args
 
         if importlib.util.find_spec("adam_mini") is None:
             raise JobError("use_adam_mini: the adam-mini package is not installed here (pip install adam-mini)")
+    from harvest.train.train_log import check_reporters
+
+    check_reporters(training_args.report_to)
     save_strategy = str(getattr(training_args.save_strategy, "value", training_args.save_strategy))
     if save_strategy not in ("steps", "no"):
         raise JobError(f"save_strategy: {save_strategy!r} is not supported; use steps (with save_steps) or no")

@@ -16,7 +16,6 @@ interrupted step exactly.
 from __future__ import annotations
 
 import contextlib
-import json
 import threading
 import time
 from pathlib import Path
@@ -26,13 +25,11 @@ import torch
 
 from harvest.train import checkpoint
 from harvest.train.data import StepBatches
-from harvest.train.errors import WindowMemoryUnavailable
+from harvest.train.errors import TrainingDiverged, WindowMemoryUnavailable
 from harvest.train.gate import BaseGate, GateAction
 from harvest.train.split_model import MicroBatch, SplitCausalLM
 from harvest.train.stats import TrainerStats, Unit, UnitKind, UnitRecord
 from harvest.train.window import WeightWindow
-
-LOG_FILE = "harvest_train_log.jsonl"
 
 
 class _Step:
@@ -45,6 +42,7 @@ class _Step:
         self.num_label_tokens = sum(mb.num_label_tokens for mb in micro_batches)
         self.rng_state = rng_state
         self.losses: list[torch.Tensor] = []
+        self.grad_norm: float | None = None
 
 
 class LayerSplitTrainer:
@@ -52,7 +50,8 @@ class LayerSplitTrainer:
                  total_steps: int, micro_batch_size: int, device: torch.device, output_dir: Path | None,
                  microbatches_per_pass: int = 1, save_steps: int | None = None, save_total_limit: int | None = None,
                  max_grad_norm: float = 0.0, autocast_dtype: torch.dtype | None = None,
-                 fingerprint: dict | None = None, record_device_events: bool = False):
+                 fingerprint: dict | None = None, record_device_events: bool = False, train_log=None,
+                 save_only_model: bool = False):
         self.split = split
         self.window = window
         self.batches = batches
@@ -68,6 +67,8 @@ class LayerSplitTrainer:
         self.max_grad_norm = max_grad_norm
         self.autocast_dtype = autocast_dtype
         self.fingerprint = fingerprint or {}
+        self.train_log = train_log  # harvest.train.train_log.TrainLog: trainer_log.jsonl, trainer_state.json
+        self.save_only_model = save_only_model
         self.record_device_events = record_device_events and self.device.type == "cuda"
         self.trainable_params = [p for p in split.causal_lm.parameters() if p.requires_grad]
         self.global_step = 0
@@ -179,6 +180,9 @@ class LayerSplitTrainer:
                     self.save_checkpoint()
             raise
         finally:
+            if self.train_log is not None:
+                with contextlib.suppress(Exception):
+                    self.train_log.end()  # flush the log's writer
             if unfollow is not None:
                 try:
                     with contextlib.suppress(Exception):  # what stays held, the memory side reports
@@ -245,15 +249,24 @@ class LayerSplitTrainer:
                          loss=self._last_loss)
         state.update(epoch=epoch, sample_offset=offset, micro_batch_size=self.micro_batch_size,
                      total_steps=self.total_steps, job=self.fingerprint)
+        text_files = {"trainer_state.json": self.train_log.state_json()} if self.train_log is not None else None
         path = checkpoint.save_checkpoint(
             self.output_dir, self.global_step, peft_model=self.split.peft_model, optimizer=self.optimizer,
-            scheduler=self.scheduler, rng_state=rng_state, state=state, save_total_limit=self.save_total_limit)
+            scheduler=self.scheduler, rng_state=rng_state, state=state, save_total_limit=self.save_total_limit,
+            text_files=text_files, model_only=self.save_only_model)
         self._last_saved_step = self.global_step
+        if self.train_log is not None:
+            self.train_log.saved()
         return path
 
     def resume_from(self, path: Path) -> dict[str, Any]:
         """Load a checkpoint (verified first; `CheckpointError` if corrupt) into this trainer."""
         state = checkpoint.read_checkpoint_state(path)
+        if int(state["global_step"]) > self.total_steps:
+            raise checkpoint.CheckpointError(
+                f"checkpoint {str(path)!r} is at step {state['global_step']}, beyond this job's {self.total_steps} "
+                "steps: it was written by another run; set overwrite_output_dir: true to start over (its "
+                "checkpoints are removed) or delete it")
         mismatched = [key for key, value in state.get("job", {}).items() if self.fingerprint.get(key) != value]
         if mismatched:
             key = mismatched[0]
@@ -270,6 +283,8 @@ class LayerSplitTrainer:
             self._counters["samples_seen"] = int(state.get("samples_seen", 0))
             self._counters["tokens_seen"] = int(state.get("tokens_seen", 0))
         self._trainable_state_bytes = self._measure_trainable_state_bytes()
+        if self.train_log is not None:
+            self.train_log.resumed(path, self.global_step)
         return state
 
     # -- inspection ------------------------------------------------------------------------
@@ -308,6 +323,8 @@ class LayerSplitTrainer:
         with self._unit_lock:
             self._step = None
             self.window.close()
+        if self.train_log is not None:
+            self.train_log.end()
 
     # -- internals ---------------------------------------------------------------------------
     def _current_step(self) -> _Step:
@@ -375,9 +392,18 @@ class LayerSplitTrainer:
                           unit.micro_batch, num_tokens, elapsed * 1e3, load_s * 1e3, events)
 
     def _optimizer_unit(self, step: _Step) -> None:
+        loss = float(torch.stack(step.losses).sum()) if step.losses else 0.0
+        if not torch.isfinite(torch.tensor(loss)):
+            # Before the update: the weights stay those of the last good step, which is what
+            # run() checkpoints on the way out.
+            raise TrainingDiverged(
+                f"learning_rate: step {step.step + 1} has a non-finite loss ({loss}); training stopped before "
+                f"the update, the checkpoint keeps step {step.step} (lower learning_rate, check the data, or use "
+                "bf16 instead of fp16)")
         self._in_optimizer_update = True
+        step.grad_norm = None
         if self.max_grad_norm and self.max_grad_norm > 0:
-            torch.nn.utils.clip_grad_norm_(self.trainable_params, self.max_grad_norm)
+            step.grad_norm = float(torch.nn.utils.clip_grad_norm_(self.trainable_params, self.max_grad_norm))
         self._last_lr = float(self.scheduler.get_last_lr()[0])
         self.optimizer.step()
         self.scheduler.step()
@@ -397,22 +423,20 @@ class LayerSplitTrainer:
             self._counters["session_tokens"] += tokens
         if step.step == 0:
             self._trainable_state_bytes = self._measure_trainable_state_bytes()  # AdamW state now exists
-        entry = dict(step=self.global_step, loss=loss, learning_rate=self._last_lr, tokens=tokens, samples=samples,
+        entry = dict(step=self.global_step, loss=loss, learning_rate=self._last_lr, grad_norm=step.grad_norm,
+                     tokens=tokens, samples=samples, tokens_seen=self._counters["tokens_seen"],
                      epoch=round(self.global_step / self.batches.steps_per_epoch, 4), time=time.time())
-        self._log(entry)
+        if self.train_log is not None:
+            self.train_log.step_done(entry)
+        for callback in self.step_callbacks:
+            callback(entry)
         due = self.save_steps and self.global_step % self.save_steps == 0
         if due or self.finished:
             self.save_checkpoint()
         if self.finished and self.output_dir is not None:
             checkpoint.write_final_adapter(self.output_dir, self.split.peft_model)
-
-    def _log(self, entry: dict) -> None:
-        if self.output_dir is not None:
-            self.output_dir.mkdir(parents=True, exist_ok=True)
-            with open(self.output_dir / LOG_FILE, "a") as handle:
-                handle.write(json.dumps(entry) + "\n")
-        for callback in self.step_callbacks:
-            callback(entry)
+            if self.train_log is not None:
+                self.train_log.finished()
 
     def _compute_stream(self, stream):
         if self.device.type != "cuda":

@@ -30,8 +30,8 @@ def write_job(path: Path, job: dict) -> Path:
 
 
 def losses(output_dir: Path) -> dict[int, float]:
-    entries = [json.loads(line) for line in (output_dir / "harvest_train_log.jsonl").read_text().splitlines()]
-    return {entry["step"]: entry["loss"] for entry in entries}
+    entries = [json.loads(line) for line in (output_dir / "trainer_log.jsonl").read_text().splitlines()]
+    return {entry["current_steps"]: entry["loss"] for entry in entries}
 
 
 def subprocess_env() -> dict:

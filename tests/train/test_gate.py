@@ -142,5 +142,5 @@ def test_stop_mid_step_checkpoints_and_resume_finishes_identically(tiny_llama_pa
 def _losses(output_dir) -> dict[int, float]:
     import json
 
-    entries = [json.loads(line) for line in (output_dir / "harvest_train_log.jsonl").read_text().splitlines()]
-    return {entry["step"]: entry["loss"] for entry in entries}  # a redone step keeps its last value
+    entries = [json.loads(line) for line in (output_dir / "trainer_log.jsonl").read_text().splitlines()]
+    return {entry["current_steps"]: entry["loss"] for entry in entries}  # a redone step keeps its last value

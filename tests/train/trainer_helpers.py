@@ -16,7 +16,7 @@ def job_dict(model_path, output_dir, **overrides) -> dict:
         model_name_or_path=str(model_path), template="default", dataset="tiny_alpaca", dataset_dir=str(DATA_DIR),
         lora_rank=4, lora_alpha=8, lora_target="all", lora_dropout=0.0, cutoff_len=64, learning_rate=1e-3,
         per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=4, output_dir=str(output_dir),
-        save_steps=2, seed=0, harvest=harvest,
+        save_steps=2, logging_steps=1, seed=0, harvest=harvest,
     )
     job.update(overrides)
     return job
