@@ -206,7 +206,9 @@ class TrainerHost:
         if trainer is None:
             return None
         unit = trainer.peek_next_unit()
-        return None if unit is None else unit.kind.value
+        if unit is None:
+            return None
+        return "forward" if unit.kind.value == "eval" else unit.kind.value  # evaluation runs forward passes
 
     def apply(self, run: bool, stream=None) -> None:
         run = run and not self._operator_paused

@@ -21,6 +21,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from harvest.train.data import IGNORE_INDEX, StepBatches
+from harvest.train.evaluation import EvalSettings, Evaluation
 from harvest.train.errors import JobError
 from harvest.train.job import HARVEST_SECTION, HarvestOptions, TrainJob, import_llamafactory
 from harvest.train.microbatch import choose_micro_batch_size
@@ -59,6 +60,7 @@ class TrainerSettings:
     fingerprint: dict = dataclasses.field(default_factory=dict)
     shuffle: bool = True  # False: each epoch in dataset order (LlamaFactory's disable_shuffling)
     save_only_model: bool = False  # checkpoints without optimizer/schedule/RNG state (not resumable)
+    evaluation: EvalSettings = EvalSettings()  # when to evaluate (with eval sets)
 
     @classmethod
     def from_job(cls, job: TrainJob) -> "TrainerSettings":
@@ -77,7 +79,15 @@ class TrainerSettings:
             save_steps=save_steps, save_total_limit=args.save_total_limit, max_grad_norm=args.max_grad_norm,
             output_dir=Path(args.output_dir), autocast_dtype=torch.bfloat16 if args.bf16 else None,
             fingerprint=job.fingerprint(), shuffle=not job.finetuning_args.disable_shuffling,
-            save_only_model=bool(args.save_only_model))
+            save_only_model=bool(args.save_only_model), evaluation=_eval_settings(args))
+
+
+def _eval_settings(args) -> EvalSettings:
+    strategy = str(getattr(args.eval_strategy, "value", args.eval_strategy))
+    steps = args.eval_steps if args.eval_steps is not None else args.logging_steps  # as the HF Trainer
+    return EvalSettings(strategy=strategy, steps=float(steps), delay=float(args.eval_delay or 0),
+                        on_start=bool(args.eval_on_start), at_end=bool(args.do_eval),
+                        batch_size=int(args.per_device_eval_batch_size))
 
 
 def resolve_device(name: str) -> torch.device:
@@ -110,6 +120,8 @@ def build_trainer(job: TrainJob, *, weight_source: BaseWeightSource | None = Non
     model_args.device_map = {"": "cpu"}  # frozen weights belong in host memory; the trainer places the rest
     data = prepare_data(job)  # what `harvest train --check` accepted
     tokenizer_module, template, dataset = data.tokenizer_module, data.template, data.train_dataset
+    eval_sets = ({f"eval_{name}": d for name, d in data.eval_dataset.items()} if isinstance(data.eval_dataset, dict)
+                 else {"eval": data.eval_dataset} if data.eval_dataset is not None else None)
     try:
         model = load_model(tokenizer_module["tokenizer"], model_args, job.finetuning_args, is_trainable=True)
     except ValueError as exc:
@@ -134,7 +146,7 @@ def build_trainer(job: TrainJob, *, weight_source: BaseWeightSource | None = Non
     return assemble_trainer(model, dataset, collator, settings, job.harvest, device=device,
                             weight_source=weight_source, allocator=allocator, resume_from=checkpoint_path,
                             max_sample_len=job.data_args.cutoff_len, make_optimizer=job_optimizer(job),
-                            make_log=make_log if resume else None)
+                            make_log=make_log if resume else None, eval_sets=eval_sets)
 
 
 def _remove_earlier_run(output_dir: Path) -> None:
@@ -184,10 +196,12 @@ def assemble_trainer(peft_model, dataset: Sequence[dict[str, Any]], collate: Cal
                      allocator: BaseWindowAllocator | None = None, resume_from: str | Path | None = None,
                      max_sample_len: int | None = None, record_device_events: bool = False,
                      make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer] | None = None,
-                     make_log: Callable[[int, int], Any] | None = None) -> LayerSplitTrainer:
+                     make_log: Callable[[int, int], Any] | None = None,
+                     eval_sets: dict[str, Sequence[dict[str, Any]]] | None = None) -> LayerSplitTrainer:
     """The trainer over a PEFT model. ``make_optimizer(peft_model)`` builds the optimizer
     (default: AdamW from ``settings``, as the Hugging Face Trainer builds it);
-    ``make_log(total_steps, steps_per_epoch)`` its TrainLog (default: none)."""
+    ``make_log(total_steps, steps_per_epoch)`` its TrainLog (default: none); ``eval_sets``
+    (metric prefix -> dataset) are evaluated as ``settings.evaluation`` says."""
     device = resolve_device(str(device))
     split = SplitCausalLM(peft_model)
     layouts = split.layouts()
@@ -226,7 +240,10 @@ def assemble_trainer(peft_model, dataset: Sequence[dict[str, Any]], collate: Cal
         max_grad_norm=settings.max_grad_norm, autocast_dtype=settings.autocast_dtype,
         fingerprint=settings.fingerprint, record_device_events=record_device_events,
         train_log=make_log(total_steps, batches.steps_per_epoch) if make_log is not None and settings.output_dir
-        else None, save_only_model=settings.save_only_model)
+        else None, save_only_model=settings.save_only_model,
+        evaluation=Evaluation(eval_sets, collate, settings.evaluation, total_steps=total_steps,
+                              steps_per_epoch=batches.steps_per_epoch,
+                              microbatches_per_pass=options.microbatches_per_pass) if eval_sets else None)
     resumed = None
     if resume_from:
         resumed = trainer.resume_from(Path(resume_from))

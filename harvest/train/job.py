@@ -183,9 +183,6 @@ def _check_parsed(lf_args, model_args, data_args, training_args, finetuning_args
     save_strategy = str(getattr(training_args.save_strategy, "value", training_args.save_strategy))
     if save_strategy not in ("steps", "no"):
         raise JobError(f"save_strategy: {save_strategy!r} is not supported; use steps (with save_steps) or no")
-    if training_args.do_eval or data_args.val_size > 0 or data_args.eval_dataset:
-        raise JobError("do_eval / val_size / eval_dataset: the harvest trainer does not evaluate; remove them and "
-                       "evaluate the saved adapter separately (e.g. llamafactory-cli eval)")
     if not training_args.do_train:
         raise JobError("do_train: false leaves nothing to do; a harvest job trains (do_train: true)")
     if model_args.disable_gradient_checkpointing is False:
@@ -311,6 +308,9 @@ def _check_llamafactory_args(args: Mapping[str, Any]) -> None:
         raise JobError(f"num_train_epochs: must be > 0 when max_steps is not set, got {epochs!r}")
     if "save_steps" in args and not (_as_number(args["save_steps"]) or 0) > 0:
         raise JobError(f"save_steps: must be > 0 (a step count, or a fraction of the run), got {args['save_steps']!r}")
+    strategy = str(args.get("eval_strategy", "no"))
+    if (strategy != "no" or args.get("do_eval")) and not (_as_number(args.get("val_size", 0)) or args.get("eval_dataset")):
+        raise JobError(f"eval_strategy: {strategy!r} (or do_eval) needs evaluation data: set val_size or eval_dataset")
     if str(args.get("lr_scheduler_type")) == "reduce_lr_on_plateau":
         raise JobError("lr_scheduler_type: reduce_lr_on_plateau needs an evaluation metric every step; "
                        "use a schedule (linear, cosine, ...)")

@@ -172,6 +172,21 @@ class SplitCausalLM:
         mb.hidden = None
         mb.masks, mb.position_embeddings = {}, None  # every layer has run forward
 
+    def evaluate(self, stage: int, mb: MicroBatch) -> None:
+        """Forward of one stage without gradients (evaluation); the head stage sets
+        ``mb.loss`` to the micro-batch's mean token loss, as ``model(**batch).loss`` gives."""
+        with torch.no_grad():
+            if stage == 0:
+                self._embed_forward(mb, training=False)
+            elif stage == self.head_stage:
+                logits = self.causal_lm.lm_head(self.decoder.norm(mb.hidden))
+                mb.loss = self.causal_lm.loss_function(logits=logits, labels=mb.labels,
+                                                       vocab_size=self.config.vocab_size,
+                                                       num_items_in_batch=mb.num_label_tokens)
+                mb.hidden, mb.masks, mb.position_embeddings = None, {}, None
+            else:
+                self._layer_forward(stage, mb, training=False)
+
     def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, prepare) -> torch.Tensor:
         """Inference through all stages (no grad); `prepare(stage)` makes a stage resident."""
         mb = MicroBatch(-1, input_ids, attention_mask, labels=input_ids, num_tokens=0)

@@ -10,6 +10,7 @@ class UnitKind(str, enum.Enum):
     FORWARD = "forward"
     BACKWARD = "backward"
     OPTIMIZER = "optimizer"  # clip, AdamW step, LR schedule, zero grads (+ a checkpoint when due)
+    EVAL = "eval"  # forward of one stage for one evaluation micro-batch, no gradients
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,3 +64,4 @@ class TrainerStats:
     micro_batch_size: int
     load_wait_s: float  # host time spent in synchronous stage loads (window misses)
     starved: int  # times a unit could not start: no window memory for its stage
+    eval_loss: float | None = None  # the last evaluation's loss (the first eval set's, with several)

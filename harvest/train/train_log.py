@@ -144,9 +144,10 @@ class TrainLog:
             self.control = self.handler.on_train_end(self.args, self.state, self.control)
             self._begun = False
 
-    def resumed(self, checkpoint: Path, step: int) -> None:
+    def resumed(self, checkpoint: Path, step: int, drop_evaluation: bool = False) -> None:
         """Continue the log of checkpoint-``step``: its state's log history, and
-        trainer_log.jsonl without the lines of steps after it (they will be redone)."""
+        trainer_log.jsonl without the lines of steps after it (they will be redone), nor,
+        with ``drop_evaluation``, an evaluation logged at that step (it runs again)."""
         from transformers import TrainerState
 
         saved = checkpoint / TRAINER_STATE
@@ -158,8 +159,11 @@ class TrainLog:
         self.state.epoch = step / self.steps_per_epoch
         log_path = self.output_dir / TRAINER_LOG
         if log_path.is_file():
-            kept = [line for line in log_path.read_text().splitlines()
-                    if line.strip() and json.loads(line).get("current_steps", 0) <= step]
+            def keep(entry: dict) -> bool:
+                at = entry.get("current_steps", 0)
+                return at < step or (at == step and not (drop_evaluation and "loss" not in entry))
+
+            kept = [line for line in log_path.read_text().splitlines() if line.strip() and keep(json.loads(line))]
             _write_atomically(log_path, "".join(line + "\n" for line in kept))
             logger.info("resumed at step %d: %s rolled back to it", step, log_path)
 

@@ -51,7 +51,7 @@ class LayerSplitTrainer:
                  microbatches_per_pass: int = 1, save_steps: int | None = None, save_total_limit: int | None = None,
                  max_grad_norm: float = 0.0, autocast_dtype: torch.dtype | None = None,
                  fingerprint: dict | None = None, record_device_events: bool = False, train_log=None,
-                 save_only_model: bool = False):
+                 save_only_model: bool = False, evaluation=None):
         self.split = split
         self.window = window
         self.batches = batches
@@ -69,11 +69,18 @@ class LayerSplitTrainer:
         self.fingerprint = fingerprint or {}
         self.train_log = train_log  # harvest.train.train_log.TrainLog: trainer_log.jsonl, trainer_state.json
         self.save_only_model = save_only_model
+        self.evaluation = evaluation  # harvest.train.evaluation.Evaluation, or None: never evaluates
+        self._eval_owed = evaluation is not None and evaluation.due_after(0)  # eval_on_start
+        self._eval_pass = None  # the evaluation in progress (harvest.train.evaluation.EvalPass)
+        self._eval_done_step: int | None = None  # the step after which the last evaluation completed
+        self._last_eval: dict[str, float] = {}
+        self.eval_callbacks: list[Callable[[dict], None]] = []  # called with each evaluation's metrics
         self.record_device_events = record_device_events and self.device.type == "cuda"
         self.trainable_params = [p for p in split.causal_lm.parameters() if p.requires_grad]
         self.global_step = 0
         self._step: _Step | None = None
         self._last_saved_step: int | None = None
+        self._last_saved_eval: int | None = None
         self._in_optimizer_update = False
         self._last_stream = None  # the CUDA stream the previous unit ran on
         self._pass_stages = split.pass_stages()
@@ -91,13 +98,19 @@ class LayerSplitTrainer:
     # -- driving -------------------------------------------------------------------------
     @property
     def finished(self) -> bool:
-        return self.global_step >= self.total_steps
+        return self.global_step >= self.total_steps and not self._evaluating
+
+    @property
+    def _evaluating(self) -> bool:
+        return self._eval_owed or self._eval_pass is not None
 
     def next_unit(self) -> Unit | None:
         """The unit `run_one_unit()` would run next (None when training is finished)."""
         if self.finished:
             return None
         with self._unit_lock:
+            if self._evaluating:
+                return self._next_eval_unit()
             if self._step is None or self._step.step != self.global_step:
                 # Not built here: building copies the micro-batches to the device, which must
                 # happen on the trainer's stream, not the stream of whoever asks.
@@ -111,6 +124,8 @@ class LayerSplitTrainer:
         whether the trainer is starved."""
         if self.finished:
             return None
+        if self._evaluating:
+            return self._next_eval_unit()
         step = self._step
         if step is None or step.step != self.global_step:
             return Unit(UnitKind.FORWARD, 0, 0)
@@ -240,7 +255,7 @@ class LayerSplitTrainer:
         resume). Returns its path, or None when there is nothing to save."""
         if self.output_dir is None or self.global_step == 0:
             return None
-        if self._last_saved_step == self.global_step:
+        if self._last_saved_step == self.global_step and self._last_saved_eval == self._eval_done_step:
             return self.output_dir / f"checkpoint-{self.global_step}"
         rng_state = self._step.rng_state if self._step is not None else checkpoint.capture_rng_state(self.device)
         epoch, offset = self.batches.position(self.global_step)
@@ -248,13 +263,13 @@ class LayerSplitTrainer:
             state = dict(samples_seen=self._counters["samples_seen"], tokens_seen=self._counters["tokens_seen"],
                          loss=self._last_loss)
         state.update(epoch=epoch, sample_offset=offset, micro_batch_size=self.micro_batch_size,
-                     total_steps=self.total_steps, job=self.fingerprint)
+                     total_steps=self.total_steps, job=self.fingerprint, eval_done_step=self._eval_done_step)
         text_files = {"trainer_state.json": self.train_log.state_json()} if self.train_log is not None else None
         path = checkpoint.save_checkpoint(
             self.output_dir, self.global_step, peft_model=self.split.peft_model, optimizer=self.optimizer,
             scheduler=self.scheduler, rng_state=rng_state, state=state, save_total_limit=self.save_total_limit,
             text_files=text_files, model_only=self.save_only_model)
-        self._last_saved_step = self.global_step
+        self._last_saved_step, self._last_saved_eval = self.global_step, self._eval_done_step
         if self.train_log is not None:
             self.train_log.saved()
         return path
@@ -277,6 +292,11 @@ class LayerSplitTrainer:
         checkpoint.restore_rng_state(rng_state, self.device)
         self.global_step = int(state["global_step"])
         self._last_saved_step = self.global_step
+        self._eval_done_step = self._last_saved_eval = state.get("eval_done_step")
+        # An evaluation due after this step that had not completed when it was saved runs again.
+        self._eval_owed = (self.evaluation is not None and self.evaluation.due_after(self.global_step)
+                           and self._eval_done_step != self.global_step)
+        self._eval_pass = None
         self._step = None
         self._last_loss = state.get("loss")
         with self._stats_lock:
@@ -284,7 +304,7 @@ class LayerSplitTrainer:
             self._counters["tokens_seen"] = int(state.get("tokens_seen", 0))
         self._trainable_state_bytes = self._measure_trainable_state_bytes()
         if self.train_log is not None:
-            self.train_log.resumed(path, self.global_step)
+            self.train_log.resumed(path, self.global_step, drop_evaluation=self._eval_owed)
         return state
 
     # -- inspection ------------------------------------------------------------------------
@@ -300,7 +320,8 @@ class LayerSplitTrainer:
             units_run=c["units_run"], pauses=c["pauses"], paused_s=c["paused_s"],
             window_stages=self.window.capacity, window_bytes=window_bytes,
             resident_bytes=window_bytes + self._trainable_state_bytes,
-            micro_batch_size=self.micro_batch_size, load_wait_s=c["load_wait_s"], starved=c["starved"])
+            micro_batch_size=self.micro_batch_size, load_wait_s=c["load_wait_s"], starved=c["starved"],
+            eval_loss=next(iter(self._last_eval.values()), None))
 
     def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Inference logits of the current model (base + adapter), through the window."""
@@ -356,6 +377,8 @@ class LayerSplitTrainer:
             events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
         started = time.perf_counter()
         load_s, num_tokens = 0.0, 0
+        if self._evaluating:
+            return self._run_eval_unit_locked(compute_stream, events)
         with torch.cuda.stream(compute_stream) if compute_stream is not None else contextlib.nullcontext():
             step = self._current_step()
             unit = step.plan[step.cursor]
@@ -431,12 +454,71 @@ class LayerSplitTrainer:
         for callback in self.step_callbacks:
             callback(entry)
         due = self.save_steps and self.global_step % self.save_steps == 0
-        if due or self.finished:
+        if due or self.global_step >= self.total_steps:
             self.save_checkpoint()
+        if self.evaluation is not None and self.evaluation.due_after(self.global_step):
+            self._eval_owed = True  # its units run before the next step's
+        self._finalize_if_done()
+
+    def _finalize_if_done(self) -> None:
         if self.finished and self.output_dir is not None:
             checkpoint.write_final_adapter(self.output_dir, self.split.peft_model)
             if self.train_log is not None:
                 self.train_log.finished()
+
+    # -- evaluation --------------------------------------------------------------------------
+    def _next_eval_unit(self) -> Unit:
+        eval_pass = self._eval_pass
+        if eval_pass is None:
+            return Unit(UnitKind.EVAL, 0, 0)  # built by the unit itself, on the trainer's stream
+        return eval_pass.plan[eval_pass.cursor]
+
+    def _run_eval_unit_locked(self, compute_stream, events) -> UnitRecord:
+        started = time.perf_counter()
+        with torch.cuda.stream(compute_stream) if compute_stream is not None else contextlib.nullcontext():
+            if self._eval_pass is None:
+                self._eval_pass = self.evaluation.new_pass(self.split.num_stages, self.device)
+                self._eval_owed = False
+            eval_pass = self._eval_pass
+            unit = eval_pass.plan[eval_pass.cursor]
+            upcoming = (u.stage for u in eval_pass.plan[eval_pass.cursor + 1:])
+            load_s = self.window.prepare(unit.stage, _chain(upcoming, self._pass_stages), compute_stream)
+            if events:
+                events[0].record()
+            mb = eval_pass.micro_batch(unit.micro_batch)
+            model = self.split.peft_model
+            was_training = model.training
+            model.eval()  # no LoRA dropout, as the Hugging Face Trainer evaluates
+            try:
+                with self._autocast():
+                    self.split.evaluate(unit.stage, mb)
+            finally:
+                model.train(was_training)
+            if unit.stage == self.split.head_stage:
+                eval_pass.head_done(unit.micro_batch)
+            if events:
+                events[1].record()
+        eval_pass.cursor += 1
+        elapsed = time.perf_counter() - started
+        with self._stats_lock:
+            self._counters["units_run"] += 1
+            self._counters["load_wait_s"] += load_s
+        if eval_pass.done:
+            self._finish_eval(eval_pass)
+        return UnitRecord(self.global_step, unit.kind, unit.stage, self.split.stage_names[unit.stage],
+                          unit.micro_batch, mb.num_tokens, elapsed * 1e3, load_s * 1e3, events)
+
+    def _finish_eval(self, eval_pass) -> None:
+        metrics = eval_pass.metrics()
+        self._eval_pass = None
+        self._eval_done_step = self.global_step
+        self._last_eval = metrics
+        if self.train_log is not None:
+            self.train_log.log(metrics)
+        entry = {**metrics, "step": self.global_step}
+        for callback in self.eval_callbacks:
+            callback(entry)
+        self._finalize_if_done()
 
     def _compute_stream(self, stream):
         if self.device.type != "cuda":

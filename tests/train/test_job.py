@@ -34,7 +34,7 @@ BAD_JOBS = [
     ({"fp16": True}, r"^fp16: not supported"),
     ({"save_strategy": "epoch"}, r"^save_strategy: 'epoch' is not supported"),
     ({"disable_gradient_checkpointing": False}, r"^disable_gradient_checkpointing: false is not supported"),
-    ({"val_size": 0.1}, r"^do_eval / val_size / eval_dataset: the harvest trainer does not evaluate"),
+    ({"eval_strategy": "steps"}, r"^eval_strategy: 'steps' \(or do_eval\) needs evaluation data"),
     ({"bogus_key": 1}, r"^bogus_key: not a LlamaFactory training argument"),
     ({"harvest": {"bogus": 1}}, r"^unknown key\(s\) harvest\.bogus \(known: micro_batch_size, unit_target_ms, "),
     ({"harvest": {"micro_batch_size": 0}}, r"^harvest\.micro_batch_size=0: expected 'auto' or an integer >= 1; "),
