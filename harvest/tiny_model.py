@@ -57,18 +57,30 @@ class TinyModelSpec:
     vocab_size: int = 512
     max_position_embeddings: int = 2048
     seed: int = 0
+    chat_tokens: bool = False  # also the special tokens of LlamaFactory's ChatML/Qwen and Llama-3 templates
+
+    @property
+    def special_tokens(self) -> list[str]:
+        return _BASE_SPECIAL_TOKENS + (_CHAT_TEMPLATE_TOKENS if self.chat_tokens else [])
 
     @property
     def name(self) -> str:
         return (
             f"tiny-{self.family}-h{self.hidden_size}-l{self.num_hidden_layers}"
             f"-a{self.num_attention_heads}-kv{self.num_key_value_heads}-v{self.vocab_size}"
-            f"-s{self.seed}-b{BUILDER_VERSION}"
+            f"-s{self.seed}{'-chat' if self.chat_tokens else ''}-b{BUILDER_VERSION}"
         )
 
 
+_BASE_SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|user|>", "<|assistant|>"]
+# What LlamaFactory's qwen/qwen3/qwen3_nothink and llama3 templates write or stop on: a
+# model whose vocabulary has them runs LlamaFactory's example job files unchanged.
+_CHAT_TEMPLATE_TOKENS = ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<think>", "</think>",
+                         "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>"]
+
 TINY_LLAMA = TinyModelSpec(family="llama")
 TINY_QWEN2 = TinyModelSpec(family="qwen2")
+TINY_CHAT_LLAMA = TinyModelSpec(family="llama", chat_tokens=True)
 
 
 def cache_dir() -> Path:
@@ -100,7 +112,7 @@ def _build(spec: TinyModelSpec, out_dir: Path) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
-    special = ["<|pad|>", "<|bos|>", "<|eos|>", "<|user|>", "<|assistant|>"]
+    special = spec.special_tokens
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()

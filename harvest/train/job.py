@@ -157,12 +157,26 @@ def _validated_job(raw: dict[str, Any], origin: str, job_dir: Path | None, in_se
                      "a decode server (preprocessing runs on the trainer thread; worker processes would fork the "
                      "serving process)")
         lf_args["preprocessing_num_workers"] = SERVER_PREPROCESSING_WORKERS
+    if lf_args.get("bf16") and _trains_on_cpu(options.device):
+        # transformers refuses bf16 without a GPU unless told the run is on the CPU, where
+        # the trainer autocasts to bf16 as it would on a GPU.
+        lf_args.setdefault("use_cpu", True)
     parsed = _parse_with_llamafactory(lf_args)
     model_args, data_args, training_args, finetuning_args = parsed
     _check_parsed(lf_args, model_args, data_args, training_args, finetuning_args)
     for note in notes:
         logger.info("job %s: %s", origin, note)
     return TrainJob(lf_args, options, model_args, data_args, training_args, finetuning_args, origin, tuple(notes))
+
+
+def _trains_on_cpu(device: str) -> bool:
+    if device == "cpu":
+        return True
+    if device == "auto":
+        import torch
+
+        return not torch.cuda.is_available()
+    return False
 
 
 def _check_parsed(lf_args, model_args, data_args, training_args, finetuning_args) -> None:
@@ -323,6 +337,10 @@ def _check_llamafactory_args(args: Mapping[str, Any]) -> None:
             close = sorted(name for name in TEMPLATES if name.startswith(str(template)[:3]))[:8]
             raise JobError(f"template: unknown LlamaFactory template {template!r}"
                            + (f" (similar: {', '.join(close)})" if close else ""))
+        plugin = type(TEMPLATES[template].mm_plugin).__name__
+        if plugin != "BasePlugin":
+            raise JobError(f"template: {template!r} is a multimodal template ({plugin}); the layer-split trainer "
+                           "trains text-only decoders")
 
 
 def _check_output_dir(output_dir: str) -> None:
