@@ -10,9 +10,11 @@ what the check accepted is what trains.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -89,8 +91,11 @@ def prepare_data(job: TrainJob) -> PreparedData:
         raise JobError(f"template: {job.data_args.template!r} does not work with this tokenizer: {exc}") from None
     _check_vocabulary(job, tokenizer, size_before)
     try:
-        dataset_module = get_dataset(template, model_args, job.data_args, job.training_args, stage="sft",
-                                     **tokenizer_module)
+        # LlamaFactory prints a training example with print(): onto stderr with the logs
+        # (stdout carries harvest train --check's plan).
+        with contextlib.redirect_stdout(sys.stderr):
+            dataset_module = get_dataset(template, model_args, job.data_args, job.training_args, stage="sft",
+                                         **tokenizer_module)
     except Exception as exc:  # datasets raises many types (DatasetGenerationError, ArrowInvalid, ...)
         raise JobError(f"dataset: {job.data_args.dataset} could not be loaded from {_data_files(job)}: "
                        f"{type(exc).__name__}: {_first_line(exc)}") from None
