@@ -47,6 +47,17 @@ def _job_with_a_bad_rank(directory: Path, config: Path) -> None:
     _edit_yaml(directory / "job.yaml", lora_rank=-1)
 
 
+def _job_whose_template_outgrows_the_vocabulary(directory: Path, config: Path) -> None:
+    _edit_yaml(directory / "job.yaml", template="qwen")  # found by the job check, not the parser
+
+
+def _job_with_an_empty_data_file(directory: Path, config: Path) -> None:
+    (directory / "empty").mkdir()
+    (directory / "empty" / "dataset_info.json").write_text('{"empty": {"file_name": "empty.json"}}')
+    (directory / "empty" / "empty.json").write_text("[]")
+    _edit_yaml(directory / "job.yaml", dataset="empty", dataset_dir=str(directory / "empty"))
+
+
 def _missing_job(directory: Path, config: Path) -> None:
     _edit_yaml(config, jobs=["job.yaml", "gone.yaml"])
 
@@ -69,6 +80,12 @@ BAD_INPUTS = {
     "profile with a bad field": (_profile_with_a_bad_field, "profile: {dir}/p.json: profile.samples[0].level=99: "),
     "job with lora_rank -1": (_job_with_a_bad_rank,
                               "jobs[0]: job file '{dir}/job.yaml': lora_rank: must be an integer > 0, got -1"),
+    "job template outgrows the vocabulary": (
+        _job_whose_template_outgrows_the_vocabulary,
+        "jobs[0]: job file '{dir}/job.yaml': template: 'qwen' needs tokens the model's vocabulary lacks"),
+    "job with an empty data file": (
+        _job_with_an_empty_data_file,
+        "jobs[0]: job file '{dir}/job.yaml': dataset: 'empty' has no samples: '{dir}/empty/empty.json' is empty"),
     "missing job": (_missing_job, "jobs[1]='gone.yaml': expected an existing file; not found: {dir}/gone.yaml; "),
     "directory as job": (_directory_as_job, "jobs[0]: job file '{dir}/jobs' is not a file"),
     "second of two jobs bad": (_second_of_two_jobs_bad,

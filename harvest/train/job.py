@@ -163,7 +163,7 @@ def _validated_job(raw: dict[str, Any], origin: str, job_dir: Path | None, in_se
         lf_args.setdefault("use_cpu", True)
     parsed = _parse_with_llamafactory(lf_args)
     model_args, data_args, training_args, finetuning_args = parsed
-    _check_parsed(lf_args, model_args, data_args, training_args, finetuning_args)
+    _check_parsed(model_args, data_args, training_args, finetuning_args)
     for note in notes:
         logger.info("job %s: %s", origin, note)
     return TrainJob(lf_args, options, model_args, data_args, training_args, finetuning_args, origin, tuple(notes))
@@ -179,7 +179,7 @@ def _trains_on_cpu(device: str) -> bool:
     return False
 
 
-def _check_parsed(lf_args, model_args, data_args, training_args, finetuning_args) -> None:
+def _check_parsed(model_args, data_args, training_args, finetuning_args) -> None:
     """Checks on values LlamaFactory has parsed (enums, derived fields)."""
     optim = str(getattr(training_args.optim, "value", training_args.optim))
     custom = finetuning_args.loraplus_lr_ratio is not None or finetuning_args.use_muon or finetuning_args.use_adam_mini

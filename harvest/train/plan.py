@@ -67,9 +67,26 @@ class JobPlan:
         return lines + [f"note        {note}" for note in self.notes]
 
 
+@contextlib.contextmanager
+def _naming_the_job_file(job: TrainJob):
+    """A `JobError` from a job read from a file starts with the file, as load_job's do."""
+    try:
+        yield
+    except JobError as exc:
+        if job.source == "<dict>":
+            raise
+        raise JobError(f"job file {job.source!r}: {exc}") from None
+
+
 def prepare_data(job: TrainJob) -> PreparedData:
     """Tokenizer, template and preprocessed datasets, through LlamaFactory, as
-    ``llamafactory-cli train`` prepares them. `JobError` names the key on any problem."""
+    ``llamafactory-cli train`` prepares them. `JobError` names the job file and the key on
+    any problem."""
+    with _naming_the_job_file(job):
+        return _prepare_data(job)
+
+
+def _prepare_data(job: TrainJob) -> PreparedData:
     import copy
 
     import_llamafactory()
@@ -109,7 +126,12 @@ def prepare_data(job: TrainJob) -> PreparedData:
 def check_job(job: TrainJob) -> JobPlan:
     """Everything up to loading the weights; `JobError` or `CheckpointError` naming the key,
     file or checkpoint on any problem. Writes nothing."""
-    data = prepare_data(job)
+    with _naming_the_job_file(job):
+        return _check_job(job)
+
+
+def _check_job(job: TrainJob) -> JobPlan:
+    data = _prepare_data(job)
     steps_per_epoch = math.ceil(len(data.train_dataset) / job.samples_per_step)
     args = job.training_args
     total_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * steps_per_epoch)

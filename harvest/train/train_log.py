@@ -73,7 +73,7 @@ class TrainLog:
         from llamafactory.train.callbacks import LogCallback
         from transformers import TrainerControl, TrainerState
         from transformers.integrations import get_reporting_integration_callbacks
-        from transformers.trainer_callback import CallbackHandler
+        from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback
 
         self.args = _MainProcessArgs(training_args)
         self.output_dir = Path(output_dir)
@@ -86,7 +86,10 @@ class TrainLog:
         self.logging_first_step = bool(training_args.logging_first_step)
         self.state = TrainerState(max_steps=total_steps, num_train_epochs=math.ceil(total_steps / steps_per_epoch),
                                   logging_steps=self.logging_steps, train_batch_size=samples_per_step)
-        callbacks = [LogCallback()] + [cls() for cls in get_reporting_integration_callbacks(training_args.report_to)]
+        # DefaultFlowCallback: the Hugging Face Trainer always has it (the handler warns without);
+        # harvest decides logging itself and reads none of the control flags it sets.
+        callbacks = [DefaultFlowCallback(), LogCallback()] + [
+            cls() for cls in get_reporting_integration_callbacks(training_args.report_to)]
         self.handler = CallbackHandler(callbacks, None, None, None, None)
         self.control = TrainerControl()
         self._since_last: list[float] = []

@@ -10,7 +10,7 @@ import torch
 
 from harvest.train.gate import BaseGate, Gate, GateAction, GateDecision
 from harvest.train.stats import UnitKind
-from tests.train.trainer_helpers import build, lora_params, max_abs_diff, reference_peft_model
+from tests.train.trainer_helpers import build, lora_params, max_abs_diff, reference_peft_model, stop_after_units
 
 EVAL = dict(val_size=0.25, eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=3)
 
@@ -93,21 +93,12 @@ def test_eval_units_pass_the_gate_one_stage_at_a_time(tiny_llama_path, tmp_path)
     assert gate.asked.count(UnitKind.EVAL) == 2 * trainer.split.num_stages
 
 
-class StopAfterUnits(BaseGate):
-    def __init__(self, units: int):
-        self.left = units
-
-    def acquire(self, while_parked=None) -> GateDecision:
-        self.left -= 1
-        return GateDecision(GateAction.STOP if self.left < 0 else GateAction.RUN)
-
-
 def test_an_interrupted_evaluation_runs_again_after_resume(tiny_llama_path, tmp_path):
     out = tmp_path / "out"
     overrides = dict(max_steps=4, save_steps=2, **EVAL)
     first = build(tiny_llama_path, out, **overrides)
     units_per_step = len(first._plan(2))
-    first.run(StopAfterUnits(2 * units_per_step + 3))  # steps 1-2 done, the eval after step 2 half run
+    first.run(stop_after_units(2 * units_per_step + 3))  # steps 1-2 done, the eval after step 2 half run
     first.close()
     assert first.stats().eval_loss is None
     resumed = build(tiny_llama_path, out, **overrides)

@@ -190,3 +190,12 @@ def test_check_prints_the_plan_and_writes_nothing(tiny_llama_path, tmp_path, cap
                                                 "harvest": {}})
     assert main(["train", "--check", str(bad)]) == 2
     assert "use_dora: True is not supported by harvest" in capsys.readouterr().err
+
+
+def test_preprocessing_workers_are_capped_inside_a_server(tiny_llama_path, tmp_path):
+    standalone = load_job(job_dict(tiny_llama_path, tmp_path / "out", preprocessing_num_workers=16))
+    served = load_job(job_dict(tiny_llama_path, tmp_path / "out", preprocessing_num_workers=16), in_server=True)
+    assert standalone.data_args.preprocessing_num_workers == 16
+    assert served.data_args.preprocessing_num_workers is None
+    assert any(note.startswith("preprocessing_num_workers: 16 is capped to none inside a decode server")
+               for note in served.notes)

@@ -11,8 +11,8 @@ import sys
 import pytest
 
 from harvest.train.errors import CheckpointError, JobError, TrainingDiverged
-from harvest.train.gate import BaseGate, Gate, GateAction, GateDecision
-from tests.train.trainer_helpers import build, job_dict
+from harvest.train.gate import Gate
+from tests.train.trainer_helpers import build, job_dict, stop_after_units
 
 LLAMAFACTORY_LOG_KEYS = {"current_steps", "total_steps", "loss", "lr", "epoch", "percentage", "elapsed_time",
                          "remaining_time"}
@@ -58,27 +58,13 @@ def test_logging_strategy_no_and_first_step(tiny_llama_path, tmp_path):
     assert not (tmp_path / "b" / "trainer_log.jsonl").exists() or log_lines(tmp_path / "b") == []
 
 
-class StopAfterUnits(BaseGate):
-    """Stops the trainer after ``units`` units (mid-step), like a server shutting it down."""
-
-    def __init__(self, units: int):
-        self.left = units
-
-    def acquire(self, while_parked=None) -> GateDecision:
-        self.left -= 1
-        return GateDecision(GateAction.STOP if self.left < 0 else GateAction.RUN)
-
-    def unit_done(self, record) -> None:
-        pass
-
-
 def test_resume_rolls_the_log_back_to_the_checkpoint(tiny_llama_path, tmp_path):
     out = tmp_path / "out"
     overrides = dict(max_steps=6, save_steps=2)
     first = build(tiny_llama_path, out, **overrides)
     units_per_step = len(first._plan(2))
     # Steps 1-3 complete, step 4 half done; the stop checkpoints step 3.
-    assert first.run(StopAfterUnits(3 * units_per_step + 3)) == "stopped"
+    assert first.run(stop_after_units(3 * units_per_step + 3)) == "stopped"
     first.close()
     assert [line["current_steps"] for line in log_lines(out)] == [1, 2, 3]
     # Lose checkpoint-3 (as a kill would have): the log has a step the resume will redo.
@@ -121,7 +107,7 @@ def test_harvest_train_exits_nonzero_on_divergence(tiny_llama_path, tmp_path, ca
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
     assert main(["train", "--no-progress", str(tmp_path / "job.yaml")]) == 3
     err = capsys.readouterr().err
-    assert "learning_rate: step" in err and "non-finite loss" in err and "Traceback" not in err
+    assert "learning_rate: step" in err and "non-finite loss" in err and "Traceback" not in err, err
 
 
 def test_stale_checkpoints_of_an_older_run(tiny_llama_path, tmp_path):
@@ -146,7 +132,7 @@ def test_stale_checkpoints_of_an_older_run(tiny_llama_path, tmp_path):
     fresh = build(tiny_llama_path, out, max_steps=6, save_steps=3, overwrite_output_dir=True)
     assert fresh.global_step == 0
     assert sorted(p.name for p in out.glob("checkpoint-*")) == []  # removed before this run writes
-    fresh.run(StopAfterUnits(4 * len(fresh._plan(2)) + 1))  # stops during step 5: checkpoint-4
+    fresh.run(stop_after_units(4 * len(fresh._plan(2)) + 1))  # stops during step 5: checkpoint-4
     fresh.close()
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-3", "checkpoint-4"]
 
@@ -169,7 +155,7 @@ def test_checkpoint_of_a_different_job_definition_is_refused(tiny_llama_path, tm
 def test_save_only_model_checkpoints_hold_the_adapter_and_refuse_to_resume(tiny_llama_path, tmp_path):
     out = tmp_path / "out"
     trainer = build(tiny_llama_path, out, max_steps=4, save_only_model=True)
-    trainer.run(StopAfterUnits(2 * len(trainer._plan(2)) + 1))
+    trainer.run(stop_after_units(2 * len(trainer._plan(2)) + 1))
     trainer.close()
     files = {p.name for p in (out / "checkpoint-2").iterdir()}
     assert {"adapter_model.safetensors", "adapter_config.json", "trainer_state.json"} <= files

@@ -87,3 +87,18 @@ def lora_params(model) -> dict:
 def max_abs_diff(a: dict, b: dict) -> float:
     assert a.keys() == b.keys()
     return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def stop_after_units(units: int):
+    """A gate that runs ``units`` units, then stops the trainer (mid-step, as a server would)."""
+    from harvest.train.gate import BaseGate, GateAction, GateDecision
+
+    class StopAfterUnits(BaseGate):
+        def __init__(self):
+            self.left = units
+
+        def acquire(self, while_parked=None) -> GateDecision:
+            self.left -= 1
+            return GateDecision(GateAction.STOP if self.left < 0 else GateAction.RUN)
+
+    return StopAfterUnits()
