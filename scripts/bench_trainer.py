@@ -180,6 +180,7 @@ def _build(output_dir, **kwargs):
 
     trainer = build_trainer(load_job(_job(output_dir, **kwargs)))
     trainer.output_dir = None  # no checkpoint or log writes inside timed steps
+    trainer.train_log = None
     return trainer
 
 
