@@ -16,6 +16,7 @@ interrupted step exactly.
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 import time
 from pathlib import Path
@@ -416,13 +417,12 @@ class LayerSplitTrainer:
 
     def _optimizer_unit(self, step: _Step) -> None:
         loss = float(torch.stack(step.losses).sum()) if step.losses else 0.0
-        if not torch.isfinite(torch.tensor(loss)):
+        if not math.isfinite(loss):
             # Before the update: the weights stay those of the last good step, which is what
             # run() checkpoints on the way out.
             raise TrainingDiverged(
                 f"learning_rate: step {step.step + 1} has a non-finite loss ({loss}); training stopped before "
-                f"the update, the checkpoint keeps step {step.step} (lower learning_rate, check the data, or use "
-                "bf16 instead of fp16)")
+                f"the update, the checkpoint keeps step {step.step} (lower learning_rate, or check the data)")
         self._in_optimizer_update = True
         step.grad_norm = None
         if self.max_grad_norm and self.max_grad_norm > 0:
