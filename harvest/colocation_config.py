@@ -21,12 +21,13 @@ CPU_PROFILE = PROJECT_ROOT / "profiles" / "cpu-tiny-llama-sglang.json"
 
 def write(directory: Path, model_path: Path, *, target_tpot_ms: float = 40.0, max_steps: int = 100_000,
           metrics_port: int = 0, profile: Path = CPU_PROFILE, save_steps: int = 500,
-          share_served_weights: bool = False) -> Path:
+          share_served_weights: bool = False, job_keys: dict | None = None) -> Path:
     """Write ``job.yaml`` and ``harvest.yaml`` into ``directory``; return harvest.yaml's path.
 
     The job's base is the served model, so by default sharing is turned off here: the
     demo and the tests then exercise the general path (frozen weights swapped through a
-    window of lent KV memory), which a job on another base model always takes."""
+    window of lent KV memory), which a job on another base model always takes. ``job_keys``:
+    more LlamaFactory keys for the job (or replacements)."""
     directory.mkdir(parents=True, exist_ok=True)
     job = {
         "model_name_or_path": str(model_path), "template": "default",
@@ -35,6 +36,7 @@ def write(directory: Path, model_path: Path, *, target_tpot_ms: float = 40.0, ma
         "per_device_train_batch_size": 2, "gradient_accumulation_steps": 1, "max_steps": max_steps,
         "output_dir": str(directory / "adapter"), "save_steps": save_steps, "seed": 0,
         "harvest": {"micro_batch_size": 2},
+        **(job_keys or {}),
     }
     (directory / "job.yaml").write_text(yaml.safe_dump(job, sort_keys=False))
     config = {

@@ -248,3 +248,25 @@ def test_server_shutdown_checkpoints_the_trainer(tiny_llama_path, tmp_path, sign
     # Group signal: the scheduler's handler stops the trainer; the scheduler then passes the
     # signal on, unless SGLang's ShutdownReq ends its loop first (both race; either is fine).
     assert "did not stop within" not in log and "trainer fault" not in log
+
+
+def test_a_job_as_llamafactory_users_write_it_trains_and_evaluates_in_the_server(tiny_llama_path, tmp_path):
+    """Relative output_dir, evaluation, logging_steps and preprocessing workers, in a decode
+    server: outputs beside the job file, eval_loss in LlamaFactory's log, workers capped."""
+    port = server.free_port()
+    job_keys = {"output_dir": "saves/lora", "max_steps": 4, "val_size": 0.25, "eval_strategy": "steps",
+                "eval_steps": 2, "logging_steps": 1, "preprocessing_num_workers": 4, "plot_loss": True}
+    config = colocation_config.write(tmp_path / "harvest", tiny_llama_path, metrics_port=port, job_keys=job_keys)
+    with server.launch(_args(tiny_llama_path, "--enable-harvest", "--harvest-config", str(config)),
+                       log_path=tmp_path / "sglang.log") as srv:
+        done = _wait_for(lambda: (s := _status(port))["trainer"]["stats"] and s["trainer"]["stats"]["state"] == "finished"
+                         and s, timeout_s=300)
+        log = srv.log_path.read_text(errors="replace")
+    assert done, _status(port)
+    assert done["trainer"]["stats"]["eval_loss"] is not None
+    output_dir = tmp_path / "harvest" / "saves" / "lora"  # relative to the job file, not the server's cwd
+    lines = [json.loads(line) for line in (output_dir / "trainer_log.jsonl").read_text().splitlines()]
+    assert [line["current_steps"] for line in lines if "loss" in line] == [1, 2, 3, 4]
+    assert [line["current_steps"] for line in lines if "eval_loss" in line] == [2, 4]
+    assert (output_dir / "adapter_model.safetensors").is_file() and (output_dir / "training_loss.png").is_file()
+    assert "preprocessing_num_workers: 4 is capped to none inside a decode server" in log
