@@ -64,7 +64,7 @@ class StatusReporter:
             status = host.status()
             stats = status.stats or {}
             metrics.set_trainer(state=status.state, tokens=stats.get("tokens_seen", 0), samples=stats.get("samples_seen", 0),
-                                steps=stats.get("global_step", 0), loss=stats.get("loss"),
+                                steps=stats.get("global_step", 0), loss=stats.get("loss"), eval_loss=stats.get("eval_loss"),
                                 window_layers=stats.get("window_stages", 0), resident_bytes=stats.get("resident_bytes", 0))
         kv = colo.lending.stats()
         if kv:

@@ -48,6 +48,7 @@ class HarvestMetrics:
         self.trainer_samples_total = Counter("harvest_trainer_samples_total", "Samples the trainer has trained on.", registry=r)
         self.trainer_steps_total = Counter("harvest_trainer_steps_total", "Optimizer steps the trainer has taken.", registry=r)
         self.trainer_loss = gauge("harvest_trainer_loss", "Training loss of the last optimizer step.")
+        self.trainer_eval_loss = gauge("harvest_trainer_eval_loss", "Evaluation loss of the job's last evaluation (jobs with val_size or eval_dataset).")
         self.trainer_window_layers = gauge("harvest_trainer_window_layers", "Frozen layers resident in the trainer's device window.")
         self.trainer_resident_bytes = gauge("harvest_trainer_resident_bytes", "Device bytes held by the trainer.")
         self.trainer_faults_total = Counter("harvest_trainer_faults_total", "Trainer faults (exception or OOM) that stopped the trainer.", registry=r)
@@ -87,7 +88,8 @@ class HarvestMetrics:
         self.prediction_drift.set(1.0 if drift else 0.0)
 
     # --- trainer ---------------------------------------------------------------------
-    def set_trainer(self, *, state: TrainerState, tokens: int, samples: int, steps: int, loss: float | None, window_layers: int, resident_bytes: int) -> None:
+    def set_trainer(self, *, state: TrainerState, tokens: int, samples: int, steps: int, loss: float | None, window_layers: int, resident_bytes: int,
+                    eval_loss: float | None = None) -> None:
         """Cumulative counts from the trainer's stats; counters advance by the difference."""
         state = TrainerState(state)  # a plain string must name a state too
         for each in TrainerState:
@@ -103,6 +105,8 @@ class HarvestMetrics:
             self._last_counters[key] = max(value, self._last_counters[key])
         if loss is not None:
             self.trainer_loss.set(loss)
+        if eval_loss is not None:
+            self.trainer_eval_loss.set(eval_loss)
         self.trainer_window_layers.set(window_layers)
         self.trainer_resident_bytes.set(resident_bytes)
 

@@ -21,6 +21,7 @@ EXPECTED = {
     "harvest_trainer_samples": "counter",
     "harvest_trainer_steps": "counter",
     "harvest_trainer_loss": "gauge",
+    "harvest_trainer_eval_loss": "gauge",
     "harvest_trainer_window_layers": "gauge",
     "harvest_trainer_resident_bytes": "gauge",
     "harvest_trainer_faults": "counter",
@@ -71,7 +72,9 @@ def test_step_observations_move_latency_violations_and_level_changes():
 def test_trainer_counters_follow_cumulative_stats():
     m = HarvestMetrics()
     m.set_trainer(state="running", tokens=100, samples=4, steps=1, loss=2.5, window_layers=2, resident_bytes=4096)
-    m.set_trainer(state="paused", tokens=250, samples=10, steps=2, loss=2.1, window_layers=1, resident_bytes=2048)
+    m.set_trainer(state="paused", tokens=250, samples=10, steps=2, loss=2.1, window_layers=1, resident_bytes=2048,
+                  eval_loss=2.3)
+    assert value(m, "harvest_trainer_eval_loss") == pytest.approx(2.3)
     assert value(m, "harvest_trainer_tokens_total") == 250
     assert value(m, "harvest_trainer_steps_total") == 2
     assert value(m, "harvest_trainer_loss") == pytest.approx(2.1)
