@@ -105,9 +105,12 @@ def resolve_device(name: str) -> torch.device:
 
 
 def build_trainer(job: TrainJob, *, weight_source: BaseWeightSource | None = None,
-                  allocator: BaseWindowAllocator | None = None, resume: bool = True) -> LayerSplitTrainer:
+                  allocator: BaseWindowAllocator | None = None, resume: bool = True,
+                  tp=None) -> LayerSplitTrainer:
     """A trainer for `job`, resumed from ``resume_from_checkpoint`` (which LlamaFactory sets
-    to the newest ``checkpoint-N`` in output_dir unless ``overwrite_output_dir``)."""
+    to the newest ``checkpoint-N`` in output_dir unless ``overwrite_output_dir``).
+    ``tp`` (harvest.train.tensor_parallel.TensorParallel): this rank's place in a
+    tensor-parallel trainer; every rank builds the same job and keeps its shard."""
     import_llamafactory()
     from llamafactory.data import SFTDataCollatorWith4DAttentionMask
     from llamafactory.model import load_model
@@ -116,6 +119,9 @@ def build_trainer(job: TrainJob, *, weight_source: BaseWeightSource | None = Non
 
     device = resolve_device(job.harvest.device)
     settings = TrainerSettings.from_job(job)
+    writer = tp is None or tp.rank == 0  # tensor-parallel: rank 0 writes the run's files
+    if tp is not None and tp.size > 1:
+        check_tensor_parallel_job(job)
     model_args = copy.copy(job.model_args)
     model_args.device_map = {"": "cpu"}  # frozen weights belong in host memory; the trainer places the rest
     data = prepare_data(job)  # what `harvest train --check` accepted
@@ -133,7 +139,7 @@ def build_trainer(job: TrainJob, *, weight_source: BaseWeightSource | None = Non
         template=template, model=None, pad_to_multiple_of=8, label_pad_token_id=IGNORE_INDEX,
         compute_dtype=model_args.compute_dtype or torch.float32, **tokenizer_module)
     checkpoint_path = job.training_args.resume_from_checkpoint if resume else None
-    if resume and job.training_args.overwrite_output_dir:
+    if resume and job.training_args.overwrite_output_dir and writer:
         _remove_earlier_run(job.output_dir)
 
     def make_log(total_steps: int, steps_per_epoch: int):
@@ -146,7 +152,7 @@ def build_trainer(job: TrainJob, *, weight_source: BaseWeightSource | None = Non
     return assemble_trainer(model, dataset, collator, settings, job.harvest, device=device,
                             weight_source=weight_source, allocator=allocator, resume_from=checkpoint_path,
                             max_sample_len=job.data_args.cutoff_len, make_optimizer=job_optimizer(job),
-                            make_log=make_log if resume else None, eval_sets=eval_sets)
+                            make_log=make_log if resume and writer else None, eval_sets=eval_sets, tp=tp)
 
 
 def _remove_earlier_run(output_dir: Path) -> None:
@@ -166,6 +172,20 @@ def _remove_earlier_run(output_dir: Path) -> None:
     if stale or files:
         logger.warning("overwrite_output_dir: removed an earlier run's %s from %s",
                        ", ".join(p.name for p in stale + files), output_dir)
+
+
+def check_tensor_parallel_job(job: TrainJob) -> None:
+    """JobError for what a tensor-parallel trainer cannot run the way a tp = 1 one does."""
+    from harvest.train.tensor_parallel import ELEMENTWISE_OPTIMIZERS
+
+    args, finetuning = job.training_args, job.finetuning_args
+    optim = str(getattr(args.optim, "value", args.optim))
+    if optim not in ELEMENTWISE_OPTIMIZERS:
+        raise JobError(f"optim: {optim!r} does not update a shard as it would the whole tensor; with tensor "
+                       f"parallelism use one of {', '.join(ELEMENTWISE_OPTIMIZERS)}")
+    for key in ("use_muon", "use_adam_mini", "use_galore", "use_apollo", "use_badam", "use_dora"):
+        if getattr(finetuning, key, False):
+            raise JobError(f"{key}: not supported with tensor parallelism (it needs whole weight matrices)")
 
 
 def job_optimizer(job: TrainJob) -> Callable[[torch.nn.Module], torch.optim.Optimizer]:
@@ -197,13 +217,18 @@ def assemble_trainer(peft_model, dataset: Sequence[dict[str, Any]], collate: Cal
                      max_sample_len: int | None = None, record_device_events: bool = False,
                      make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer] | None = None,
                      make_log: Callable[[int, int], Any] | None = None,
-                     eval_sets: dict[str, Sequence[dict[str, Any]]] | None = None) -> LayerSplitTrainer:
+                     eval_sets: dict[str, Sequence[dict[str, Any]]] | None = None, tp=None) -> LayerSplitTrainer:
     """The trainer over a PEFT model. ``make_optimizer(peft_model)`` builds the optimizer
     (default: AdamW from ``settings``, as the Hugging Face Trainer builds it);
     ``make_log(total_steps, steps_per_epoch)`` its TrainLog (default: none); ``eval_sets``
     (metric prefix -> dataset) are evaluated as ``settings.evaluation`` says."""
     device = resolve_device(str(device))
     split = SplitCausalLM(peft_model)
+    sharded = None
+    if tp is not None and tp.size > 1:
+        from harvest.train.tensor_parallel import shard_model
+
+        sharded = shard_model(split, tp)  # before the weight source and window: they hold this rank's shard
     layouts = split.layouts()
     if weight_source is None:
         host = {name: tensor for s in range(split.num_stages) for name, _, _, tensor in split.frozen_tensors(s)}
@@ -243,7 +268,8 @@ def assemble_trainer(peft_model, dataset: Sequence[dict[str, Any]], collate: Cal
         else None, save_only_model=settings.save_only_model,
         evaluation=Evaluation(eval_sets, collate, settings.evaluation, total_steps=total_steps,
                               steps_per_epoch=batches.steps_per_epoch,
-                              microbatches_per_pass=options.microbatches_per_pass) if eval_sets else None)
+                              microbatches_per_pass=options.microbatches_per_pass) if eval_sets else None,
+        sharded=sharded)
     resumed = None
     if resume_from:
         resumed = trainer.resume_from(Path(resume_from))
@@ -254,7 +280,8 @@ def assemble_trainer(peft_model, dataset: Sequence[dict[str, Any]], collate: Cal
         else:
             seq_len = _longest_sample(dataset, max_sample_len)
             trainer.micro_batch_size, unit_ms = choose_micro_batch_size(
-                trainer, options.unit_target_ms, seq_len, settings.samples_per_step)
+                trainer, options.unit_target_ms, seq_len, settings.samples_per_step,
+                agree_ms=sharded.tp.max_float if sharded is not None else None)
             logger.info("micro-batch size %d: longest unit %.2f ms (target %.1f ms)",
                         trainer.micro_batch_size, unit_ms, options.unit_target_ms)
     return trainer

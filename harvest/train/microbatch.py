@@ -21,17 +21,21 @@ from harvest.train import checkpoint
 from harvest.train.split_model import MicroBatch
 
 
-def choose_micro_batch_size(trainer, target_ms: float, seq_len: int, max_size: int) -> tuple[int, float]:
-    """(micro-batch size in 1..max_size, its measured longest unit in ms)."""
+def choose_micro_batch_size(trainer, target_ms: float, seq_len: int, max_size: int,
+                            agree_ms=None) -> tuple[int, float]:
+    """(micro-batch size in 1..max_size, its measured longest unit in ms). ``agree_ms``:
+    tensor-parallel ranks' agreement on a measurement (their slowest), so every rank
+    probes the same sizes and picks the same one (the probes run collectives)."""
     rng_state = checkpoint.capture_rng_state(trainer.device)
+    agree = agree_ms or (lambda ms: ms)
     try:
-        unit_ms = longest_unit_ms(trainer, 1, seq_len)
+        unit_ms = agree(longest_unit_ms(trainer, 1, seq_len))
         size = max(1, min(max_size, math.floor(target_ms / unit_ms)))
         if size > 1:
-            unit_ms = longest_unit_ms(trainer, size, seq_len)
+            unit_ms = agree(longest_unit_ms(trainer, size, seq_len))
             if unit_ms > 1.2 * target_ms:
                 size = max(1, math.floor(size * target_ms / unit_ms))
-                unit_ms = longest_unit_ms(trainer, size, seq_len)
+                unit_ms = agree(longest_unit_ms(trainer, size, seq_len))
         return size, unit_ms
     finally:
         trainer.optimizer.zero_grad(set_to_none=True)

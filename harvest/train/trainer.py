@@ -27,9 +27,10 @@ import torch
 from harvest.train import checkpoint
 from harvest.train.data import StepBatches
 from harvest.train.errors import TrainingDiverged, WindowMemoryUnavailable
-from harvest.train.gate import BaseGate, GateAction
+from harvest.train.gate import BaseGate, GateAction, GateDecision
 from harvest.train.split_model import MicroBatch, SplitCausalLM
 from harvest.train.stats import TrainerStats, Unit, UnitKind, UnitRecord
+from harvest.train.tensor_parallel import Vote
 from harvest.train.window import WeightWindow
 
 
@@ -52,7 +53,7 @@ class LayerSplitTrainer:
                  microbatches_per_pass: int = 1, save_steps: int | None = None, save_total_limit: int | None = None,
                  max_grad_norm: float = 0.0, autocast_dtype: torch.dtype | None = None,
                  fingerprint: dict | None = None, record_device_events: bool = False, train_log=None,
-                 save_only_model: bool = False, evaluation=None):
+                 save_only_model: bool = False, evaluation=None, sharded=None):
         self.split = split
         self.window = window
         self.batches = batches
@@ -71,6 +72,11 @@ class LayerSplitTrainer:
         self.train_log = train_log  # harvest.train.train_log.TrainLog: trainer_log.jsonl, trainer_state.json
         self.save_only_model = save_only_model
         self.evaluation = evaluation  # harvest.train.evaluation.Evaluation, or None: never evaluates
+        # harvest.train.tensor_parallel.ShardedModel: this rank's shard of a tensor-parallel
+        # trainer (its peers run the same units); None: the whole model here.
+        self.sharded = sharded
+        self.tp = sharded.tp if sharded is not None and sharded.tp.size > 1 else None
+        self.writes_files = self.tp is None or self.tp.rank == 0  # checkpoints, the final adapter
         self._eval_owed = evaluation is not None and evaluation.due_after(0)  # eval_on_start
         self._eval_pass = None  # the evaluation in progress (harvest.train.evaluation.EvalPass)
         self._eval_done_step: int | None = None  # the step after which the last evaluation completed
@@ -149,7 +155,8 @@ class LayerSplitTrainer:
         if self.finished:
             return None
         with self._unit_lock:
-            self._follow_lent_memory_locked()
+            if self.tp is None:  # tensor-parallel: followed before the vote (the stage stays resident)
+                self._follow_lent_memory_locked()
             record = self._run_unit_locked(stream)
             self._follow_lent_memory_locked()  # memory wanted back leaves now, not a unit later
             return record
@@ -173,6 +180,15 @@ class LayerSplitTrainer:
                     with self._stats_lock:
                         self._counters["pauses"] += 1
                         self._counters["paused_s"] += decision.paused_s
+                if self.tp is not None:
+                    agreed = self._agree_on_unit(decision)
+                    if agreed is Vote.WAIT:
+                        with self._stats_lock:
+                            self._counters["starved"] += 1
+                        time.sleep(0.001)
+                        continue
+                    if agreed is Vote.STOP:
+                        decision = GateDecision(GateAction.STOP)
                 if decision.action == GateAction.STOP:
                     self.save_checkpoint()
                     self._set_state("stopped")
@@ -191,7 +207,8 @@ class LayerSplitTrainer:
                 time.sleep(0)  # a unit boundary: let a co-located decode thread take the GIL
         except BaseException:
             self._set_state("failed")
-            if not self._in_optimizer_update and self.global_step > 0:
+            # A tensor-parallel checkpoint is collective: with a rank gone, the last one stands.
+            if not self._in_optimizer_update and self.global_step > 0 and self.tp is None:
                 with contextlib.suppress(Exception):
                     self.save_checkpoint()
             raise
@@ -207,6 +224,28 @@ class LayerSplitTrainer:
                     unfollow()
         self._set_state("finished")
         return "finished"
+
+    def _agree_on_unit(self, decision) -> "Vote":
+        """Tensor-parallel: this rank's vote (stop, wait: its window cannot hold the next
+        unit's stage yet, run), and the ranks' agreement. The stage is made resident
+        before voting to run, so no rank falls out of a unit its peers are in."""
+        if decision.action == GateAction.STOP:
+            vote = Vote.STOP
+        else:
+            vote = Vote.RUN if self._prepare_next_unit() else Vote.WAIT
+        return self.tp.agree(vote, while_waiting=self._follow_lent_memory)
+
+    def _prepare_next_unit(self) -> bool:
+        with self._unit_lock:
+            self._follow_lent_memory_locked()
+            unit = self.peek_next_unit()
+            if unit is None or unit.kind == UnitKind.OPTIMIZER or unit.stage < 0:
+                return True
+            try:
+                self.window.prepare(unit.stage, iter(self._pass_stages), self._compute_stream(self._last_stream))
+            except WindowMemoryUnavailable:
+                return False
+            return True
 
     # -- window ----------------------------------------------------------------------------
     def set_window_stages(self, num_stages: int) -> int:
@@ -266,10 +305,13 @@ class LayerSplitTrainer:
         state.update(epoch=epoch, sample_offset=offset, micro_batch_size=self.micro_batch_size,
                      total_steps=self.total_steps, job=self.fingerprint, eval_done_step=self._eval_done_step)
         text_files = {"trainer_state.json": self.train_log.state_json()} if self.train_log is not None else None
-        path = checkpoint.save_checkpoint(
-            self.output_dir, self.global_step, peft_model=self.split.peft_model, optimizer=self.optimizer,
-            scheduler=self.scheduler, rng_state=rng_state, state=state, save_total_limit=self.save_total_limit,
-            text_files=text_files, model_only=self.save_only_model)
+        path = self.output_dir / f"checkpoint-{self.global_step}"
+        with self._whole(self.optimizer):  # tensor-parallel: what a tp = 1 run writes, by rank 0
+            if self.writes_files:
+                path = checkpoint.save_checkpoint(
+                    self.output_dir, self.global_step, peft_model=self.split.peft_model, optimizer=self.optimizer,
+                    scheduler=self.scheduler, rng_state=rng_state, state=state,
+                    save_total_limit=self.save_total_limit, text_files=text_files, model_only=self.save_only_model)
         self._last_saved_step, self._last_saved_eval = self.global_step, self._eval_done_step
         if self.train_log is not None:
             self.train_log.saved()
@@ -289,7 +331,8 @@ class LayerSplitTrainer:
             raise checkpoint.CheckpointError(
                 f"checkpoint {str(path)!r} was written by a different job: {key} was {state['job'][key]!r}, "
                 f"the job says {self.fingerprint.get(key)!r}; refusing to resume")
-        rng_state = checkpoint.load_checkpoint_tensors(path, self.split.peft_model, self.optimizer, self.scheduler)
+        with self._whole(self.optimizer):  # a checkpoint holds whole tensors; each rank keeps its slice
+            rng_state = checkpoint.load_checkpoint_tensors(path, self.split.peft_model, self.optimizer, self.scheduler)
         checkpoint.restore_rng_state(rng_state, self.device)
         self.global_step = int(state["global_step"])
         self._last_saved_step = self.global_step
@@ -307,6 +350,9 @@ class LayerSplitTrainer:
         if self.train_log is not None:
             self.train_log.resumed(path, self.global_step, drop_evaluation=self._eval_owed)
         return state
+
+    def _whole(self, optimizer=None):
+        return self.sharded.whole(optimizer) if self.tp is not None else contextlib.nullcontext()
 
     # -- inspection ------------------------------------------------------------------------
     def stats(self) -> TrainerStats:
@@ -425,8 +471,13 @@ class LayerSplitTrainer:
                 f"the update, the checkpoint keeps step {step.step} (lower learning_rate, or check the data)")
         self._in_optimizer_update = True
         step.grad_norm = None
+        if self.tp is not None:
+            self.sharded.sum_replicated_gradients()
         if self.max_grad_norm and self.max_grad_norm > 0:
-            step.grad_norm = float(torch.nn.utils.clip_grad_norm_(self.trainable_params, self.max_grad_norm))
+            if self.tp is not None:
+                step.grad_norm = self.sharded.clip_grad_norm(self.trainable_params, self.max_grad_norm)
+            else:
+                step.grad_norm = float(torch.nn.utils.clip_grad_norm_(self.trainable_params, self.max_grad_norm))
         self._last_lr = float(self.scheduler.get_last_lr()[0])
         self.optimizer.step()
         self.scheduler.step()
@@ -462,7 +513,9 @@ class LayerSplitTrainer:
 
     def _finalize_if_done(self) -> None:
         if self.finished and self.output_dir is not None:
-            checkpoint.write_final_adapter(self.output_dir, self.split.peft_model)
+            with self._whole():
+                if self.writes_files:
+                    checkpoint.write_final_adapter(self.output_dir, self.split.peft_model)
             if self.train_log is not None:
                 self.train_log.finished()
 

@@ -1,0 +1,179 @@
+"""A LoRA job trained by the tensor-parallel trainer on N ranks against the same job on one.
+
+    python -m tests.train.tp_parity --tp 2 --device cpu [--fault-rank 1] --json
+
+Rank processes (torch.multiprocessing, gloo on CPU, NCCL on CUDA) each build the job
+through LlamaFactory and keep their shard; rank 0 writes the checkpoints and the final
+adapter, which must equal the tp = 1 run's (loss per step and adapter tensors, 1e-5).
+With ``--fault-rank R`` rank R's trainer raises after a few units and every other rank's
+trainer must leave with PeerTrainerFault (told by a shared event, as the runtime's step
+agreement tells it). Used by tests/train/test_tensor_parallel.py and by the GPU
+validation script's tp = 2 part.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+FAULT_AFTER_UNITS = 7
+
+
+def _job(model_path, output_dir, device: str, **overrides) -> dict:
+    from tests.train.trainer_helpers import job_dict
+
+    return job_dict(model_path, output_dir, max_grad_norm=0.05, harvest={"micro_batch_size": 2, "device": device},
+                    **overrides)
+
+
+def _train(job: dict, tp=None, gate=None) -> tuple:
+    from harvest.train.build import build_trainer
+    from harvest.train.gate import Gate
+    from harvest.train.job import load_job
+    from tests.train.trainer_helpers import randomize_lora_b
+
+    trainer = build_trainer(load_job(job), tp=tp)
+    # LoRA B starts at zero (every LoRA A gradient would be zero): the same values on every
+    # rank, drawn whole and split.
+    with trainer._whole():
+        randomize_lora_b(trainer)
+    entries = []
+    trainer.step_callbacks.append(entries.append)
+    started = time.perf_counter()
+    trainer.run(gate or Gate())
+    return trainer, entries, time.perf_counter() - started
+
+
+def _rank_main(rank: int, size: int, port: int, model_path: str, output_dir: str, device: str, fault_rank: int,
+               result_dir: str, fault_event) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    from harvest.colocate.trainer_host import _FaultInjectingGate
+    from harvest.train.gate import Gate
+    from harvest.train.tensor_parallel import PeerTrainerFault, TensorParallel
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), HF_HUB_OFFLINE="1", DISABLE_VERSION_CHECK="1")
+    cuda = device.startswith("cuda")
+    if cuda:
+        import torch
+
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=size,
+                            timeout=datetime.timedelta(minutes=5))
+    group = dist.new_group(list(range(size)), backend="nccl" if cuda else "gloo")
+    tp = TensorParallel(rank, size, group)
+    rank_device = f"cuda:{rank}" if cuda else "cpu"
+    result = {"rank": rank}
+    gate = Gate()
+    if rank == fault_rank:
+        gate = _FaultInjectingGate(gate, FAULT_AFTER_UNITS)
+    elif fault_rank >= 0:
+        def watch():  # the runtime's step agreement, in miniature
+            fault_event.wait()
+            tp.abort(f"rank {fault_rank}'s trainer faulted")
+        threading.Thread(target=watch, daemon=True).start()
+    try:
+        trainer, entries, seconds = _train(_job(model_path, output_dir, rank_device), tp, gate)
+        result.update(outcome="finished", losses=[e["loss"] for e in entries],
+                      grad_norms=[e["grad_norm"] for e in entries], seconds=seconds, agree_wait_s=tp.waited_s)
+    except PeerTrainerFault as exc:
+        result.update(outcome="peer_fault", error=str(exc))
+    except Exception as exc:  # noqa: BLE001 - the injected fault
+        result.update(outcome="fault", error=f"{type(exc).__name__}: {exc}")
+        fault_event.set()
+    Path(result_dir, f"rank{rank}.json").write_text(json.dumps(result))
+    if fault_rank < 0:
+        dist.destroy_process_group()
+    else:
+        os._exit(0)  # a group with an abandoned operation: no orderly teardown
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _adapter(path: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(path / "adapter_model.safetensors"))
+
+
+def check(tp: int, device: str = "cpu", fault_rank: int = -1, work_dir: Path | None = None) -> dict:
+    """Train on ``tp`` ranks and on one; return the comparison (and timings)."""
+    import torch.multiprocessing as mp
+
+    from harvest.tiny_model import TINY_LLAMA, ensure_tiny_model
+
+    model_path = ensure_tiny_model(TINY_LLAMA)
+    work = Path(work_dir or tempfile.mkdtemp(prefix="harvest-tp-"))
+    report: dict = {"tp": tp, "device": device}
+    if fault_rank < 0:
+        ref_device = "cuda:0" if device.startswith("cuda") else "cpu"
+        _, ref_entries, ref_s = _train(_job(model_path, work / "tp1", ref_device))
+        report["tp1_losses"] = [e["loss"] for e in ref_entries]
+        report["tp1_seconds"] = round(ref_s, 3)
+    results = work / "results"
+    results.mkdir(parents=True, exist_ok=True)
+    context = mp.get_context("spawn")
+    fault_event = context.Event()
+    port = _free_port()
+    procs = [context.Process(target=_rank_main, args=(r, tp, port, str(model_path), str(work / f"tp{tp}"), device,
+                                                     fault_rank, str(results), fault_event))
+             for r in range(tp)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(timeout=600)
+        if proc.is_alive():
+            proc.kill()
+    ranks = {}
+    for r in range(tp):
+        path = results / f"rank{r}.json"
+        ranks[r] = json.loads(path.read_text()) if path.exists() else {"outcome": "no result (hung or crashed)"}
+    report["outcomes"] = {str(r): ranks[r]["outcome"] for r in ranks}
+    if fault_rank >= 0:
+        report["errors"] = {str(r): ranks[r].get("error") for r in ranks}
+        return report
+    losses = ranks[0].get("losses", [])
+    report["tp_losses"] = losses
+    report["tp_seconds"] = round(ranks[0].get("seconds", float("nan")), 3)
+    report["ranks_agree_on_losses"] = all(ranks[r].get("losses") == losses for r in ranks)
+    report["max_loss_diff"] = max((abs(a - b) for a, b in zip(losses, report["tp1_losses"])), default=float("inf"))
+    if len(losses) != len(report["tp1_losses"]):
+        report["max_loss_diff"] = float("inf")
+    ref, got = _adapter(work / "tp1"), _adapter(work / f"tp{tp}")
+    report["adapter_keys_equal"] = sorted(ref) == sorted(got)
+    report["max_adapter_diff"] = max((float((ref[k].float() - got[k].float()).abs().max()) for k in ref if k in got),
+                                     default=float("inf"))
+    return report
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--fault-rank", type=int, default=-1)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    report = check(args.tp, args.device, args.fault_rank)
+    print(json.dumps(report) if args.json else json.dumps(report, indent=2))
+    if args.fault_rank >= 0:
+        others = [o for r, o in report["outcomes"].items() if int(r) != args.fault_rank]
+        return 0 if report["outcomes"][str(args.fault_rank)] == "fault" and all(o == "peer_fault" for o in others) else 1
+    ok = report["max_loss_diff"] <= 1e-5 and report["max_adapter_diff"] <= 1e-5 and report["adapter_keys_equal"]
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
