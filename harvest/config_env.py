@@ -95,6 +95,17 @@ def fault_after_units() -> int | None:
     return int(value)
 
 
+def fault_rank() -> int | None:
+    """HARVEST_FAULT_RANK: test knob with HARVEST_FAULT_AFTER_UNITS; only this tensor-parallel
+    rank's trainer raises (unset: every rank's)."""
+    value = os.environ.get("HARVEST_FAULT_RANK")
+    if not value:
+        return None
+    if not value.isdigit():
+        raise ValueError(f"HARVEST_FAULT_RANK={value!r} must be a non-negative integer")
+    return int(value)
+
+
 # Per-instance overrides of harvest.yaml's metrics.port / metrics.host: several SGLang
 # servers on one host (one per GPU) share a harvest.yaml but not a port. The plugin sets
 # them in the launcher from --harvest-metrics-port / --harvest-metrics-host (the command

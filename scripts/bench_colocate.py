@@ -23,6 +23,11 @@ TPOT figures count decode steps only: this is a normal server, so the trace's pr
 run as steps of their own too (the trainer is paused for them; their time is TTFT, not
 TPOT) and are reported apart (``prefill_steps``, ``prefill_p50_ms``).
 
+``--tp N`` runs every server with N tensor-parallel ranks (on a CPU one core per rank,
+SGLANG_CPU_OMP_THREADS_BIND) and the trainer alone on N ranks too; the fields are the same
+(measured on rank 0, whose step time is the slowest rank's), plus ``tp`` and the ranks'
+per-step agreement cost (``rank_exchange_ms_mean``).
+
 The last stdout line is one JSON object. Targets: outputs_identical, failed_requests 0,
 qos_violation_rate <= 0.01, hook_overhead_fraction <= 0.005.
 """
@@ -98,6 +103,55 @@ def _trainer_alone(job_path: Path, seconds: float, cpu_threads: int) -> float:
     return tokens / elapsed
 
 
+def _trainer_alone_rank(rank: int, size: int, port: int, job_path: str, seconds: float, cpu_threads: int,
+                        result_path: str) -> None:
+    import os
+
+    import torch.distributed as dist
+
+    from harvest.train.build import build_trainer
+    from harvest.train.gate import Gate
+    from harvest.train.job import load_job
+    from harvest.train.tensor_parallel import TensorParallel
+    from harvest.train.trainer_cpu import limit_trainer_thread
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=size)
+    tp = TensorParallel(rank, size, dist.new_group(list(range(size)), backend="gloo"))
+    limit_trainer_thread(cpu_threads)
+    trainer = build_trainer(load_job(job_path), tp=tp)
+    gate = Gate()
+    # Every rank's gate says stop after the same time; the ranks stop together at the
+    # first unit boundary where any says so (the trainer's agreement).
+    started = time.monotonic()
+    tokens0 = trainer.stats().tokens_seen
+    timer = __import__("threading").Timer(seconds, gate.stop)
+    timer.start()
+    trainer.run(gate)
+    elapsed = time.monotonic() - started
+    if rank == 0:
+        Path(result_path).write_text(json.dumps({"tokens_per_s": (trainer.stats().tokens_seen - tokens0) / elapsed}))
+    dist.destroy_process_group()
+
+
+def _trainer_alone_tp(job_path: Path, seconds: float, cpu_threads: int, tp: int, work: Path) -> float:
+    """The job alone on ``tp`` trainer ranks (processes, gloo), as the server's ranks train it."""
+    import torch.multiprocessing as mp
+
+    from harvest.sglang import server
+
+    result = work / "trainer-alone-tp.json"
+    context = mp.get_context("spawn")
+    port = server.free_port()
+    procs = [context.Process(target=_trainer_alone_rank, args=(r, tp, port, str(job_path), seconds, cpu_threads,
+                                                                 str(result))) for r in range(tp)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(timeout=seconds + 600)
+    return json.loads(result.read_text())["tokens_per_s"]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print only the JSON result line")
@@ -120,6 +174,7 @@ def main() -> int:
                         help="passes of the trace slice through the harvest server before the measured one, as on a server "
                              "that has served before (the online predictor has refit to it); their outputs are checked too "
                              "and their violation rate is reported as qos_violation_rate_warmup. 0: measure from a cold start")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks of every server (and of the trainer alone)")
     args = parser.parse_args()
 
     from harvest import colocation_config
@@ -136,9 +191,17 @@ def main() -> int:
     # would otherwise fill the pool: evictable, not free, and harvest lends only free chunks).
     base = server.cpu_server_args(model, max_total_tokens=args.kv_tokens) + [
         "--max-running-requests", str(args.max_batch), "--disable-radix-cache"]
+    env = server.cpu_server_env()
+    if args.tp > 1:
+        import os
+
+        cores = sorted(os.sched_getaffinity(0))
+        base += ["--tp", str(args.tp)]
+        # SGLang's CPU ranks each need an OpenMP core list; one core per rank.
+        env.setdefault("SGLANG_CPU_OMP_THREADS_BIND", "|".join(str(cores[i % len(cores)]) for i in range(args.tp)))
 
     log("[1/4] harvest off: reference outputs")
-    with server.launch(base, log_path=work / "off.log") as srv:
+    with server.launch(base, log_path=work / "off.log", env=env) as srv:
         reference = _replay(srv, trace, args)
 
     log("[2/4] harvest on, no job: solo step time")
@@ -146,7 +209,7 @@ def main() -> int:
     no_job = work / "no-job"
     no_job.mkdir()
     (no_job / "harvest.yaml").write_text(f"metrics: {{port: {port}}}\n")
-    with server.launch(base + ["--enable-harvest", "--harvest-config", str(no_job / "harvest.yaml")], log_path=work / "solo.log") as srv:
+    with server.launch(base + ["--enable-harvest", "--harvest-config", str(no_job / "harvest.yaml")], log_path=work / "solo.log", env=env) as srv:
         solo_outputs = _replay(srv, trace, args)
         solo_steps = _steps(port)
         solo_status = _get(port, "/harvest/status")
@@ -159,7 +222,7 @@ def main() -> int:
     log(f"[3/4] harvest on with the LoRA job, target {target_ms:.2f} ms ({args.target_factor} x decode-alone p95 {solo_p95_ms:.2f} ms)")
     port = server.free_port()
     config = colocation_config.write(work / "colocate", model, target_tpot_ms=target_ms, metrics_port=port)
-    with server.launch(base + ["--enable-harvest", "--harvest-config", str(config)], log_path=work / "colocate.log") as srv:
+    with server.launch(base + ["--enable-harvest", "--harvest-config", str(config)], log_path=work / "colocate.log", env=env) as srv:
         deadline = time.monotonic() + 180
         while (_get(port, "/harvest/status")["trainer"]["stats"] or {}).get("global_step", 0) == 0 and time.monotonic() < deadline:
             time.sleep(0.5)
@@ -178,7 +241,11 @@ def main() -> int:
         cpu_threads = after["trainer_cpu_threads"]
 
     log(f"[4/4] the same trainer alone for {args.solo_seconds:.0f}s")
-    solo_tokens_per_s = _trainer_alone(work / "colocate" / "job.yaml", args.solo_seconds, cpu_threads)
+    if args.tp > 1:
+        solo_tokens_per_s = _trainer_alone_tp(work / "colocate" / "job.yaml", args.solo_seconds, cpu_threads, args.tp,
+                                              work)
+    else:
+        solo_tokens_per_s = _trainer_alone(work / "colocate" / "job.yaml", args.solo_seconds, cpu_threads)
 
     measured = [s["measured_ms"] for s in all_steps if s["is_decode"]]
     step_ms = statistics.median(measured)
@@ -235,6 +302,8 @@ def main() -> int:
         # (none_fits / no decision to run the trainer: violations decode had alone too).
         "decode_steps_and_violations_by_reason": _by_reason(all_steps, target_ms),
         "device": "cpu",
+        "tp": args.tp,
+        "rank_exchange_ms_mean": (after.get("tensor_parallel") or {}).get("exchange_ms_mean"),
     }
     print(json.dumps(result))
     return 0

@@ -5,12 +5,14 @@
 # steps.tsv and summary.json after every step, the archive (--archive) after every step;
 # a failed or timed-out step is recorded (exit code + log) and the next step still runs.
 #
-#   scripts/gpu_validate.sh OUT_DIR [--part 1|2|all] [--device auto|cuda|cpu] [--budget-s N] [--archive FILE]
+#   scripts/gpu_validate.sh OUT_DIR [--part 1|2|3|all] [--device auto|cuda|cpu] [--budget-s N] [--archive FILE]
 #
 #   --part 1       build, doctor, green contexts, per-level CUDA graphs, VMM bench, GPU tests
 #   --part 2       build, doctor, harvest profile, bench_predictor, co-location
+#   --part 3       doctor, tensor-parallel trainer on 2 GPUs (parity with tp = 1, a fault
+#                  on one rank); on a machine with fewer GPUs its steps say so and skip
 #                  (each part fits one device call: see the plan's limits)
-#   --part all     both, one after the other
+#   --part all     all three, one after the other
 #   --device       auto (default): cuda when torch sees one, else cpu: the CPU rehearsal
 #                  (tiny model, host VMM backend; GPU tests skip themselves, the JSON of
 #                  each step says what it could not measure)
@@ -41,7 +43,7 @@ while [[ $# -gt 0 ]]; do
     *) usage ;;
   esac
 done
-case $PART in 1 | 2 | all) ;; *) echo "gpu_validate: --part $PART: one of 1, 2, all" >&2; exit 2 ;; esac
+case $PART in 1 | 2 | 3 | all) ;; *) echo "gpu_validate: --part $PART: one of 1, 2, 3, all" >&2; exit 2 ;; esac
 case $DEVICE in auto | cuda | cpu) ;; *) echo "gpu_validate: --device $DEVICE: one of auto, cuda, cpu" >&2; exit 2 ;; esac
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -50,7 +52,7 @@ limit() { sed -n "s/^# limits:.* $1=\([0-9][0-9]*\).*/\1/p" "$PLAN"; }
 PART_BUDGET_S=$(limit part_budget_s)
 KILL_AFTER_S=$(limit kill_after_s)
 SUMMARY_RESERVE_S=$(limit summary_reserve_s) # kept back for the summary and the archive
-[[ -n $BUDGET_S ]] || { [[ $PART == all ]] && BUDGET_S=$((2 * PART_BUDGET_S)) || BUDGET_S=$PART_BUDGET_S; }
+[[ -n $BUDGET_S ]] || { [[ $PART == all ]] && BUDGET_S=$((3 * PART_BUDGET_S)) || BUDGET_S=$PART_BUDGET_S; }
 [[ $BUDGET_S =~ ^[0-9]+$ ]] || { echo "gpu_validate: --budget-s $BUDGET_S: a whole number of seconds" >&2; exit 2; }
 
 PYTHON=${PYTHON:-python3}
@@ -174,6 +176,11 @@ command_for() {
         --graphs on --max-batch-size 48 --graph-buckets "8,16,32"
         --target-tpot-ms 40 --tight-target-factor 1.25 "${run[@]}" --steps-out "$OUT_DIR/colocate-steps.json"
         --out-dir "$OUT_DIR" --name colocate) ;;
+    # Two ranks, one GPU each, NCCL (gloo for the CPU rehearsal); plain PEFT over the tiny
+    # Llama (the GPU machine has no LlamaFactory). Fewer than 2 GPUs: a JSON line that
+    # says so, exit 0.
+    tp-trainer) CMD=("$PYTHON" -m tests.train.tp_parity --tp 2 --device "$DEVICE" --builder peft --json) ;;
+    tp-fault) CMD=("$PYTHON" -m tests.train.tp_parity --tp 2 --device "$DEVICE" --builder peft --fault-rank 1 --json) ;;
     *) return 1 ;;
   esac
 }

@@ -5,7 +5,7 @@
 
 Run after every step (so a call cut short still has one) and at the end. Standard library
 only. ``summary.json`` holds every step's status, the JSON each step left, the GPU tests'
-outcomes, and ``claims``: for each figure (a)-(f) of docs/gpu-validation.md the numbers
+outcomes, and ``claims``: for each figure (a)-(g) of docs/gpu-validation.md the numbers
 found and the file they come from, or why it was not measured (step not run, failed,
 skipped, or a CPU rehearsal, whose numbers are no GPU figures). Nothing is invented: a
 claim with no file behind it says "not measured".
@@ -26,6 +26,7 @@ CLAIMS = {
     "d": "a measured profile: stage-1 / stage-2 MAPE",
     "e": "QoS under co-location, decode CUDA graphs on: TPOT violation rate at 40 ms and at a tight target",
     "f": "trainer throughput: harvest vs StaticMode vs trainer alone, same run",
+    "g": "tensor parallel (tp = 2, NCCL): the trainer's losses and adapter equal tp = 1's; a fault on one rank stops both",
 }
 
 
@@ -142,6 +143,12 @@ def claims(out: Path, run: dict, steps: dict, summary: dict) -> dict:
         profile_figures_ = {"stage1": profile["stage1_quality"], "stage2": profile["stage2_quality"],
                             "held_out": {k: predictor.get(k) for k in ("stage1_mape", "stage2_mape") if k in predictor}}
     why_no_graphs = graphs.get("graphs_unavailable")
+    tp_trainer, tp_fault = summary.get("tp_trainer") or {}, summary.get("tp_fault") or {}
+    tp_figures = None
+    if "max_loss_diff" in tp_trainer or "outcomes" in tp_fault:
+        tp_figures = {**{k: tp_trainer.get(k) for k in ("max_loss_diff", "max_adapter_diff", "tp_seconds",
+                                                         "tp1_seconds", "outcomes") if k in tp_trainer},
+                      "fault_outcomes": tp_fault.get("outcomes")}
     result = {
         "a": entry("a", ["bench-vmm", "gpu-tests"], ["bench-vmm.json", "gpu-tests.xml"], vmm_figures),
         "b": entry("b", ["greenctx", "level-graphs"], ["greenctx.stdout.txt", "level-graphs.json"], partition),
@@ -150,7 +157,11 @@ def claims(out: Path, run: dict, steps: dict, summary: dict) -> dict:
                    profile_figures_),
         "e": entry("e", ["colocate"], ["colocate.json", "colocate-steps.json"], qos),
         "f": entry("f", ["colocate"], ["colocate.json"], {"trainer_tokens_per_s": rates, **ratios} if rates else None),
+        "g": entry("g", ["tp-trainer", "tp-fault"], ["tp-trainer.json", "tp-fault.json"], tp_figures),
     }
+    skipped = tp_trainer.get("skipped") or tp_fault.get("skipped")
+    if skipped and "figures" not in result["g"]:
+        result["g"]["not_measured"] = skipped
     if why_no_graphs and "figures" not in result["c"] and "level-graphs" in steps:
         result["c"]["not_measured"] = why_no_graphs
     if vmm.get("backend") == "host" and "figures" in result["a"]:
@@ -165,7 +176,8 @@ def main(argv: list[str]) -> int:
     steps = {row["step"]: row for row in rows}  # the last run of a step (part all runs build twice)
     summary = {"run": run, "steps": rows, "doctor": load(out, "doctor.json"), "bench_vmm": load(out, "bench-vmm.json"),
                "level_graphs": load(out, "level-graphs.json"), "bench_predictor": load(out, "bench-predictor.json"),
-               "colocate": load(out, "colocate.json")}
+               "colocate": load(out, "colocate.json"), "tp_trainer": load(out, "tp-trainer.json"),
+               "tp_fault": load(out, "tp-fault.json")}
     for name, xml in (("greenctx_tests", "greenctx.xml"), ("gpu_tests", "gpu-tests.xml")):
         summary[name] = junit(out / xml)
     summary["gpu_validation"] = (validation_lines(out / "greenctx.stdout.txt")

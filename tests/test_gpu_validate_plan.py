@@ -46,7 +46,7 @@ def test_each_part_fits_one_device_call_with_margin():
     limits, steps = plan()
     assert limits["part_budget_s"] <= NINE_MINUTES <= limits["call_limit_s"] - 60
     parts = sorted({s["part"] for s in steps})
-    assert parts == ["1", "2"]
+    assert parts == ["1", "2", "3"]
     for part in parts:
         chosen = [s for s in steps if s["part"] == part]
         assert worst_case_s(limits, chosen) <= limits["part_budget_s"], (part, worst_case_s(limits, chosen))
@@ -78,6 +78,7 @@ def test_figures_only_a_gpu_gives_come_first_and_every_claim_has_a_step():
     assert first_measuring["claims"] & {"b", "c"} and first_measuring["needs"] == "cuda"
     part2 = [s for s in steps if s["part"] == "2"]
     assert set().union(*(s["claims"] for s in part2)) == {"d", "e", "f"}
+    assert set().union(*(s["claims"] for s in steps if s["part"] == "3")) == {"g"}  # tensor parallel
     assert [s["step"] for s in steps if s["part"] == "1"][:2] == ["build", "doctor"]  # every fresh machine builds
 
 
@@ -86,7 +87,7 @@ def test_the_docs_table_matches_the_plan():
     doc = (ROOT / "docs" / "gpu-validation.md").read_text()
     for s in steps:
         assert re.search(rf"\| {s['part']} \| `{s['step']}` \| {s['timeout_s']} \|", doc), s["step"]
-    for part in ("1", "2"):
+    for part in ("1", "2", "3"):
         total = worst_case_s(limits, [s for s in steps if s["part"] == part])
         assert f"part {part}: {total} s" in doc
 
@@ -130,7 +131,7 @@ def primed_build_dir():
 
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
-@pytest.mark.parametrize("part", ["1", "2"])
+@pytest.mark.parametrize("part", ["1", "2", "3"])
 def test_each_part_rehearses_on_cpu_within_its_plan(part, tmp_path, primed_build_dir):
     """The CPU rehearsal: every step runs (GPU tests skip themselves, CUDA figures are
     recorded as not measured), inside its timeout, and leaves its files and the archive."""
@@ -162,6 +163,12 @@ def test_each_part_rehearses_on_cpu_within_its_plan(part, tmp_path, primed_build
         assert summary["greenctx_tests"]["counts"] == {"skipped": summary["greenctx_tests"]["counts"]["skipped"]}
         assert "CUDA graphs need a CUDA device" in summary["claims"]["c"]["not_measured"]
         assert json.loads((out / "bench-vmm.json").read_text())["under_load_checksum_ok"] is True
+    elif part == "3":
+        trainer, fault = (json.loads((out / name).read_text()) for name in ("tp-trainer.json", "tp-fault.json"))
+        assert trainer["outcomes"] == {"0": "finished", "1": "finished"}, trainer
+        assert trainer["max_loss_diff"] <= 1e-5 and trainer["max_adapter_diff"] <= 1e-5, trainer
+        assert fault["outcomes"] == {"0": "peer_fault", "1": "fault"}, fault
+        assert summary["claims"]["g"]["figures"]["max_adapter_diff"] == trainer["max_adapter_diff"]
     else:
         for name in ("cpu-tiny-llama-transformers.json", "bench-predictor.json", "colocate.json",
                      "colocate-harvest.json", "colocate-harvest-tight.json", "colocate-steps.json"):

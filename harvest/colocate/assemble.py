@@ -61,6 +61,19 @@ class EngineAdapter:
     # scheduler moves the forward onto a stream of its own inside the step, as SGLang's
     # does); False: the whole step run_step is given is the forward.
     places_forward: bool = False
+    # Tensor parallelism: this rank's end of the decode ranks' step agreement
+    # (harvest.colocate.rank_sync.RankSync) and its place in the trainer's ranks
+    # (harvest.train.tensor_parallel.TensorParallel). None: one rank.
+    ranks: Any = None
+    trainer_tp: Any = None
+
+    @property
+    def tp_size(self) -> int:
+        return 1 if self.ranks is None else self.ranks.size
+
+    @property
+    def tp_rank(self) -> int:
+        return 0 if self.ranks is None else self.ranks.rank
 
     @property
     def device_type(self) -> str:
@@ -98,7 +111,7 @@ def _assemble(config, engine: EngineAdapter, partitioner, jobs: tuple):
 
     metrics = _metrics()
     refiner = None
-    if config.profile is not None:
+    if config.profile is not None and engine.tp_rank == 0:  # rank 0 decides for every rank
         refiner = _refiner(config, engine, partitioner)
     qos = QoSController(config.qos, partitioner.ladder)
     lending, budget = NoKvLending(), None
@@ -120,9 +133,10 @@ def _assemble(config, engine: EngineAdapter, partitioner, jobs: tuple):
             if engine.kv is None:
                 raise ValueError("assemble: finetune jobs need EngineAdapter.build_trainer, or the engine's KV "
                                  "pool (kv) to build job files into lent memory")
-            build = job_file_builder(engine.kv.allocator, engine.device, budget, engine.weight_source_for)
+            build = job_file_builder(engine.kv.allocator, engine.device, budget, engine.weight_source_for,
+                                     tp=engine.trainer_tp)
         trainer_host = TrainerHost(list(jobs), build=build, cpu_threads=config.trainer.cpu_threads,
-                                   nice=config.trainer.nice)
+                                   nice=config.trainer.nice, tp_rank=engine.tp_rank)
     control = StepController(partitioner=partitioner, qos=qos, trainer_host=trainer_host,
                              predictor=None if refiner is None else refiner.predictor, refiner=refiner,
                              metrics=metrics, target_tpot_ms=config.qos.target_tpot_ms)
@@ -132,7 +146,7 @@ def _assemble(config, engine: EngineAdapter, partitioner, jobs: tuple):
                       lending=lending, timer=make_step_timer(engine.device_type), metrics=metrics, refiner=refiner,
                       gpu_sampler=_gpu_sampler(engine), device_type=engine.device_type,
                       refit_min_interval_s=config.online.refit_min_interval_s,
-                      engine_places_forward=engine.places_forward)
+                      engine_places_forward=engine.places_forward, ranks=engine.ranks, trainer_tp=engine.trainer_tp)
 
 
 def build_partitioner(config, device: str):
@@ -199,12 +213,13 @@ def lending_policy(config, kv: KvPool):
                          max_lend_fraction=config.memory.max_lend_fraction)
 
 
-def job_file_builder(allocator, device: str, budget=None, weight_source_for: Callable | None = None):
+def job_file_builder(allocator, device: str, budget=None, weight_source_for: Callable | None = None, tp=None):
     """``build(job_path)`` for the trainer thread: the job file through LlamaFactory, its
     frozen-weight window in lent KV memory, sized by ``budget`` (the lent-memory budget
     the lending side publishes). ``weight_source_for(job)`` may return the
     frozen weights to train on in place (the served model's, when it is the same base);
-    None or a refusal (WeightSourceError) falls back to a host copy."""
+    None or a refusal (WeightSourceError) falls back to a host copy. ``tp``: this rank's
+    place in a tensor-parallel trainer (every rank builds the job and keeps its shard)."""
 
     def build(job_path):
         from harvest.train.arena_window import ArenaWindowAllocator
@@ -218,13 +233,13 @@ def job_file_builder(allocator, device: str, budget=None, weight_source_for: Cal
             try:
                 source = weight_source_for(job)
                 if source is not None:
-                    trainer = build_trainer(job, allocator=window, weight_source=source)
+                    trainer = build_trainer(job, allocator=window, weight_source=source, tp=tp)
                     logger.info("job %s trains on the served weights in place (same base model: no second copy)",
                                 job_path)
                     return trainer
             except WeightSourceError as exc:
                 logger.warning("job %s: cannot share the served weights (%s); using a host copy", job_path, exc)
-        return build_trainer(job, allocator=window)
+        return build_trainer(job, allocator=window, tp=tp)
 
     return build
 

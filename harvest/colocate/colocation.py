@@ -19,6 +19,7 @@ import time
 from typing import Callable
 
 from harvest.colocate.controller import StepLoad
+from harvest.colocate.rank_sync import Field, LendingRequest, OperatorCode, SlowestRank, new_row
 from harvest.colocate.step_profiler import StepProfiler
 from harvest.logs import get_logger
 
@@ -29,12 +30,17 @@ class NoKvLending:
     """An engine whose KV cache harvest does not manage: nothing is lent."""
 
     num_lent = 0
+    num_taken = 0
     enabled = False
+    moves_digest = 0
+
+    def lend_due(self) -> bool:
+        return False
 
     def after_step(self) -> None:
         pass
 
-    def maybe_lend(self, force: bool = False) -> None:
+    def maybe_lend(self, force: bool = False, tick: bool | None = None) -> None:
         pass
 
     def reclaim_all(self) -> None:
@@ -56,7 +62,7 @@ class NoKvLending:
 class Colocation:
     def __init__(self, *, config, partitioner, control, trainer_host, lending, timer, metrics, refiner,
                  gpu_sampler=None, device_type: str = "cpu", refit_min_interval_s: float = 2.0,
-                 engine_places_forward: bool = False):
+                 engine_places_forward: bool = False, ranks=None, trainer_tp=None):
         self.config = config
         self.partitioner = partitioner
         self.control = control
@@ -87,6 +93,21 @@ class Colocation:
         self._refit_lock = threading.Lock()
         self._last_refit = 0.0
         self._closed = False
+        # Tensor-parallel (harvest.colocate.rank_sync): the ranks agree at every step and
+        # idle tick; rank 0 decides. ``trainer_tp``: the trainer's TensorParallel, whose
+        # waits are given up when another rank's trainer faults.
+        self.ranks = ranks
+        self.trainer_tp = trainer_tp
+        self._slowest = SlowestRank(ranks.size) if ranks is not None else None
+        self._measured: list[tuple[int, float]] = []  # this rank's measurements, for the next exchange
+        self._operator_out = OperatorCode.NONE  # rank 0: for every rank, with the next exchange
+        self._lending_out = LendingRequest.NONE
+        self._local_fault = False  # this rank's trainer faulted: told at the next exchange
+        self._ranks_fault_handled = False
+        self.ranks_stopped_why: str | None = None  # lending stopped on every rank: a rank's check failed
+        self.last_agreement = None
+        if ranks is not None:
+            lending.ranks = ranks
         if trainer_host is not None:
             trainer_host.on_unit = self._after_trainer_unit
             trainer_host.on_fault = self._on_trainer_fault
@@ -98,7 +119,11 @@ class Colocation:
             if self._attention:
                 self._attend()
             self._feed_back()  # a late timer's (CUDA events) earlier steps: before this decision
-            tag = self.control.before_step(load).step
+            if self.ranks is None:
+                tag = self.control.before_step(load).step
+                lend_tick = None
+            else:
+                tag, lend_tick = self._agree(load)
             lap("decide")
             if self.engine_places_forward:
                 self._step_tag = tag
@@ -112,7 +137,10 @@ class Colocation:
             self._feed_back()
             lap("feedback")
             self.lending.after_step()  # under the reserve: reclaim now
-            self.lending.maybe_lend()  # at most every lend interval: a busy server lends too
+            if lend_tick is None:
+                self.lending.maybe_lend()  # at most every lend interval: a busy server lends too
+            else:
+                self.lending.maybe_lend(tick=lend_tick)  # when rank 0's clock says, on every rank
             lap("lending")
         return result
 
@@ -133,8 +161,84 @@ class Colocation:
         return self.timer.time(tag, self.control.decode_stream, run, *args, **kwargs)
 
     def _feed_back(self) -> None:
+        if self.ranks is not None:  # rank 0 takes the slowest rank's, after the exchange
+            self._measured.extend(self.timer.completed())
+            return
         for tag, measured_s in self.timer.completed():
             self.control.after_step(tag, measured_s)
+
+    # -- tensor parallel: the ranks' agreement ------------------------------------------------
+    def _agree(self, load: StepLoad | None) -> tuple[int, bool]:
+        """Rank 0 decides (the step's level and gate, or the idle tick's); every rank
+        applies that decision and what else the exchange says. Returns (the step's tag,
+        whether to look for chunks to lend)."""
+        ranks = self.ranks
+        row = new_row()
+        if ranks.leader:
+            if load is not None:
+                row[Field.TAG] = self.control.before_step(load).step
+            else:
+                self.control.on_idle()
+            row[Field.LEVEL], row[Field.RUN] = self.control.applied
+            row[Field.OPERATOR], self._operator_out = self._operator_out, OperatorCode.NONE
+            row[Field.LENDING_REQUEST], self._lending_out = self._lending_out, LendingRequest.NONE
+            row[Field.LEND_TICK] = self.lending.lend_due()
+        for index, (tag, seconds) in enumerate(self._measured[-2:]):
+            row[Field.MEASURED_TAG_1 + 2 * index], row[Field.MEASURED_S_1 + 2 * index] = tag, seconds
+        self._measured.clear()
+        row[Field.FAULT] = self._local_fault
+        row[Field.NUM_TAKEN] = self.lending.num_taken
+        row[Field.MOVES_DIGEST] = self.lending.moves_digest
+        row[Field.LENDING_OK] = self.integrity_error is None
+        agreed = ranks.exchange(row)
+        self.last_agreement = agreed
+        if ranks.leader:
+            for tag, seconds in self._slowest.add(agreed.measurements):
+                self.control.after_step(tag, seconds)
+        elif agreed.level >= 0:
+            self.control.apply_decision(agreed.level, agreed.run)
+        self._apply_agreement(agreed)
+        return agreed.tag, agreed.lend_tick
+
+    def _apply_agreement(self, agreed) -> None:
+        host = self.trainer_host
+        if agreed.operator is not OperatorCode.NONE and not self.ranks.leader and host is not None:
+            if agreed.operator is OperatorCode.PAUSE:
+                host.operator_pause()
+            elif agreed.operator is OperatorCode.RESUME:
+                host.operator_resume()
+            elif agreed.operator is OperatorCode.STOP:
+                self._operator_stopped = True
+                host.operator_stop()
+        if agreed.lending_request is LendingRequest.RETURN:
+            self.lending.return_all()
+        elif agreed.lending_request is LendingRequest.RESUME and not self._operator_stopped \
+                and self.ranks_stopped_why is None:
+            self.lending.resume_lending()
+        if agreed.faulted_ranks and not self._ranks_fault_handled:
+            self._ranks_fault_handled = True
+            ranks = ", ".join(map(str, agreed.faulted_ranks))
+            if self.trainer_tp is not None:
+                self.trainer_tp.abort(f"the trainer of rank {ranks} faulted")
+            if self.metrics is not None and self.ranks.leader:
+                self.metrics.trainer_fault()
+            self.lending.reclaim_all()  # every rank here, at once: the same chunks come back everywhere
+            logger.info("trainer fault on rank %s handled: %d KV chunks lent now, decode has every SM", ranks,
+                        self.lending.num_lent)
+        broken = agreed.lending_broken_ranks
+        if (broken or agreed.diverged) and self.ranks_stopped_why is None:
+            # Nothing is reclaimed: with a rank's bookkeeping in doubt, putting slots back
+            # could hand SGLang a slot twice (as on one rank: _check_kv_integrity).
+            self.ranks_stopped_why = (f"the KV integrity check failed on rank {', '.join(map(str, broken))}" if broken
+                                      else f"the ranks' lent chunks differ (counts {agreed.taken_by_rank}, "
+                                           f"digests {agreed.digests_by_rank})")
+            self.lending.enabled = False
+            if host is not None:
+                host.operator_stop()
+            if self.trainer_tp is not None:
+                self.trainer_tp.abort(self.ranks_stopped_why)
+            logger.error("lending and the trainer are stopped on every rank, serving goes on: %s",
+                         self.ranks_stopped_why)
 
     # -- between steps ------------------------------------------------------------------
     def on_idle(self) -> None:
@@ -143,8 +247,12 @@ class Colocation:
         self._feed_back()
         if not self.timer.outstanding:
             self.control.forget_unmeasured()  # steps whose measurement was lost: not waited for
-        self.control.on_idle()
-        self.lending.maybe_lend()
+        if self.ranks is None:
+            self.control.on_idle()
+            self.lending.maybe_lend()
+        else:
+            _, lend_tick = self._agree(None)
+            self.lending.maybe_lend(tick=lend_tick)
         self._check_kv_integrity()
         self.maybe_refit()
         self._collect_young_garbage()
@@ -204,7 +312,11 @@ class Colocation:
 
     # -- faults and signals ---------------------------------------------------------------
     def _on_trainer_fault(self, exc: BaseException) -> None:
-        """Trainer thread: flag the fault for the engine thread (``_attend``)."""
+        """Trainer thread: flag the fault for the engine thread (``_attend``; tensor-parallel:
+        the next exchange, where every rank handles it)."""
+        if self.ranks is not None:
+            self._local_fault = True
+            return
         self._fault_pending = True
         self._attention = True
 
@@ -229,6 +341,9 @@ class Colocation:
         if state in ended or (self._operator_stopped and action != "stop"):
             return 409, {"error": f"the trainer has {'been stopped' if self._operator_stopped else state.value}: "
                                   f"nothing to {action}", "trainer": state.value}
+        if self.ranks is not None:
+            self._operator_out = {"pause": OperatorCode.PAUSE, "resume": OperatorCode.RESUME,
+                                  "stop": OperatorCode.STOP}.get(action, OperatorCode.NONE)
         if action == "pause":
             host.operator_pause()
             release = self.config.memory.release_on_pause
@@ -249,6 +364,9 @@ class Colocation:
         raise ValueError(f"unknown operator action {action!r}")
 
     def _request_lending(self, request: str) -> None:
+        if self.ranks is not None:  # rank 0's endpoint: every rank moves memory at the next exchange
+            self._lending_out = LendingRequest.RETURN if request == "return" else LendingRequest.RESUME
+            return
         self._lending_request = request
         self.request_attention()
 

@@ -89,6 +89,7 @@ class StepController:
         self._recent_steps: collections.deque[StepRecord] = collections.deque(maxlen=8192)
         self.num_recorded = 0  # sequence number of the newest record in recent_steps
         self.level = self.levels[self.whole_index]
+        self.applied = (self.whole_index, False)  # (level index, trainer runs) last applied
         self.num_steps = 0
         self.last_decision = None  # the QoS decision of the latest before_step
         self._last_decision_step = -1
@@ -124,6 +125,7 @@ class StepController:
         self.level = self.partitioner.select(index)
         if self.trainer is not None:
             self.trainer.apply(run, self.level.trainer_stream)
+        self.applied = (index, run)
         self.last_decision = decision
         self._last_decision_step = decision.step
         if len(self._pending) == self.MAX_UNMEASURED:
@@ -214,3 +216,13 @@ class StepController:
             return
         self.level = self.partitioner.select(best)
         self.trainer.apply(True, self.level.trainer_stream)
+        self.applied = (best, True)
+
+    def apply_decision(self, index: int, run: bool) -> None:
+        """A tensor-parallel rank other than 0: apply rank 0's decision (harvest.colocate.rank_sync)."""
+        if (index, run) == self.applied:
+            return
+        self.level = self.partitioner.select(index)
+        if self.trainer is not None:
+            self.trainer.apply(run, self.level.trainer_stream)
+        self.applied = (index, run)

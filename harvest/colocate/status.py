@@ -103,4 +103,21 @@ class StatusReporter:
             "decode_cpu_threads": colo.decode_cpu_threads,
             "trainer_nice": config.trainer.nice,
             "idle_gc_collections": colo.idle_gc_collections,
+            "tensor_parallel": _tensor_parallel(colo),
         }
+
+
+def _tensor_parallel(colo) -> dict | None:
+    """The ranks' step agreement (harvest.colocate.rank_sync), as rank 0 last saw it."""
+    ranks = colo.ranks
+    if ranks is None:
+        return None
+    agreed = colo.last_agreement
+    return {
+        "size": ranks.size, "rank": ranks.rank, "exchanges": ranks.exchanges,
+        "exchange_ms_mean": round(1e3 * ranks.exchange_s / ranks.exchanges, 3) if ranks.exchanges else None,
+        "chunks_taken_by_rank": list(agreed.taken_by_rank) if agreed is not None else None,
+        "moves_digest_by_rank": list(agreed.digests_by_rank) if agreed is not None else None,
+        "stopped": colo.ranks_stopped_why,
+        "trainer_agree_wait_s": round(colo.trainer_tp.waited_s, 3) if colo.trainer_tp is not None else None,
+    }

@@ -77,7 +77,8 @@ class _FaultInjectingGate:
 class TrainerHost:
     def __init__(self, job_paths: list[Path], *, build: Callable, on_fault: Callable[[BaseException], None] | None = None,
                  on_unit: Callable[[object], None] | None = None, switch_interval_s: float = CO_LOCATED_SWITCH_INTERVAL_S,
-                 cpu_threads: int = DEFAULT_TRAINER_CPU_THREADS, nice: int = DEFAULT_TRAINER_NICE):
+                 cpu_threads: int = DEFAULT_TRAINER_CPU_THREADS, nice: int = DEFAULT_TRAINER_NICE,
+                 tp_rank: int = 0):
         """``build(job_path) -> LayerSplitTrainer`` runs on the trainer thread (loading a
         model and dataset takes seconds; start-up of the server does not wait for it).
         ``on_unit(record)`` runs on the trainer thread after every unit: background work
@@ -91,6 +92,7 @@ class TrainerHost:
         self._switch_interval_s = switch_interval_s
         self.cpu_threads = cpu_threads
         self.nice = nice
+        self.tp_rank = tp_rank  # this process's tensor-parallel rank (0 without tensor parallelism)
         self._threads_limited = threading.Event()
         self.gate = Gate()
         self.gate.pause()  # the scheduler opens it with its first decision
@@ -157,6 +159,8 @@ class TrainerHost:
                     self._state = TrainerState.RUNNING
                 logger.info("trainer started job %s (%d steps)", path, trainer.total_steps)
                 fault_after = config_env.fault_after_units()
+                if config_env.fault_rank() not in (None, self.tp_rank):
+                    fault_after = None
                 gate = self.gate if fault_after is None else _FaultInjectingGate(self.gate, fault_after)
                 outcome = trainer.run(gate, on_unit=self.on_unit)
                 logger.info("trainer job %s %s at step %d", path, outcome, trainer.global_step)

@@ -112,6 +112,13 @@ class KvLendingController:
         self.num_integrity_checks = 0
         self._last_lend = 0.0
         self._last_integrity_check = -math.inf
+        # harvest.colocate.rank_sync.RankSync on a tensor-parallel instance: every rank's
+        # free lists change only together (the same chunks, at the same point of the
+        # scheduler loop), as SGLang's ranks need them equal. None: one rank.
+        self.ranks = None
+        # Which chunks left and rejoined SGLang's free lists, in order, as one number:
+        # tensor-parallel ranks compare it (harvest.colocate.rank_sync).
+        self.moves_digest = 0
         # Allocation takes the lowest free slots only if frees are merged and sorted.
         token_allocator.need_sort = True
         setattr(token_allocator, LENDING_ATTR, self)
@@ -157,13 +164,21 @@ class KvLendingController:
         if count or self._wanted_back:
             self.reclaim(count, wait=False)  # count 0 withdraws a request no longer needed
 
-    def maybe_lend(self, force: bool = False) -> None:
+    def lend_due(self) -> bool:
+        """Whether ``lend_interval_s`` has passed since lending was last looked at."""
+        return self.enabled and time.monotonic() - self._last_lend >= self.lend_interval_s
+
+    def maybe_lend(self, force: bool = False, tick: bool | None = None) -> None:
         """Finish the lends whose fences have passed (every call), then, at most every
-        ``lend_interval_s``, lend or reclaim as the policy says."""
+        ``lend_interval_s``, lend or reclaim as the policy says. ``tick``: tensor-parallel
+        ranks look when rank 0's clock says (the agreement's), not their own."""
         if self._lending and self.enabled and not self.returning:
             self.finish_lends()
         now = time.monotonic()
-        if not self.enabled or (not force and now - self._last_lend < self.lend_interval_s):
+        if tick is not None:
+            if not (tick and self.enabled):
+                return
+        elif not self.enabled or (not force and now - self._last_lend < self.lend_interval_s):
             return
         self._last_lend = now
         if self.returning:
@@ -212,10 +227,12 @@ class KvLendingController:
         if int(taken.sum()) != len(chunks) * self.tokens_per_chunk:
             raise RuntimeError(f"lend {chunks}: not every slot of these chunks is free (SGLang state changed under us)")
         self.tokens.free_pages = ids[~taken]
+        self._record_moves(chunks, 1)
         try:
             lent_now = self.allocator.lend(chunks, wait=False)
         except Exception:
             self.tokens.free_pages = ids  # nothing lent: the slots are SGLang's again
+            self._record_moves(chunks, 2)
             raise
         if lent_now:
             self._lent_now(chunks)
@@ -266,7 +283,12 @@ class KvLendingController:
         self.num_lends_cancelled_total += len(chosen)
         return chosen
 
+    def _record_moves(self, chunks, direction: int) -> None:
+        for chunk in chunks:
+            self.moves_digest = (self.moves_digest * 31 + (chunk + 1) * direction) % 2147483647
+
     def _release_slots(self, chunks) -> None:
+        self._record_moves(chunks, 2)
         slots = torch.cat([torch.arange(c * self.tokens_per_chunk, (c + 1) * self.tokens_per_chunk, dtype=torch.int64)
                            for c in chunks])
         slots = slots.to(self.tokens.free_pages.device)
@@ -283,6 +305,8 @@ class KvLendingController:
         ``urgent_wait_s``; ``wait=False`` never waits for the trainer: a later call takes
         the chunks. (The allocator's reclaim itself waits on its fences: the trainer's
         frees and decode's queued work, before it unmaps.)"""
+        if self.ranks is not None:
+            return self._reclaim_agreed(count, wait)
         started = time.perf_counter()
         cancelled = self._cancel_lends(count)
         count = min(count - len(cancelled), self._num_lent)
@@ -308,6 +332,69 @@ class KvLendingController:
         self._publish(count - len(chosen))
         return cancelled + chosen
 
+    AGREED_ROUND_S = 0.05  # tensor-parallel urgent reclaim: the ranks compare notes this often
+
+    def _reclaim_agreed(self, count: int, wait: bool) -> list[int]:
+        """Tensor-parallel :meth:`reclaim` (every rank calls it at the same point with the
+        same ``count``): the chunks every rank can give back now (a pending lend, or a lent
+        chunk no trainer buffer uses) come back on every rank, lowest first. ``wait``: until
+        ``urgent_wait_s``, rounds of asking the trainer and comparing again; every rank
+        sees the same agreed masks, so every rank ends after the same round."""
+        started = time.perf_counter()
+        count = min(count, self.num_taken)
+        if count <= 0:
+            self._publish(0)
+            return []
+        rounds = max(1, math.ceil(self.urgent_wait_s / self.AGREED_ROUND_S)) if wait else 1
+        chosen: list[int] = []
+        for round_number in range(rounds):
+            returnable = torch.zeros(self.policy.num_chunks, dtype=torch.bool)
+            mine = list(self._lending) + list(self.allocator.reclaimable_chunks())
+            if mine:
+                returnable[torch.tensor(mine, dtype=torch.int64)] = True
+            agreed = self.ranks.all_of(returnable)
+            if chosen:
+                agreed[torch.tensor(chosen, dtype=torch.int64)] = False
+            now = agreed.nonzero().flatten().tolist()[: count - len(chosen)]
+            self._give_back(now)
+            chosen += now
+            if len(chosen) >= count or round_number == rounds - 1:
+                break
+            generation = self._publish(count - len(chosen))
+            if self.budget.followed:
+                self.budget.wait_acknowledged(generation, self.AGREED_ROUND_S)
+            else:
+                time.sleep(self.AGREED_ROUND_S)
+        if wait and len(chosen) < count:
+            logger.warning("the trainers did not give lent KV memory back on every rank within %.1f s; %d chunk(s) "
+                           "short", self.urgent_wait_s, count - len(chosen))
+        if chosen:
+            elapsed = time.perf_counter() - started
+            self.reclaim_s_total += elapsed
+            if self.metrics is not None:
+                self.metrics.reclaimed(elapsed / len(chosen), len(chosen))
+        self._publish(count - len(chosen))
+        return chosen
+
+    def _give_back(self, chunks: list[int]) -> None:
+        """Chunks agreed to come back: a pending lend here is cancelled, a lent one reclaimed;
+        either way their slots rejoin SGLang's free lists."""
+        if not chunks:
+            return
+        cancels = [c for c in chunks if c in self._lending]
+        reclaims = [c for c in chunks if c not in self._lending]
+        if cancels:
+            self.allocator.cancel_lends(cancels)
+            self._lending.difference_update(cancels)
+            self.num_lends_cancelled_total += len(cancels)
+        if reclaims:
+            self.allocator.reclaim(reclaims)
+            for c in reclaims:
+                self._lent[c] = False
+            self._num_lent -= len(reclaims)
+            self.num_reclaimed_total += len(reclaims)
+        self._release_slots(chunks)
+
     def return_all(self) -> None:
         """Operator pause or stop: lend nothing more, and take every chunk back as the
         trainer lets go of it. Pending lends and unused lent chunks come back now; the
@@ -328,6 +415,13 @@ class KvLendingController:
         """Every lent chunk back, lending off (a trainer fault). A trainer that left its
         loop has released its window; one still running is asked and waited for."""
         self.enabled = False
+        if self.ranks is not None:
+            while self.num_taken:  # equal on every rank: every rank runs the same rounds
+                if not self.reclaim(self.num_taken):
+                    logger.error("could not reclaim %d lent KV chunks on every rank (a trainer still holds them)",
+                                 self.num_taken)
+                    break
+            return
         self._cancel_lends(len(self._lending))
         while self._num_lent:
             if not self.reclaim(self._num_lent):

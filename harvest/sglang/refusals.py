@@ -47,15 +47,17 @@ REFUSED_FLAGS = (
      "chunks (only the RDMA transfer backends can switch)"),
 )
 
-SGLANG_ATTRIBUTES = [f"{SERVER_ARGS}.{field}" for field, _, _ in REFUSED_FLAGS]
+SGLANG_ATTRIBUTES = [f"{SERVER_ARGS}.{field}" for field, _, _ in REFUSED_FLAGS] + [f"{SERVER_ARGS}.enable_dp_attention"]
 
 
 def problems(scheduler) -> list[str]:
     """Why harvest cannot run on this scheduler's server (empty: it can)."""
     server_args = scheduler.server_args
     found = []
-    if server_args.tp_size != 1 or server_args.pp_size != 1 or server_args.dp_size != 1:
-        found.append("harvest supports tp_size = pp_size = dp_size = 1 for now")
+    if server_args.pp_size != 1 or server_args.dp_size != 1:
+        found.append("harvest supports pp_size = dp_size = 1 (tensor parallelism only) for now")
+    if server_args.tp_size > 1:
+        found += tensor_parallel_problems(scheduler)
     if not scheduler.spec_algorithm.is_none():
         # A speculative step runs several forwards (draft, verify): harvest places and
         # times one forward per step.
@@ -65,6 +67,26 @@ def problems(scheduler) -> list[str]:
     for problem in (allocator_problem(token_allocator), kv_pool_problem(token_allocator.get_kvcache())):
         if problem is not None:
             found.append(problem)
+    return found
+
+
+def tensor_parallel_problems(scheduler) -> list[str]:
+    """What stops harvest on a tensor-parallel server: each rank trains on its own shard,
+    so the model must split evenly (a KV head replicated over ranks, as SGLang does when
+    there are fewer KV heads than ranks, is not a shard), and SGLang's attention must be
+    tensor-parallel too."""
+    from harvest.train.errors import JobError
+    from harvest.train.tensor_parallel import check_shardable
+
+    server_args = scheduler.server_args
+    found = []
+    if server_args.enable_dp_attention:
+        found.append("--enable-dp-attention: harvest supports plain tensor parallelism (attention split by heads); "
+                     "run without --enable-dp-attention")
+    try:
+        check_shardable(scheduler.model_config.hf_config, server_args.tp_size)
+    except JobError as exc:
+        found.append(f"--tp {server_args.tp_size}: {str(exc).removeprefix('model_name_or_path: ')}")
     return found
 
 

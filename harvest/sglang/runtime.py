@@ -75,7 +75,8 @@ class HarvestRuntime:
             from harvest.sglang.level_graphs import capture_level_graphs
 
             runtime.level_graphs = capture_level_graphs(scheduler.tp_worker.model_runner, colocation.partitioner.ladder)
-            runtime._start_control(config, server_args)
+            if colocation.ranks is None or colocation.ranks.leader:  # rank 0 speaks for the instance
+                runtime._start_control(config, server_args)
         except BaseException:
             colocation.partitioner.close()
             raise
@@ -88,8 +89,10 @@ class HarvestRuntime:
             colocation.attention_handlers.append(runtime._poll_shutdown_signal)
         atexit.register(runtime.close)
         lending = colocation.lending
-        logger.info("harvest co-location on %s: %s; KV %d chunks x %d tokens, reserve %d tokens; target TPOT %.1f ms; "
-                    "jobs: %s", scheduler.token_to_kv_pool_allocator.get_kvcache().device,
+        ranks = colocation.ranks
+        where = "" if ranks is None else f" (tensor-parallel rank {ranks.rank} of {ranks.size})"
+        logger.info("harvest co-location on %s%s: %s; KV %d chunks x %d tokens, reserve %d tokens; target TPOT %.1f ms; "
+                    "jobs: %s", scheduler.token_to_kv_pool_allocator.get_kvcache().device, where,
                     colocation.partitioner.description, lending.policy.num_chunks, lending.tokens_per_chunk,
                     lending.policy.reserve_tokens, config.qos.target_tpot_ms, ", ".join(map(str, config.jobs)) or "none")
         return runtime
@@ -216,18 +219,55 @@ def sglang_engine(scheduler, config):
     kv = KvPool(allocator=allocator, num_tokens=token_allocator.size,
                 max_batch_size=int(scheduler.max_running_requests), lending_controller=lending_controller,
                 engine_streams=engine_streams)
+    ranks, trainer_tp = tensor_parallel_groups(scheduler.server_args.tp_size, device)
     weight_source_for = None
     if config.share_served_weights:
         weight_source_for = _served_weights(model_path, scheduler.tp_worker.model_runner.model,
-                                            scheduler.model_config.hf_config)
+                                            scheduler.model_config.hf_config, 1 if ranks is None else ranks.size)
     return EngineAdapter(device=device, model_path=model_path,
                          model_dtype=str(scheduler.model_config.dtype).replace("torch.", ""), kv=kv,
-                         weight_source_for=weight_source_for, places_forward=True)
+                         weight_source_for=weight_source_for, places_forward=True, ranks=ranks,
+                         trainer_tp=trainer_tp)
 
 
-def _served_weights(served_path, model, hf_config):
-    """``weight_source_for(job)``: the served model's weights, as the trainer names them,
-    when the job's base model is the served checkpoint."""
+# The trainer's collectives wait at unit boundaries for as long as a peer's gate stays
+# closed (a busy decode server can keep it closed for minutes): its group must not time
+# out. (Its waits poll, and give up when the ranks' agreement says a peer faulted.)
+TRAINER_GROUP_TIMEOUT_DAYS = 30
+
+
+def tensor_parallel_groups(tp_size: int, device: str):
+    """(RankSync, TensorParallel) for this scheduler's rank, or (None, None) without tensor
+    parallelism. Two process groups of harvest's own over SGLang's TP ranks (every rank
+    creates them, in the same order, in Scheduler.__init__): gloo for the decode ranks'
+    step agreement, and the trainer's (gloo on a CPU, NCCL on GPUs), so that neither
+    interleaves with SGLang's collectives or the other's."""
+    if tp_size == 1:
+        return None, None
+    import datetime
+
+    import torch.distributed as dist
+
+    from harvest.colocate.rank_sync import RankSync
+    from harvest.train.tensor_parallel import TensorParallel
+
+    if not dist.is_initialized() or dist.get_world_size() != tp_size:
+        raise RuntimeError(f"harvest: expected SGLang's torch.distributed world to be its {tp_size} TP ranks "
+                           f"(found {dist.get_world_size() if dist.is_initialized() else 'none'})")
+    members = list(range(tp_size))
+    rank = dist.get_rank()
+    sync_group = dist.new_group(members, backend="gloo")
+    long = datetime.timedelta(days=TRAINER_GROUP_TIMEOUT_DAYS)
+    trainer_group = dist.new_group(members, backend="nccl" if device.startswith("cuda") else "gloo", timeout=long)
+    # On GPUs the trainer's unit-boundary agreement (host values) needs a gloo group of its own.
+    control_group = dist.new_group(members, backend="gloo", timeout=long) if device.startswith("cuda") else None
+    return (RankSync(rank, tp_size, sync_group),
+            TensorParallel(rank, tp_size, trainer_group, control_group=control_group))
+
+
+def _served_weights(served_path, model, hf_config, tp_size: int = 1):
+    """``weight_source_for(job)``: the served model's weights (this rank's shard), as the
+    trainer names them, when the job's base model is the served checkpoint."""
 
     def weight_source_for(job):
         from harvest.sglang.served_weights import same_checkpoint, served_weight_tensors
@@ -235,6 +275,6 @@ def _served_weights(served_path, model, hf_config):
 
         if not same_checkpoint(job.llamafactory_args["model_name_or_path"], served_path):
             return None
-        return SharedTensorWeightSource(served_weight_tensors(model, hf_config))
+        return SharedTensorWeightSource(served_weight_tensors(model, hf_config, tp_size))
 
     return weight_source_for

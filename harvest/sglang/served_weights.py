@@ -8,9 +8,12 @@ order, so row slices of the fused tensors are the HF tensors (views, no copy):
     qkv_proj   [q | k | v] rows   -> q_proj, k_proj, v_proj   (weight, and bias for Qwen2)
     gate_up_proj [gate | up] rows -> gate_proj, up_proj
 
-Every other parameter keeps its name. Only for tp_size 1 (unsharded weights); the trainer
-validates every tensor's shape and dtype before it starts and the runtime falls back to a
-host copy, with a warning naming the tensor, if anything differs.
+Every other parameter keeps its name. With tensor parallelism each rank holds its shard
+(its heads' rows of q/k/v, its part of the intermediate size, its columns of o/down, its
+rows of the padded vocabulary), which is exactly the shard the tensor-parallel trainer
+trains on (harvest.train.tensor_parallel): the fused rows split by the per-rank sizes.
+The trainer validates every tensor's shape and dtype before it starts and the runtime
+falls back to a host copy, with a warning naming the tensor, if anything differs.
 """
 
 from __future__ import annotations
@@ -25,12 +28,13 @@ def same_checkpoint(a: str | Path, b: str | Path) -> bool:
         return False
 
 
-def served_weight_tensors(model, hf_config) -> dict:
-    """HF state-dict names -> tensors of SGLang's ``model`` (views; nothing copied)."""
+def served_weight_tensors(model, hf_config, tp_size: int = 1) -> dict:
+    """HF state-dict names -> tensors of SGLang's ``model`` (this rank's shard with
+    ``tp_size`` ranks; views, nothing copied)."""
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
-    q_rows = hf_config.num_attention_heads * head_dim
-    kv_rows = hf_config.num_key_value_heads * head_dim
-    inter = hf_config.intermediate_size
+    q_rows = hf_config.num_attention_heads * head_dim // tp_size
+    kv_rows = hf_config.num_key_value_heads * head_dim // tp_size
+    inter = hf_config.intermediate_size // tp_size
     tensors = {}
     for name, param in model.named_parameters():
         tensor = param.detach()

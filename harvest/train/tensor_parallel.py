@@ -68,18 +68,24 @@ class Vote(enum.IntEnum):
 
 
 class TensorParallel:
-    """This process's place among the trainer's tensor-parallel ranks, and its collectives."""
+    """This process's place among the trainer's tensor-parallel ranks, and its collectives.
 
-    def __init__(self, rank: int, size: int, group: Any = None, *, poll: bool | None = None):
+    ``group``: the trainer's collectives on tensors of its device (gloo on a CPU, NCCL on
+    GPUs); ``control_group``: a gloo group for the agreements on host values (default:
+    ``group``, which must then be gloo)."""
+
+    def __init__(self, rank: int, size: int, group: Any = None, *, control_group: Any = None):
         self.rank = rank
         self.size = size
         self.group = group
+        self.control_group = group if control_group is None else control_group
         import torch.distributed as dist
 
         self._dist = dist
         backend = dist.get_backend(group) if size > 1 else "gloo"
         # A gloo wait blocks the calling thread; polled, it can give up when a peer is gone.
-        self.poll = (backend == "gloo") if poll is None else poll
+        # (An NCCL operation is queued on the stream; a peer's fault aborts the communicator.)
+        self.poll = backend == "gloo"
         self.aborted = threading.Event()
         self.abort_reason = ""
         self.waited_s = 0.0  # at unit boundaries, for a peer (its gate closed, its window short)
@@ -107,7 +113,13 @@ class TensorParallel:
         return torch.cat(parts, dim=dim)
 
     def max_float(self, value: float) -> float:
-        return float(self.all_reduce(torch.tensor([value], dtype=torch.float64), "max")[0])
+        """The ranks' largest ``value`` (a host number; on the control group)."""
+        if self.size == 1:
+            return value
+        tensor = torch.tensor([value], dtype=torch.float64)
+        self._wait(self._dist.all_reduce(tensor, self._dist.ReduceOp.MAX, group=self.control_group, async_op=True),
+                   poll=True)
+        return float(tensor[0])
 
     def agree(self, vote: Vote, while_waiting: Callable[[], None] | None = None) -> Vote:
         """The ranks' smallest vote (all ranks call this at the same unit boundary). While a
@@ -117,8 +129,8 @@ class TensorParallel:
             return vote
         started = time.perf_counter()
         tensor = torch.tensor([int(vote)], dtype=torch.int64)
-        self._wait(self._dist.all_reduce(tensor, self._dist.ReduceOp.MIN, group=self.group, async_op=True),
-                   while_waiting)
+        self._wait(self._dist.all_reduce(tensor, self._dist.ReduceOp.MIN, group=self.control_group, async_op=True),
+                   while_waiting, poll=True)
         self.waited_s += time.perf_counter() - started
         return Vote(int(tensor[0]))
 
@@ -135,10 +147,10 @@ class TensorParallel:
     _SLEEP_S = 0.0005
     _CALLBACK_S = 0.05
 
-    def _wait(self, work, while_waiting: Callable[[], None] | None = None) -> None:
+    def _wait(self, work, while_waiting: Callable[[], None] | None = None, poll: bool | None = None) -> None:
         if self.aborted.is_set():
             raise PeerTrainerFault(self.abort_reason)
-        if not self.poll:
+        if not (self.poll if poll is None else poll):
             work.wait()
             return
         started = last_callback = time.perf_counter()

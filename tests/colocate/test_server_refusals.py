@@ -20,18 +20,24 @@ POOL_TOKENS = 1024
 
 
 def _server_args(**changes):
-    defaults = dict(tp_size=1, pp_size=1, dp_size=1)
+    defaults = dict(tp_size=1, pp_size=1, dp_size=1, enable_dp_attention=False)
     defaults.update({field: (None if field == "radix_cache_backend" else False) for field, _, _ in refusals.REFUSED_FLAGS})
     defaults.update(changes)
     return types.SimpleNamespace(**defaults)
 
 
-def _scheduler(server_args=None, token_allocator=None, speculative=False):
+def _hf_config(heads=32, kv_heads=8):
+    return types.SimpleNamespace(num_attention_heads=heads, num_key_value_heads=kv_heads, intermediate_size=14336,
+                                 vocab_size=128256)
+
+
+def _scheduler(server_args=None, token_allocator=None, speculative=False, hf_config=None):
     pool = types.SimpleNamespace(post_capture_active=False)
     if token_allocator is None:
         token_allocator = TokenToKVPoolAllocator(POOL_TOKENS, torch.float32, "cpu", pool, need_sort=False)
     return types.SimpleNamespace(server_args=server_args or _server_args(), token_to_kv_pool_allocator=token_allocator,
-                                 spec_algorithm=types.SimpleNamespace(is_none=lambda: not speculative))
+                                 spec_algorithm=types.SimpleNamespace(is_none=lambda: not speculative),
+                                 model_config=types.SimpleNamespace(hf_config=hf_config or _hf_config()))
 
 
 def test_the_supported_configuration_is_refused_nothing():
@@ -70,9 +76,24 @@ def test_post_capture_kv_sizing_is_refused_naming_its_variable():
     assert "SGLANG_ENABLE_POST_CAPTURE_KV_SIZING" in found
 
 
+@pytest.mark.parametrize("tp_size", [2, 4, 8])
+def test_tensor_parallelism_runs_when_the_model_splits_evenly(tp_size):
+    assert refusals.problems(_scheduler(_server_args(tp_size=tp_size))) == []
+
+
+def test_tensor_parallelism_is_refused_where_sglang_would_replicate_kv_heads():
+    (found,) = refusals.problems(_scheduler(_server_args(tp_size=4), hf_config=_hf_config(kv_heads=2)))
+    assert found.startswith("--tp 4: 2 key/value heads do not split over 4")
+
+
+def test_dp_attention_is_refused_by_its_flag():
+    (found,) = refusals.problems(_scheduler(_server_args(tp_size=2, enable_dp_attention=True)))
+    assert found.startswith("--enable-dp-attention")
+
+
 def test_every_problem_is_reported_at_once():
-    found = refusals.problems(_scheduler(_server_args(tp_size=2, enable_hierarchical_cache=True), speculative=True))
-    assert len(found) == 3 and "tp_size" in found[0] and "speculative" in found[1]
+    found = refusals.problems(_scheduler(_server_args(pp_size=2, enable_hierarchical_cache=True), speculative=True))
+    assert len(found) == 3 and "pp_size" in found[0] and "speculative" in found[1]
     assert found[2].startswith("--enable-hierarchical-cache")
 
 

@@ -1,9 +1,11 @@
 """A LoRA job trained by the tensor-parallel trainer on N ranks against the same job on one.
 
-    python -m tests.train.tp_parity --tp 2 --device cpu [--fault-rank 1] --json
+    python -m tests.train.tp_parity --tp 2 --device cpu [--fault-rank 1] [--builder peft] --json
 
 Rank processes (torch.multiprocessing, gloo on CPU, NCCL on CUDA) each build the job
-through LlamaFactory and keep their shard; rank 0 writes the checkpoints and the final
+(through LlamaFactory; or, ``--builder peft``, as plain PEFT over harvest's tiny Llama
+with synthetic tokens, for machines without LlamaFactory such as the GPU one) and keep
+their shard; rank 0 writes the checkpoints and the final
 adapter, which must equal the tp = 1 run's (loss per step and adapter tensors, 1e-5).
 With ``--fault-rank R`` rank R's trainer raises after a few units and every other rank's
 trainer must leave with PeerTrainerFault (told by a shared event, as the runtime's step
@@ -26,20 +28,58 @@ from pathlib import Path
 FAULT_AFTER_UNITS = 7
 
 
-def _job(model_path, output_dir, device: str, **overrides) -> dict:
+def _job(model_path, output_dir, device: str, steps: int = 4, **overrides) -> dict:
     from tests.train.trainer_helpers import job_dict
 
+    job_file = os.environ.get("HARVEST_TP_PARITY_JOB")  # a job file of one's own instead
+    if job_file:
+        import yaml
+
+        job = yaml.safe_load(Path(job_file).read_text())
+        job.update(output_dir=str(output_dir), max_steps=steps, save_steps=steps)
+        job.setdefault("harvest", {})["device"] = device
+        return job
     return job_dict(model_path, output_dir, max_grad_norm=0.05, harvest={"micro_batch_size": 2, "device": device},
-                    **overrides)
+                    max_steps=steps, save_steps=steps, **overrides)
 
 
-def _train(job: dict, tp=None, gate=None) -> tuple:
+def _peft_trainer(job: dict, tp=None):
+    """The job's shape without LlamaFactory: harvest's tiny Llama with PEFT LoRA on every
+    projection, synthetic tokens, the same optimizer settings."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from harvest.train.build import TrainerSettings, assemble_trainer
+    from harvest.train.job import HarvestOptions
+
+    torch.manual_seed(job["seed"])  # LoRA A's initial values: the same in every process, as LlamaFactory seeds
+    model = AutoModelForCausalLM.from_pretrained(job["model_name_or_path"], dtype=torch.float32)
+    model.requires_grad_(False)
+    lora = LoraConfig(r=job["lora_rank"], lora_alpha=job["lora_alpha"], lora_dropout=0.0, task_type="CAUSAL_LM",
+                      target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    peft_model = get_peft_model(model, lora)
+    batch = job["per_device_train_batch_size"] * job["gradient_accumulation_steps"]
+    tokens = torch.randint(5, 400, (batch * job["max_steps"], 48), generator=torch.Generator().manual_seed(1))
+    dataset = [{"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids} for ids in tokens]
+
+    def collate(features):
+        return {key: torch.stack([f[key] for f in features]) for key in ("input_ids", "attention_mask", "labels")}
+
+    settings = TrainerSettings(samples_per_step=batch, learning_rate=job["learning_rate"], seed=job["seed"],
+                               max_steps=job["max_steps"], max_grad_norm=job["max_grad_norm"],
+                               output_dir=Path(job["output_dir"]))
+    options = HarvestOptions(micro_batch_size=job["harvest"]["micro_batch_size"], device=job["harvest"]["device"])
+    return assemble_trainer(peft_model, dataset, collate, settings, options, device=job["harvest"]["device"], tp=tp)
+
+
+def _train(job: dict, tp=None, gate=None, builder: str = "llamafactory") -> tuple:
     from harvest.train.build import build_trainer
     from harvest.train.gate import Gate
     from harvest.train.job import load_job
     from tests.train.trainer_helpers import randomize_lora_b
 
-    trainer = build_trainer(load_job(job), tp=tp)
+    trainer = build_trainer(load_job(job), tp=tp) if builder == "llamafactory" else _peft_trainer(job, tp)
     # LoRA B starts at zero (every LoRA A gradient would be zero): the same values on every
     # rank, drawn whole and split.
     with trainer._whole():
@@ -52,7 +92,7 @@ def _train(job: dict, tp=None, gate=None) -> tuple:
 
 
 def _rank_main(rank: int, size: int, port: int, model_path: str, output_dir: str, device: str, fault_rank: int,
-               result_dir: str, fault_event) -> None:
+               result_dir: str, fault_event, builder: str, steps: int) -> None:
     import datetime
 
     import torch.distributed as dist
@@ -70,7 +110,8 @@ def _rank_main(rank: int, size: int, port: int, model_path: str, output_dir: str
     dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=size,
                             timeout=datetime.timedelta(minutes=5))
     group = dist.new_group(list(range(size)), backend="nccl" if cuda else "gloo")
-    tp = TensorParallel(rank, size, group)
+    control = dist.new_group(list(range(size)), backend="gloo") if cuda else None
+    tp = TensorParallel(rank, size, group, control_group=control)
     rank_device = f"cuda:{rank}" if cuda else "cpu"
     result = {"rank": rank}
     gate = Gate()
@@ -82,7 +123,7 @@ def _rank_main(rank: int, size: int, port: int, model_path: str, output_dir: str
             tp.abort(f"rank {fault_rank}'s trainer faulted")
         threading.Thread(target=watch, daemon=True).start()
     try:
-        trainer, entries, seconds = _train(_job(model_path, output_dir, rank_device), tp, gate)
+        trainer, entries, seconds = _train(_job(model_path, output_dir, rank_device, steps), tp, gate, builder)
         result.update(outcome="finished", losses=[e["loss"] for e in entries],
                       grad_norms=[e["grad_norm"] for e in entries], seconds=seconds, agree_wait_s=tp.waited_s)
     except PeerTrainerFault as exc:
@@ -109,18 +150,26 @@ def _adapter(path: Path) -> dict:
     return load_file(str(path / "adapter_model.safetensors"))
 
 
-def check(tp: int, device: str = "cpu", fault_rank: int = -1, work_dir: Path | None = None) -> dict:
+def default_builder() -> str:
+    import importlib.util
+
+    return "llamafactory" if importlib.util.find_spec("llamafactory") is not None else "peft"
+
+
+def check(tp: int, device: str = "cpu", fault_rank: int = -1, work_dir: Path | None = None,
+          builder: str | None = None, steps: int = 4) -> dict:
     """Train on ``tp`` ranks and on one; return the comparison (and timings)."""
+    builder = builder or default_builder()
     import torch.multiprocessing as mp
 
     from harvest.tiny_model import TINY_LLAMA, ensure_tiny_model
 
     model_path = ensure_tiny_model(TINY_LLAMA)
     work = Path(work_dir or tempfile.mkdtemp(prefix="harvest-tp-"))
-    report: dict = {"tp": tp, "device": device}
+    report: dict = {"tp": tp, "device": device, "builder": builder}
     if fault_rank < 0:
         ref_device = "cuda:0" if device.startswith("cuda") else "cpu"
-        _, ref_entries, ref_s = _train(_job(model_path, work / "tp1", ref_device))
+        _, ref_entries, ref_s = _train(_job(model_path, work / "tp1", ref_device, steps), builder=builder)
         report["tp1_losses"] = [e["loss"] for e in ref_entries]
         report["tp1_seconds"] = round(ref_s, 3)
     results = work / "results"
@@ -129,7 +178,7 @@ def check(tp: int, device: str = "cpu", fault_rank: int = -1, work_dir: Path | N
     fault_event = context.Event()
     port = _free_port()
     procs = [context.Process(target=_rank_main, args=(r, tp, port, str(model_path), str(work / f"tp{tp}"), device,
-                                                     fault_rank, str(results), fault_event))
+                                                     fault_rank, str(results), fault_event, builder, steps))
              for r in range(tp)]
     for proc in procs:
         proc.start()
@@ -164,9 +213,21 @@ def main(argv=None) -> int:
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--fault-rank", type=int, default=-1)
+    parser.add_argument("--builder", choices=["llamafactory", "peft"], default=None,
+                        help="how each rank builds the job (default: llamafactory when installed)")
+    parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
-    report = check(args.tp, args.device, args.fault_rank)
+    if args.device.startswith("cuda"):
+        import torch
+
+        found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if found < args.tp:
+            # The tp = 2 part of the GPU validation on a one-GPU machine: nothing to measure.
+            print(json.dumps({"tp": args.tp, "device": args.device,
+                              "skipped": f"needs {args.tp} GPUs (one per rank), this machine has {found}"}))
+            return 0
+    report = check(args.tp, args.device, args.fault_rank, builder=args.builder, steps=args.steps)
     print(json.dumps(report) if args.json else json.dumps(report, indent=2))
     if args.fault_rank >= 0:
         others = [o for r, o in report["outcomes"].items() if int(r) != args.fault_rank]
