@@ -21,10 +21,11 @@ pytestmark = pytest.mark.timeout(600)
 
 
 @pytest.mark.slow
-def test_two_ranks_train_as_one(tmp_path):
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_two_ranks_train_as_one(family, tmp_path):
     from tests.train.tp_parity import check
 
-    report = check(2, "cpu", work_dir=tmp_path)
+    report = check(2, "cpu", work_dir=tmp_path, family=family)
     assert report["outcomes"] == {"0": "finished", "1": "finished"}, report
     assert len(report["tp_losses"]) == len(report["tp1_losses"]) == 4
     assert report["ranks_agree_on_losses"]

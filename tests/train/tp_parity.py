@@ -157,16 +157,17 @@ def default_builder() -> str:
 
 
 def check(tp: int, device: str = "cpu", fault_rank: int = -1, work_dir: Path | None = None,
-          builder: str | None = None, steps: int = 4) -> dict:
-    """Train on ``tp`` ranks and on one; return the comparison (and timings)."""
+          builder: str | None = None, steps: int = 4, family: str = "llama") -> dict:
+    """Train on ``tp`` ranks and on one; return the comparison (and timings). ``family``:
+    harvest's tiny "llama" or "qwen2" (q/k/v biases, split with their rows)."""
     builder = builder or default_builder()
     import torch.multiprocessing as mp
 
-    from harvest.tiny_model import TINY_LLAMA, ensure_tiny_model
+    from harvest.tiny_model import TINY_LLAMA, TINY_QWEN2, ensure_tiny_model
 
-    model_path = ensure_tiny_model(TINY_LLAMA)
+    model_path = ensure_tiny_model({"llama": TINY_LLAMA, "qwen2": TINY_QWEN2}[family])
     work = Path(work_dir or tempfile.mkdtemp(prefix="harvest-tp-"))
-    report: dict = {"tp": tp, "device": device, "builder": builder}
+    report: dict = {"tp": tp, "device": device, "builder": builder, "family": family}
     if fault_rank < 0:
         ref_device = "cuda:0" if device.startswith("cuda") else "cpu"
         _, ref_entries, ref_s = _train(_job(model_path, work / "tp1", ref_device, steps), builder=builder)
@@ -216,6 +217,7 @@ def main(argv=None) -> int:
     parser.add_argument("--builder", choices=["llamafactory", "peft"], default=None,
                         help="how each rank builds the job (default: llamafactory when installed)")
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--family", choices=["llama", "qwen2"], default="llama")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     if args.device.startswith("cuda"):
@@ -227,7 +229,8 @@ def main(argv=None) -> int:
             print(json.dumps({"tp": args.tp, "device": args.device,
                               "skipped": f"needs {args.tp} GPUs (one per rank), this machine has {found}"}))
             return 0
-    report = check(args.tp, args.device, args.fault_rank, builder=args.builder, steps=args.steps)
+    report = check(args.tp, args.device, args.fault_rank, builder=args.builder, steps=args.steps,
+                   family=args.family)
     print(json.dumps(report) if args.json else json.dumps(report, indent=2))
     if args.fault_rank >= 0:
         others = [o for r, o in report["outcomes"].items() if int(r) != args.fault_rank]
