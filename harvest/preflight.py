@@ -16,9 +16,10 @@ the file and the field, instead of a scheduler traceback once the model has load
   start-up there (ControlEndpointError, naming the setting too);
 - :func:`check_profile`: the profile's content, through the loader the scheduler uses
   (``Profile.load``: every field, named by its JSON path; a directory or an unreadable
-  file is an error too); and, when the served checkpoint is a local directory and
-  ``allow_profile_mismatch`` is off, that the profile was measured for this model
-  (:func:`harvest.predict.compat.model_mismatch`);
+  file is an error too); and, when ``allow_profile_mismatch`` is off, that the profile was
+  measured at the server's tensor-parallel degree when that is known
+  (:func:`harvest.predict.compat.tp_mismatch`) and for this model when the served
+  checkpoint is a local directory (:func:`harvest.predict.compat.model_mismatch`);
 - :func:`check_job_files`: every ``jobs[]`` file as ``harvest train --check`` checks it
   (:func:`harvest.train.plan.check_job`: every key's fate, LlamaFactory's argument parser,
   model, tokenizer, template against the vocabulary, datasets, the checkpoint a run
@@ -60,6 +61,7 @@ class LaunchInputs:
     config: HarvestConfig
     model_path: str | None = None
     sglang_host: str | None = None  # SGLang's --host, the endpoint's default host
+    tp_size: int | None = None  # SGLang's --tp-size (alias --tp)
 
 
 def check_profile(inputs: LaunchInputs) -> None:
@@ -72,7 +74,17 @@ def check_profile(inputs: LaunchInputs) -> None:
         profile = Profile.load(config.profile)
     except ProfileError as exc:  # names the profile file and the JSON path
         raise PreflightError(f"{where(config.source)}profile: {exc}") from None
-    if config.allow_profile_mismatch or inputs.model_path is None:
+    if config.allow_profile_mismatch:
+        return
+    if inputs.tp_size is not None:
+        from harvest.predict.compat import tp_mismatch
+
+        problem = tp_mismatch(profile, inputs.tp_size)
+        if problem is not None:
+            raise PreflightError(f"{where(config.source)}profile: {config.profile} was measured at another tensor-parallel "
+                                 f"degree ({problem}); run `harvest profile --tp {inputs.tp_size}`, or set "
+                                 "allow_profile_mismatch: true (predictions will be off)")
+    if inputs.model_path is None:
         return
     model_dir = Path(inputs.model_path).expanduser()
     if not (model_dir / "config.json").is_file():
@@ -144,19 +156,19 @@ def load_config(config_path: str | os.PathLike | None) -> HarvestConfig:
 
 
 def check(config_path: str | os.PathLike | None, *, model_path: str | None = None,
-          sglang_host: str | None = None) -> HarvestConfig:
+          sglang_host: str | None = None, tp_size: int | None = None) -> HarvestConfig:
     """Everything checkable before the model loads (module docstring); returns the config.
-    ``model_path``, ``sglang_host``: the served checkpoint and SGLang's --host, when the
-    caller knows them."""
+    ``model_path``, ``sglang_host``, ``tp_size``: the served checkpoint, SGLang's --host and
+    --tp-size, when the caller knows them."""
     config = load_config(config_path)
-    inputs = LaunchInputs(config, model_path, sglang_host)
+    inputs = LaunchInputs(config, model_path, sglang_host, tp_size)
     for run_check in CHECKS:
         run_check(inputs)
     return config
 
 
 def check_in_child(config_path: str | os.PathLike | None, *, model_path: str | None = None,
-                   sglang_host: str | None = None) -> None:
+                   sglang_host: str | None = None, tp_size: int | None = None) -> None:
     """:func:`check` in a child interpreter, for a process that must not start CUDA.
 
     The job check runs LlamaFactory's argument parser, whose TrainingArguments set up the
@@ -171,6 +183,8 @@ def check_in_child(config_path: str | os.PathLike | None, *, model_path: str | N
         command += ["--model-path", str(model_path)]
     if sglang_host is not None:
         command += ["--sglang-host", str(sglang_host)]
+    if tp_size is not None:
+        command += ["--tp-size", str(tp_size)]
     out = subprocess.run(command, capture_output=True, text=True, check=False)
     if out.returncode == 0:
         return
@@ -202,9 +216,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", default=None, help="harvest.yaml (default: built-in defaults)")
     parser.add_argument("--model-path", default=None, help="the served checkpoint")
     parser.add_argument("--sglang-host", default=None, help="SGLang's --host")
+    parser.add_argument("--tp-size", type=int, default=None, help="SGLang's --tp-size")
     args = parser.parse_args(argv)
     try:
-        check(args.config, model_path=args.model_path, sglang_host=args.sglang_host)
+        check(args.config, model_path=args.model_path, sglang_host=args.sglang_host, tp_size=args.tp_size)
     except PreflightError as exc:
         print(json.dumps({_REPORT_KEY: str(exc)}))
         return 2

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from harvest import cli, colocation_config, config_env
+from harvest import cli, colocation_config, config_env, preflight
 from harvest.preflight import PreflightError
 from harvest.sglang import launch, plugin
 
@@ -113,10 +113,10 @@ def _harvest_launch(monkeypatch, capsys, argv: list[str]) -> tuple[int, str, lis
     return rc, capsys.readouterr().err, execs
 
 
-def _plugin_hook(config: Path | None, model: Path | str):
+def _plugin_hook(config: Path | None, model: Path | str, **sglang_args):
     """SGLang's launcher parsing its arguments: the plugin's hook around from_cli_args."""
     args = argparse.Namespace(enable_harvest=True, harvest_config=None if config is None else str(config),
-                              model_path=str(model))
+                              model_path=str(model), **sglang_args)
     started = []
     plugin._from_cli_args(lambda cls, parsed: started.append(parsed) or "server args", object, args)
     return started
@@ -179,6 +179,36 @@ def test_a_profile_of_another_model_is_refused_unless_allowed(tiny_llama_path, s
                                                  str(tiny_llama_path)])[0] == 0
     _edit_yaml(config, allow_profile_mismatch=True)
     assert _harvest_launch(monkeypatch, capsys, ["--config", str(config), "--", "--model-path", str(other)])[0] == 0
+
+
+def _profile_at_tp(directory: Path, tp_size: int) -> Path:
+    """The committed CPU profile as if measured with `harvest profile --tp tp_size`."""
+    data = json.loads(colocation_config.CPU_PROFILE.read_text())
+    data["schema_version"] = 3
+    data["provenance"]["tp_size"] = tp_size
+    path = directory / f"tp{tp_size}.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_a_profile_of_another_tp_degree_is_refused_unless_allowed(tiny_llama_path, setup_dir, monkeypatch, capsys):
+    config = colocation_config.write(setup_dir, tiny_llama_path)
+    profile = _profile_at_tp(setup_dir, 2)
+    _edit_yaml(config, profile=str(profile), allow_profile_mismatch=False, jobs=[])
+    with pytest.raises(plugin.HarvestStartupError) as refused:
+        _plugin_hook(config, tiny_llama_path, tp_size=1)
+    assert str(refused.value) == (
+        f"harvest config {config}: profile: {profile} was measured at another tensor-parallel degree (TP degree: "
+        "profile measured at tp=2, running tp=1 (`harvest profile --tp 1` measures one)); run `harvest profile --tp 1`, "
+        "or set allow_profile_mismatch: true (predictions will be off)")
+    with pytest.raises(plugin.HarvestStartupError, match=r"profile measured at tp=2, running tp=1"):
+        _plugin_hook(config, tiny_llama_path)  # SGLang's parsed arguments always carry tp_size; absent, it is 1
+    assert _plugin_hook(config, tiny_llama_path, tp_size=2) != []
+    with pytest.raises(PreflightError, match=r"profile measured at tp=2, running tp=4"):
+        preflight.check(config, model_path=str(tiny_llama_path), tp_size=4)
+    preflight.check(config, model_path=str(tiny_llama_path))  # the degree unknown: not compared
+    _edit_yaml(config, allow_profile_mismatch=True)
+    assert _plugin_hook(config, tiny_llama_path, tp_size=1) != []
 
 
 def test_a_bad_harvest_yaml_field_names_the_file(tmp_path, monkeypatch, capsys):

@@ -1,7 +1,7 @@
 """Does a profile describe the GPU, model and ladder that are running now?
 
-A profile measured on another GPU, another model or another SM ladder predicts wrong
-latencies, and the scheduler would then break the QoS target or starve the trainer
+A profile measured on another GPU, another model, another SM ladder or another
+tensor-parallel degree predicts wrong latencies, and the scheduler would then break the QoS target or starve the trainer
 without any error. So loading for use checks the running identity and refuses on a
 mismatch, naming each differing field; ``allow_mismatch=True`` (the operator's explicit
 override) turns the refusal into a warning.
@@ -40,7 +40,7 @@ LATENCY_CONFIG_KEYS = (
 
 
 class ProfileMismatchError(ValueError):
-    """The profile was measured for another GPU, model or ladder than the running one."""
+    """The profile was measured for another GPU, model, ladder or TP degree than the running one."""
 
 
 def model_config_hash(config: dict) -> str:
@@ -70,6 +70,9 @@ class RuntimeIdentity:
     model_config_hash: str
     model_dtype: str
     ladder: Ladder
+    # Tensor-parallel ranks of the decode instance: each step's all-reduces, and each
+    # rank's share of the weights and KV, make a step's latency depend on it.
+    tp_size: int = 1
 
 
 def mismatches(profile: Profile, running: RuntimeIdentity) -> list[str]:
@@ -87,7 +90,19 @@ def mismatches(profile: Profile, running: RuntimeIdentity) -> list[str]:
         found.append(f"model dtype: profile {prov.model.dtype}, served {running.model_dtype}")
     if profile.ladder != running.ladder:
         found.append(f"SM ladder: profile has {profile.ladder.describe()}; running {running.ladder.describe()}")
+    tp = tp_mismatch(profile, running.tp_size)
+    if tp is not None:
+        found.append(tp)
     return found
+
+
+def tp_mismatch(profile: Profile, tp_size: int) -> str | None:
+    """How the profile's tensor-parallel degree differs from the running one, or None.
+    Needs only the server's ``--tp-size``: a launcher checks it before the model loads."""
+    measured = profile.provenance.tp_size
+    if measured == tp_size:
+        return None
+    return f"TP degree: profile measured at tp={measured}, running tp={tp_size} (`harvest profile --tp {tp_size}` measures one)"
 
 
 def model_mismatch(profile: Profile, model_config_hash: str) -> str | None:

@@ -16,6 +16,9 @@ that need no co-location model (``harvest replay``'s baselines).
 Bump SCHEMA_VERSION on any change a reader of the previous version would misread.
 Version 2 added the optional ``trainer`` section (the finetune workload's rate alone);
 version-1 files still load, with ``trainer`` None, and save back as version 1.
+Version 3 added ``provenance.tp_size`` (the tensor-parallel degree of the measured decode
+instance: a step's latency depends on it); version-1 and -2 files, all measured on one
+rank, load with ``tp_size`` 1 and save back without it.
 """
 
 from __future__ import annotations
@@ -33,8 +36,9 @@ from harvest.ladder import Ladder
 from harvest.predict.model import CoRunCoefficients, LatencyPredictor, ProfiledRange, SoloCoefficients
 
 SCHEMA_NAME = "harvest-latency-profile"
-SCHEMA_VERSION = 2
-READABLE_VERSIONS = (1, 2)  # version 1: no `trainer` section
+SCHEMA_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)  # version 1: no `trainer` section; versions 1 and 2: no `provenance.tp_size`
+FIRST_VERSION_WITH_TP_SIZE = 3
 STAGES = ("solo", "corun")
 # The largest CUDA-graph capture size a profile may name: SGLang captures a few hundred at
 # most, and BatchSizeBuckets builds a table this long.
@@ -104,10 +108,15 @@ class Provenance:
     measurement: MeasurementSettings
     created_utc: str
     command_line: str
+    # Tensor-parallel ranks of the measured decode instance (`harvest profile --tp`); the
+    # device fields describe rank 0's device, every rank has one like it.
+    tp_size: int = 1
 
     def __post_init__(self) -> None:
         if self.sm_count < 1:
             raise ValueError(f"sm_count={self.sm_count}: must be >= 1 (a CPU counts as 1)")
+        if self.tp_size < 1:
+            raise ValueError(f"tp_size={self.tp_size}: must be >= 1 (tensor-parallel ranks)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -263,9 +272,7 @@ class Profile:
     # -- I/O ----------------------------------------------------------------------------
     def to_dict(self) -> dict:
         data = {f.name: strict_json.to_jsonable(getattr(self, f.name)) for f in dataclasses.fields(self)}
-        if self.schema_version == 1:
-            del data["trainer"]  # version 1 has no such field: written back as read
-        return data
+        return _as_written_in_version(data, self.schema_version)
 
     def to_json(self) -> str:
         return strict_json.dumps(self.to_dict(), indent=1) + "\n"
@@ -372,9 +379,20 @@ def _parse(text: str):
         raise ProfileError("profile is not valid JSON: nested too deeply") from exc
 
 
+def _as_written_in_version(data: dict, version: int) -> dict:
+    """``data`` without the fields schema ``version`` does not have: a profile read from
+    an older version is written back as read."""
+    if version == 1:
+        del data["trainer"]
+    if version < FIRST_VERSION_WITH_TP_SIZE:
+        data["provenance"] = {k: v for k, v in data["provenance"].items() if k != "tp_size"}
+    return data
+
+
 def _readable(data) -> dict:
     """``data`` if it is a profile of a schema version this harvest reads (a version-1
-    profile given its ``trainer`` None), else a ProfileError."""
+    profile given its ``trainer`` None, a version-1 or -2 profile its ``provenance.tp_size``
+    1), else a ProfileError."""
     if not isinstance(data, dict):
         raise ProfileError(f"profile: expected a JSON object, got {type(data).__name__}")
     if data.get("schema") != SCHEMA_NAME:
@@ -389,6 +407,14 @@ def _readable(data) -> dict:
         if "trainer" in data:
             raise ProfileError("profile.trainer: not a field of schema version 1 (a version-2 profile with the wrong version?)")
         data = {**data, "trainer": None}
+    provenance = data.get("provenance")
+    if version < FIRST_VERSION_WITH_TP_SIZE and isinstance(provenance, dict):  # not an object: strict_json says so
+        if "tp_size" in provenance:
+            raise ProfileError(
+                f"profile.provenance.tp_size: not a field of schema version {version} "
+                f"(a version-{FIRST_VERSION_WITH_TP_SIZE} profile with the wrong version?)"
+            )
+        data = {**data, "provenance": {**provenance, "tp_size": 1}}  # measured on one rank: --tp came later
     return data
 
 
@@ -403,6 +429,12 @@ def _check_consistency(p: Profile) -> None:
 def _check_all_but_stage2(p: Profile | Stage1Profile) -> None:
     if p.schema != SCHEMA_NAME or p.schema_version not in READABLE_VERSIONS:
         raise ProfileError(f"profile: schema {p.schema!r} version {p.schema_version}, expected {SCHEMA_NAME!r} {READABLE_VERSIONS}")
+    if p.schema_version < FIRST_VERSION_WITH_TP_SIZE and p.provenance.tp_size != 1:
+        # Such a file cannot say its tp_size: saved, it would read back as tp 1.
+        raise ProfileError(
+            f"profile.provenance.tp_size={p.provenance.tp_size}: schema version {p.schema_version} has no tp_size "
+            f"(measured on one rank); a tensor-parallel profile is version {FIRST_VERSION_WITH_TP_SIZE} or later"
+        )
     if not isinstance(p.ladder, Ladder):
         raise ProfileError("profile.ladder: expected a Ladder")
     if p.trainer is not None:

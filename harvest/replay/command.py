@@ -55,10 +55,11 @@ def add_arguments(parser) -> None:
     g.add_argument("--seeds", type=_seeds, default=(0,), help="comma-separated seeds for rate scaling and noise; one replay per seed (default 0)")
     d = parser.add_argument_group("decode instance and policies")
     d.add_argument("--policies", type=_csv, default=None, help="comma-separated subset of harvest,separate,static,decode-only (default: all)")
+    d.add_argument("--tp", type=int, default=None, help="tensor-parallel ranks of the decode instance, one GPU each (default: the profile's tp_size, which must match: `harvest profile --tp N`); figures are per instance and per GPU")
     d.add_argument("--target-tpot-ms", type=float, default=40.0, help="TPOT QoS target in ms (default 40, as Harli)")
     d.add_argument("--scheduler", type=_key_value, action="append", default=[], metavar="KEY=VALUE", help="override a scheduler setting (SchedulerConfig field), repeatable")
     d.add_argument("--max-batch-size", type=int, default=256, help="most requests in a decode batch (default 256)")
-    d.add_argument("--kv-capacity-tokens", type=int, default=160_000, help="KV cache capacity in tokens (default 160000: Llama-3-8B bf16 on a 40 GB A100)")
+    d.add_argument("--kv-capacity-tokens", type=int, default=160_000, help="KV cache capacity of the decode instance (all its TP ranks) in tokens (default 160000: Llama-3-8B bf16 on a 40 GB A100)")
     d.add_argument("--kv-bytes-per-token", type=int, default=None, help="KV bytes per token, for GiB figures (default 131072: Llama-3-8B)")
     d.add_argument("--trainer-tokens-per-s", type=float, default=None, help="the finetune job's throughput alone on a whole GPU in tokens/s (default: the profile's measured trainer section, if it has one; else results are in whole-GPU trainer equivalents)")
     d.add_argument("--error-scale", type=float, default=1.0, help="true co-located latency = predicted x this (stage-2 error the scheduler does not know; default 1)")
@@ -124,12 +125,14 @@ def run(args) -> int:
             error_scale=args.error_scale,
             error_noise=args.error_noise,
             policies=args.policies or comparison.ALL_POLICIES,
+            tp_size=args.tp,
             **({} if args.kv_bytes_per_token is None else {"kv_bytes_per_token": args.kv_bytes_per_token}),
         )
         settings.check()
         if not args.no_plots:
             check_out_dir(args.out_dir)
         profile = resolve_profile(args.profile)
+        comparison.check_tp(profile, settings.tp_size)
         trainer = trainer_model.build(profile, args.trainer_tokens_per_s)
     except (ValueError, FileNotFoundError) as exc:  # ProfileError is a ValueError
         return _fail(str(exc))

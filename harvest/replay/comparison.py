@@ -35,6 +35,7 @@ class ReplaySettings:
     error_noise: float = 0.0
     kv_bytes_per_token: int = LLAMA3_8B_KV_BYTES_PER_TOKEN
     policies: tuple[str, ...] = ALL_POLICIES
+    tp_size: int | None = None  # the decode instance's tensor-parallel degree; None: the profile's
 
     def scheduler_config(self) -> SchedulerConfig:
         """The harvest policy's scheduler configuration (validated; ValueError names the key)."""
@@ -50,8 +51,25 @@ class ReplaySettings:
             raise ValueError(f"--target-tpot-ms={target!r}: must be a finite number of ms > 0, e.g. 40")
         if isinstance(self.kv_bytes_per_token, bool) or not isinstance(self.kv_bytes_per_token, int) or self.kv_bytes_per_token < 1:
             raise ValueError(f"--kv-bytes-per-token={self.kv_bytes_per_token!r}: must be an integer >= 1")
+        tp = self.tp_size
+        if tp is not None and (isinstance(tp, bool) or not isinstance(tp, int) or tp < 1):
+            raise ValueError(f"--tp={tp!r}: must be an integer >= 1 (tensor-parallel ranks of the decode instance)")
         self.scheduler_config()
         LatencyErrors(self.error_scale, self.error_noise)
+
+
+def check_tp(profile: ReplayProfile, tp_size: int | None) -> None:
+    """ValueError naming both degrees when the replay asks for another tensor-parallel
+    degree than the profile was measured at (``None``: the profile's, nothing to check).
+    A step's latency depends on it (all-reduces, each rank's share of the model), so a
+    profile describes one degree only."""
+    if tp_size is None or tp_size == profile.tp_size:
+        return
+    raise ValueError(
+        f"--tp {tp_size}: {profile.label} was measured at tp={profile.tp_size} (provenance.tp_size), and step "
+        f"latencies depend on the TP degree; replay it with --tp {profile.tp_size}, or give a profile measured with "
+        f"`harvest profile --tp {tp_size}`"
+    )
 
 
 def check_largest_step(profile: ReplayProfile, limits: DecodeLimits) -> None:
@@ -110,6 +128,7 @@ def run(
     """Replay ``requests`` through ``settings.policies``; refused policies are reported
     as such and the others still run."""
     settings.check()
+    check_tp(profile, settings.tp_size)
     check_largest_step(profile, settings.limits)
     built: dict[str, policy_mod.BasePolicy] = {}
     results: dict[str, PolicyResult] = {}
@@ -119,7 +138,7 @@ def run(
                 name, profile, trainer, LatencyErrors(settings.error_scale, settings.error_noise, seed), settings.scheduler_config()
             )
         except PolicyRefused as exc:
-            results[name] = PolicyResult(name, 2 if name == SEPARATE else 1, "", None, refused=str(exc))
+            results[name] = PolicyResult(name, policy_mod.num_gpus(name, profile.tp_size), "", None, refused=str(exc))
 
     runs: dict[str, DecodeRun] = {}
     wall: dict[str, float] = {}

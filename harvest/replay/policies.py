@@ -11,6 +11,11 @@ beside it?
   decides from the real predictor's per-level co-located predictions; the step is then
   charged its *true* latency and the controller observes it, as in serving.
 
+GPUs: a decode instance of tensor-parallel degree N (the profile's ``tp_size``) spans N
+GPUs, each rank on its own GPU on the same level as rank 0, so every policy's GPUs are
+per rank times N: ``separate`` pairs the N decode GPUs with N that train alone (equal
+GPU counts on both sides, as Harli compares), the others use the instance's N.
+
 The true latency is the profile's prediction for what ran, times ``error_scale`` when the
 trainer co-ran (a stage-2 error the scheduler's predictor does not know about) and times
 ``1 + N(0, error_noise)`` on every step (clamped at 0.1). With both at their defaults
@@ -57,12 +62,14 @@ class LatencyErrors:
 
 class BasePolicy(abc.ABC):
     """Contract: ``step(batch_size, sum_context)`` returns ``(true latency s, level index,
-    trainer share during the step)``; ``idle_share`` is the trainer's rate
-    while no decode step runs; ``dedicated_trainer_gpus`` GPUs train alone throughout."""
+    trainer share during the step)``, the share one GPU of the decode instance gives the
+    trainer; ``idle_share`` is that share while no decode step runs;
+    ``dedicated_trainer_gpus`` GPUs train alone throughout; ``num_gpus`` counts them and
+    the decode instance's (module doc)."""
 
     name: str
-    num_gpus = 1
-    dedicated_trainer_gpus = 0
+    gpus_per_rank = 1  # per tensor-parallel rank of the decode instance
+    dedicated_trainer_gpus_per_rank = 0
     kv_fraction = 1.0
     idle_share = 0.0
 
@@ -70,6 +77,14 @@ class BasePolicy(abc.ABC):
         self.profile = profile
         self.trainer = trainer
         self.errors = errors
+
+    @property
+    def num_gpus(self) -> int:
+        return self.gpus_per_rank * self.profile.tp_size
+
+    @property
+    def dedicated_trainer_gpus(self) -> int:
+        return self.dedicated_trainer_gpus_per_rank * self.profile.tp_size
 
     @abc.abstractmethod
     def step(self, batch_size: int, sum_context: int) -> tuple[float, int, float]: ...
@@ -100,11 +115,17 @@ class DecodeOnlyPolicy(BasePolicy):
 
 
 class SeparatePolicy(DecodeOnlyPolicy):
-    """Decode exactly as decode-only, plus a second GPU that only trains."""
+    """Decode exactly as decode-only, plus a second GPU per decode GPU that only trains."""
 
     name = SEPARATE
-    num_gpus = 2
-    dedicated_trainer_gpus = 1
+    gpus_per_rank = 2
+    dedicated_trainer_gpus_per_rank = 1
+
+
+def num_gpus(name: str, tp_size: int) -> int:
+    """The GPUs policy ``name`` occupies beside a decode instance of ``tp_size`` ranks
+    (for a policy that was refused, so never built)."""
+    return (SeparatePolicy.gpus_per_rank if name == SEPARATE else BasePolicy.gpus_per_rank) * tp_size
 
 
 def static_level(profile: ReplayProfile, decode_fraction: float = STATIC_DECODE_FRACTION) -> int:

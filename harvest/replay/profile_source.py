@@ -78,6 +78,7 @@ class ReplayProfile:
     finetune_description: str
     trainer_records: tuple[LevelTrainerRecord, ...]
     trainer_alone: TrainerSection | None = None  # the profile's trainer section (schema 2), if measured
+    tp_size: int = 1  # tensor-parallel ranks of the measured decode instance (provenance.tp_size)
 
     @property
     def has_stage2(self) -> bool:
@@ -101,7 +102,7 @@ def _measured(profile: Profile | Stage1Profile, label: str) -> dict:
     return dict(label=label, description=_describe(prov), synthetic=_is_synthetic(prov), device_kind=prov.device_kind,
                 ladder=profile.ladder, buckets=profile.buckets, profiled_range=profile.profiled_range,
                 solo=tuple(SoloCoefficients(f.b0, f.c0, f.k0) for f in profile.stage1),
-                finetune_description=prov.finetune.description)
+                finetune_description=prov.finetune.description, tp_size=prov.tp_size)
 
 
 def committed_profiles(directory: Path) -> list[ReplayProfile]:
@@ -174,4 +175,5 @@ def _is_synthetic(prov: Provenance) -> bool:
 
 
 def _describe(prov: Provenance) -> str:
-    return f"{prov.model.name} ({prov.model.dtype}) on {prov.device_name}, {prov.engine} engine"
+    tp = f" x {prov.tp_size} (tensor parallel)" if prov.tp_size > 1 else ""
+    return f"{prov.model.name} ({prov.model.dtype}) on {prov.device_name}{tp}, {prov.engine} engine"

@@ -12,11 +12,22 @@ from harvest.replay.results import BASELINES, jsonable
 from harvest.replay.trainer_model import TrainerModel
 from harvest.replay.workload import TraceWindow
 
-NORMALISATION = (
-    "finetune throughput is per GPU: every policy serves the whole trace on one decode instance; separate uses 2 GPUs "
-    "(decode alone + trainer alone = 1.0), the co-located policies 1 (Harli §8.1-8.2 compares on equal GPU counts)"
-)
 SUMMARY_KEYS = ("ft_gain_vs_separate", "ft_gain_vs_static", "harvest_violation_rate", "harvest_finetune_per_gpu")
+
+
+def normalisation(tp_size: int) -> str:
+    """How the finetune figures are normalised, for a decode instance of ``tp_size`` ranks."""
+    if tp_size == 1:
+        return (
+            "finetune throughput is per GPU: every policy serves the whole trace on one decode instance; separate uses 2 "
+            "GPUs (decode alone + trainer alone = 1.0), the co-located policies 1 (Harli §8.1-8.2 compares on equal GPU counts)"
+        )
+    return (
+        f"finetune throughput is per GPU: every policy serves the whole trace on one decode instance of tp={tp_size} "
+        f"({tp_size} GPUs, every rank co-running as the profile's rank 0 did); separate uses {2 * tp_size} GPUs ({tp_size} "
+        f"decoding alone + {tp_size} training alone = {tp_size}.0), the co-located policies {tp_size} (Harli §8.1-8.2 "
+        "compares on equal GPU counts); per instance, multiply by the GPUs"
+    )
 
 
 def _fmt(value: float | None, spec: str, scale: float = 1.0, suffix: str = "") -> str:
@@ -49,12 +60,13 @@ def text(
     first = comparisons[0]
     limits = settings.limits
     kv_gib = limits.kv_capacity_tokens * settings.kv_bytes_per_token / 2**30
+    tp = f"tp={profile.tp_size} ({profile.tp_size} GPUs), " if profile.tp_size > 1 else ""
     lines = [
         f"harvest replay: {first.num_requests} requests from {trace_label} ({window.describe()}); "
         f"{first.horizon_s:.1f} s simulated; seed {first.seed}",
         f"profile: {profile.label}: {profile.description}" + ("  [SYNTHETIC, not measured]" if profile.synthetic else ""),
         f"  ladder: {profile.ladder.describe()}; stage 2: " + ("present" if profile.has_stage2 else f"MISSING ({profile.stage2_missing})"),
-        f"decode instance: max batch {limits.max_batch_size}, KV capacity {limits.kv_capacity_tokens} tokens "
+        f"decode instance: {tp}max batch {limits.max_batch_size}, KV capacity {limits.kv_capacity_tokens} tokens "
         f"({kv_gib:.1f} GiB at {settings.kv_bytes_per_token} B/token); TPOT target {settings.target_tpot_ms:g} ms",
         *(
             ["  one shared level (no SM partitioning): harvest can only run or pause the trainer, and static co-runs on that level"]
@@ -82,7 +94,7 @@ def text(
             f"{_fmt(m['violation_rate'], '.2f', 100):>8}{m['kv_held_peak_tokens'] / m['kv_capacity_tokens']:>8.0%} "
             f"{_fmt(m['queue_delay_p99_s'], '.3f', 1, ' s'):>10}"
         )
-    lines += ["", f"finetune/GPU unit: {trainer.unit}; {NORMALISATION}."]
+    lines += ["", f"finetune/GPU unit: {trainer.unit}; {normalisation(profile.tp_size)}."]
     lines.append("TPOT and violations are per output token (viol %: tokens from steps over the target); KV peak: most KV held / the policy's KV capacity.")
     lines.append("")
     for name, result in first.results.items():
@@ -139,6 +151,7 @@ def as_dict(
         {
             "trace": trace_label,
             "window": window.describe(),
+            "tp_size": profile.tp_size,  # the decode instance's ranks, one GPU each (the profile's)
             "profile": {
                 "label": profile.label,
                 "description": profile.description,
@@ -162,7 +175,7 @@ def as_dict(
                 "policies": list(settings.policies),
             },
             "trainer_model": trainer.to_dict(),
-            "normalisation": NORMALISATION,
+            "normalisation": normalisation(profile.tp_size),
             "headline": headline(comparisons[0]),
             "across_seeds": summary,
             "runs": [c.to_dict() for c in comparisons],

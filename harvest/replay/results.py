@@ -9,13 +9,21 @@ Definitions:
 - All policies are accounted over the same horizon: from the window's start to the end
   of the latest policy's last step. A policy that finished earlier idles until then
   (its trainer at its idle share).
-- Finetune throughput is in whole-GPU trainer equivalents (see ``trainer_model``), then
-  **per GPU**, as Harli compares: each policy serves the whole trace on one decode
-  instance; ``separate`` occupies two GPUs (one decoding, one training alone, 1.0) so
-  its per-GPU throughput is 0.5, while ``harvest``, ``static`` and ``decode-only`` use one.
-  (Two co-located GPUs could instead split the trace, each at half the load; per GPU
+- Finetune throughput is in whole-GPU trainer equivalents (see ``trainer_model``), per
+  decode instance (``finetune_gpu_equivalents``, ``finetune_tokens_per_s``) and **per
+  GPU** (``*_per_gpu``), as Harli compares: each policy serves the whole trace on one
+  decode instance; ``separate`` occupies two GPUs (one decoding, one training alone, 1.0)
+  so its per-GPU throughput is 0.5, while ``harvest``, ``static`` and ``decode-only`` use
+  one. (Two co-located GPUs could instead split the trace, each at half the load; per GPU
   that only helps the co-located policies, so the figure reported here is the
   conservative one for them.)
+- A decode instance of tensor-parallel degree N (the profile's ``tp_size``) spans N GPUs.
+  The trainer model's shares are one GPU's (rank 0's, where `harvest profile` ran the
+  trainer); every rank runs the same steps on the same level, and the trainer is split
+  over the ranks as the model is, so the instance trains N times one GPU's share.
+  ``separate`` adds N GPUs training alone (N × 1.0) to its N decode GPUs. Per GPU, the
+  finetune figures are then those of N = 1 with the profile's latencies; per instance, N
+  times them.
 - ``gain_vs[b] = per-GPU throughput / baseline b's per-GPU throughput − 1``.
 """
 
@@ -83,10 +91,11 @@ def summarise(
     over = lat_ms > target_ms
     num_tokens = int(tokens.sum())
     tail_idle = max(0.0, horizon_s - run.end_s)
-    step_work = float(np.dot(run.step_trainer_share, run.step_latency_s))
+    step_work = float(np.dot(run.step_trainer_share, run.step_latency_s))  # one GPU's (module doc)
     idle_work = policy.idle_share * (run.idle_s + tail_idle)
+    colocated_work = profile.tp_size * (step_work + idle_work)  # every rank's GPU alike
     dedicated_work = policy.dedicated_trainer_gpus * horizon_s
-    ft = (step_work + idle_work + dedicated_work) / horizon_s if horizon_s > 0 else 0.0
+    ft = (colocated_work + dedicated_work) / horizon_s if horizon_s > 0 else 0.0
     trainer_tokens = policy.trainer.to_tokens(ft)
 
     finished = np.isfinite(run.finished_s) & (run.decode_steps > 0)

@@ -73,9 +73,11 @@ def build_profile(
     device_name: str = "synthetic GPU",
     model_name: str = "synthetic-model",
     description: str = "synthetic profile",
+    tp_size: int = 1,
 ) -> Profile:
     """A profile whose fits are exactly ``solo``/``corun`` and whose grid points those
-    coefficients produce (one step per point, trainer units unrecorded)."""
+    coefficients produce (one step per point, trainer units unrecorded), as if measured on
+    a decode instance of ``tp_size`` tensor-parallel ranks."""
     if len(solo) != ladder.num_levels:
         raise ValueError(f"build_profile: {len(solo)} stage-1 models for a ladder of {ladder.num_levels} levels")
     records = []
@@ -96,7 +98,7 @@ def build_profile(
     return Profile(
         schema=SCHEMA_NAME,
         schema_version=SCHEMA_VERSION,
-        provenance=_provenance(ladder, device_name, model_name, description),
+        provenance=_provenance(ladder, device_name, model_name, description, tp_size),
         ladder=ladder,
         batch_size_buckets=buckets.capture_sizes,
         grid=grid,
@@ -128,7 +130,7 @@ def without_stage2(profile: Profile) -> dict:
     return data
 
 
-def _provenance(ladder: Ladder, device_name: str, model_name: str, description: str) -> Provenance:
+def _provenance(ladder: Ladder, device_name: str, model_name: str, description: str, tp_size: int) -> Provenance:
     return Provenance(
         device_kind="cuda",
         device_name=device_name,
@@ -148,4 +150,5 @@ def _provenance(ladder: Ladder, device_name: str, model_name: str, description: 
         measurement=MeasurementSettings("cuda-events", 0, 1, 0.0, 0.005, 1),
         created_utc="1970-01-01T00:00:00Z",
         command_line=SYNTHETIC,
+        tp_size=tp_size,
     )

@@ -3,7 +3,9 @@
 Unit: *whole-GPU trainer equivalents* — 1.0 is the finetune job running alone on a
 whole GPU (SeparateMode's training GPU). Finetune throughput in tokens/s is that times
 the job's rate alone on a whole GPU in tokens/s, when one is known; every gain the
-replay reports is a ratio of two throughputs and does not depend on it.
+replay reports is a ratio of two throughputs and does not depend on it. The shares here
+are one GPU's; a tensor-parallel profile measured them on rank 0's GPU, and
+:mod:`harvest.replay.results` counts the instance's N GPUs.
 
 Measured (a profile with a ``trainer`` section, schema version 2): ``harvest profile``
 ran the co-run workload alone on every level's trainer SMs and on the whole device, in

@@ -101,7 +101,7 @@ def _from_cli_args(original, cls, args):
             config_path = str(Path(config_path).expanduser().resolve())  # the subprocesses may start elsewhere
         try:
             check_in_child(config_path, model_path=getattr(args, "model_path", None),
-                           sglang_host=getattr(args, "host", None))
+                           sglang_host=getattr(args, "host", None), tp_size=getattr(args, "tp_size", 1))
         except PreflightError as exc:  # names the file and the field
             raise HarvestStartupError(str(exc)) from None
         os.environ[config_env.ENABLED_VAR] = "1"

@@ -108,6 +108,9 @@ def test_partial_run_with_other_settings_is_refused_before_loading_models(tmp_pa
         (["--trainer-alone-s", "nan"], "--trainer-alone-s=nan: must be"),
         (["--model-path", "/nonexistent/model"], "no config.json there"),
         (["--batch-sizes", "16"], "at least 2 --batch-sizes and 2 --context-lengths"),
+        (["--tp", "0"], "--tp=0: must be >= 1"),
+        (["--tp", "2", "--engine", "transformers"],
+         "--tp 2: the transformers engine decodes in one process and cannot shard the model; use --engine sglang"),
     ],
 )
 def test_bad_arguments_are_refused_with_the_flag_named(argv, message, capsys, tmp_path):
@@ -120,6 +123,63 @@ def test_bad_arguments_are_refused_with_the_flag_named(argv, message, capsys, tm
         code = exc.code
     assert code == 2
     assert message in capsys.readouterr().err
+
+
+def test_more_ranks_than_cpu_cores_are_refused_before_any_model_loads(tmp_path, tiny_llama_path, capsys, monkeypatch):
+    from harvest.predict.profiler import tp_layout
+
+    monkeypatch.setattr(tp_layout, "usable_cpus", lambda: [3])
+    monkeypatch.delenv(tp_layout.THREADS_BIND_VAR, raising=False)
+    code = cli.main(["profile", "--model-path", str(tiny_llama_path), "--engine", "sglang", "--device", "cpu", "--tp", "2",
+                     "--out", str(tmp_path / "p.json")])
+    err = capsys.readouterr().err
+    assert code == 1 and "--tp 2: needs at least 2 CPU cores (one per rank), this process may use 1 (3," in err
+    assert not partial_path(tmp_path / "p.json").exists()
+
+
+def _two_cores_or_skip() -> None:
+    from harvest.predict.profiler.tp_layout import usable_cpus
+
+    if len(usable_cpus()) < 2:
+        pytest.skip("--tp 2 on a CPU needs 2 usable cores")
+
+
+@pytest.mark.sglang
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_profile_at_tp_2_runs_two_sglang_ranks_and_records_the_degree(tmp_path, tiny_llama_path):
+    _two_cores_or_skip()
+    out = tmp_path / "cpu-tiny-tp2.json"
+    env = {k: v for k, v in os.environ.items() if k != "SGLANG_CPU_OMP_THREADS_BIND"}  # harvest splits the cores
+    result = subprocess.run(_profile_cmd(out, "--repeats", "3", "--tp", "2"), capture_output=True, text=True, timeout=600, env=env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    assert "tensor parallel: 2 ranks on cores " in result.stdout
+    assert "(TP rank 1 of 2)" in result.stderr  # the follower process built its own ModelRunner
+    profile = _check_profile(out, "sglang")
+    assert profile.provenance.tp_size == 2 and profile.schema_version == 3
+    assert "--tp 2" in profile.provenance.command_line
+
+
+@pytest.mark.sglang
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_rank_that_fails_while_starting_is_named_instead_of_hanging(tiny_llama_path):
+    """Rank 1 cannot take its cores and dies before SGLang's rendezvous, which would wait
+    30 minutes for it; rank 0 must refuse at once, naming it."""
+    _two_cores_or_skip()
+    script = (
+        "import os\n"
+        "os.environ['SGLANG_CPU_OMP_THREADS_BIND'] = '0|1'\n"
+        "from harvest.predict.profiler.engines import EngineConfig, EngineError\n"
+        "from harvest.predict.profiler.sglang_engine import SglangDecodeEngine\n"
+        f"config = EngineConfig({str(tiny_llama_path)!r}, 'cpu', 'float32', False, 4, 128, 0, 2, ((0,), (1 << 20,)))\n"
+        "try:\n"
+        "    SglangDecodeEngine(config)\n"
+        "except EngineError as exc:\n"
+        "    print('REFUSED', str(exc).splitlines()[0])\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=280)
+    assert "REFUSED SGLang's tensor-parallel start-up failed: TP rank 1 failed: OSError" in result.stdout, result.stderr[-3000:]
 
 
 def test_profile_command_is_registered_and_cheap_to_import():

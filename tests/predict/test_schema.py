@@ -67,12 +67,12 @@ def _section(**changes) -> TrainerSection:
     return TrainerSection(**{**dict(tokens_per_unit=64.0, seconds_per_phase=1.0, whole_device_level=None, alone=alone), **changes})
 
 
-def test_version_2_round_trips_its_trainer_section(profile, tmp_path):
+def test_the_trainer_section_round_trips(profile, tmp_path):
     with_trainer = dataclasses.replace(profile, trainer=_section())
     path = tmp_path / "p2.json"
     with_trainer.save(path)
     loaded = Profile.load(path)
-    assert loaded == with_trainer and loaded.schema_version == SCHEMA_VERSION == 2
+    assert loaded == with_trainer and loaded.schema_version == SCHEMA_VERSION == 3
     assert loaded.trainer.records(None)[1].units_per_s == 10.0 and loaded.trainer.tokens_per_unit == 64.0
     assert json.loads(path.read_text())["trainer"]["alone"][0] == {"level": 0, "phase": "forward", "units": 10, "seconds": 1.0}
     assert "trainer alone (64 tokens/unit)" in describe_fit(loaded)
@@ -81,11 +81,39 @@ def test_version_2_round_trips_its_trainer_section(profile, tmp_path):
 def test_version_1_loads_without_a_trainer_section_and_saves_back_as_version_1(profile, tmp_path):
     data = copy.deepcopy(_data(profile))
     del data["trainer"]
+    del data["provenance"]["tp_size"]
     data["schema_version"] = 1
     loaded = _load_dict(data)
-    assert loaded.schema_version == 1 and loaded.trainer is None
-    assert loaded.to_dict() == data  # no `trainer` key written into a version-1 file
+    assert loaded.schema_version == 1 and loaded.trainer is None and loaded.provenance.tp_size == 1
+    assert loaded.to_dict() == data  # no `trainer` nor `tp_size` key written into a version-1 file
     assert loaded.predictor().predict_colo(1, 16, 4000.0) == profile.predictor().predict_colo(1, 16, 4000.0)
+
+
+def _at_tp(profile: Profile, tp_size: int) -> Profile:
+    return dataclasses.replace(profile, provenance=dataclasses.replace(profile.provenance, tp_size=tp_size))
+
+
+def test_the_tp_degree_round_trips_in_the_provenance(profile, tmp_path):
+    tp2 = _at_tp(profile, 2)
+    path = tmp_path / "tp2.json"
+    tp2.save(path)
+    assert json.loads(path.read_text())["provenance"]["tp_size"] == 2
+    loaded = Profile.load(path)
+    assert loaded == tp2 and loaded.provenance.tp_size == 2 and loaded.schema_version == 3
+    assert profile.provenance.tp_size == 1  # the default: one rank
+
+
+def test_a_version_2_profile_measured_before_tp_loads_as_tp_1_and_saves_back_as_version_2(profile, tmp_path):
+    data = copy.deepcopy(_data(profile))
+    del data["provenance"]["tp_size"]
+    data["schema_version"] = 2
+    path = tmp_path / "v2.json"
+    path.write_text(json.dumps(data))
+    loaded = Profile.load(path)
+    assert loaded.schema_version == 2 and loaded.provenance.tp_size == 1
+    assert loaded.to_dict() == data  # written back as read: no `tp_size` in a version-2 file
+    with pytest.raises(ProfileError, match=r"provenance.tp_size=2: schema version 2 has no tp_size"):
+        _at_tp(loaded, 2)  # it could not say so when saved
 
 
 @pytest.mark.parametrize(
@@ -123,9 +151,13 @@ def _load_dict(data) -> Profile:
 @pytest.mark.parametrize(
     "mutate, message",
     [
-        (lambda d: d.update(schema_version=SCHEMA_VERSION + 1), r"schema_version=3: this harvest reads versions 1, 2; re-run `harvest profile`"),
+        (lambda d: d.update(schema_version=SCHEMA_VERSION + 1), r"schema_version=4: this harvest reads versions 1, 2, 3; re-run `harvest profile`"),
         (lambda d: d.update(schema_version=True), r"schema_version=True: this harvest reads versions"),
         (lambda d: d.update(schema_version=1), r"profile.trainer: not a field of schema version 1"),
+        (lambda d: d.update(schema_version=2), r"profile.provenance.tp_size: not a field of schema version 2"),
+        (lambda d: d["provenance"].pop("tp_size"), r"profile.provenance: missing field\(s\) tp_size"),
+        (lambda d: d["provenance"].update(tp_size=0), r"profile.provenance: tp_size=0: must be >= 1"),
+        (lambda d: d["provenance"].update(tp_size=2.0), r"profile.provenance.tp_size: expected an integer"),
         (lambda d: d.pop("trainer"), r"profile: missing field\(s\) trainer"),
         (lambda d: d.update(schema="something-else"), "not a harvest latency profile"),
         (lambda d: d["provenance"].pop("device_name"), r"profile.provenance: missing field\(s\) device_name"),
@@ -194,6 +226,7 @@ def test_matching_system_is_accepted(profile, tmp_path):
         ({"model_config_hash": "ffffffffffffffff"}, "model: profile is for 'llama3-8b'"),
         ({"model_dtype": "float16"}, "model dtype: profile bfloat16, served float16"),
         ({"ladder": Ladder(132, (Level(64, 68), Level(132, 0)), "green-context")}, "SM ladder: profile has green-context ladder"),
+        ({"tp_size": 2}, r"TP degree: profile measured at tp=1, running tp=2 \(`harvest profile --tp 2` measures one\)"),
     ],
 )
 def test_mismatch_is_refused_by_name_and_override_warns(profile, changes, message):
@@ -203,6 +236,14 @@ def test_mismatch_is_refused_by_name_and_override_warns(profile, changes, messag
         warnings.simplefilter("always")
         found = check_compatible(profile, running(profile, **changes), allow_mismatch=True)
     assert len(found) == 1 and any("override in effect" in str(w.message) for w in caught)
+
+
+def test_a_tensor_parallel_profile_matches_only_its_degree(profile):
+    tp2 = _at_tp(profile, 2)
+    assert compat.mismatches(tp2, running(profile)) == [
+        "TP degree: profile measured at tp=2, running tp=1 (`harvest profile --tp 1` measures one)"
+    ]  # RuntimeIdentity's tp_size defaults to one rank
+    assert compat.mismatches(tp2, running(profile, tp_size=2)) == []
 
 
 def test_model_config_hash_ignores_paths_and_weights_but_not_shape():

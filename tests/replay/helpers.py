@@ -27,13 +27,15 @@ def make_profile(
     total: int = 100,
     solo: Sequence[tuple[float, float, float]] | tuple[float, float, float] = (0.0, 0.010, 0.0),
     corun: tuple[float, float] = (1.0, 1.4),
+    tp_size: int = 1,
 ):
     """A ReplayProfile whose stage 1 is ``b0·bs + c0 + k0·Σctx`` (seconds; one triple for
-    every level or one per level) and stage 2 ``(SM_d·b1 + SM_t·k1)``; no padding."""
+    every level or one per level) and stage 2 ``(SM_d·b1 + SM_t·k1)``; no padding; measured
+    at tensor-parallel degree ``tp_size``."""
     spec = ladder(levels, total)
     triples = [solo] * spec.num_levels if isinstance(solo[0], (int, float)) else list(solo)
     coefficients = [SoloCoefficients(*t) for t in triples]
-    built = synthetic.build_profile(spec, coefficients, CoRunCoefficients(*corun), buckets=NO_PADDING)
+    built = synthetic.build_profile(spec, coefficients, CoRunCoefficients(*corun), buckets=NO_PADDING, tp_size=tp_size)
     return profile_source.from_profile(built, "test-profile")
 
 

@@ -90,6 +90,7 @@ def test_version_1_profile_loads_for_replay_with_the_fallback(tmp_path):
     data = make_profile_dict()
     data["schema_version"] = 1
     del data["trainer"]
+    del data["provenance"]["tp_size"]
     path = tmp_path / "v1.json"
     path.write_text(json.dumps(data))
     loaded = profile_source.load(path)

@@ -35,6 +35,7 @@ def _int_list(text: str) -> tuple[int, ...]:
 def add_arguments(parser) -> None:
     parser.add_argument("--model-path", required=True, help=f"served model directory (or {' / '.join(TINY_MODELS)}: harvest's tiny local models)")
     parser.add_argument("--engine", choices=["auto", "sglang", "transformers"], default="auto", help="decode engine (auto: sglang when installed)")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks of the decode instance, as the server's --tp-size (sglang engine; default 1): GPUs 0..N-1, or on a CPU N groups of cores (SGLANG_CPU_OMP_THREADS_BIND, else harvest splits the usable cores)")
     parser.add_argument("--device", default="auto", help="cpu, cuda or cuda:N (auto: cuda when available)")
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto", help="auto: float32 on CPU, bfloat16 on GPU")
     parser.add_argument("--random-weights", action="store_true", help="build the model from config.json with random weights (latency does not depend on them)")
@@ -57,7 +58,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--trainer-cpu-threads", **argument(TrainerConfig, "cpu_threads", yaml_path="trainer.cpu_threads"))
     parser.add_argument("--trainer-nice", **argument(TrainerConfig, "nice", yaml_path="trainer.nice"))
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=None, help="profile JSON (default profiles/<device>-<model>-<engine>.json)")
+    parser.add_argument("--out", type=Path, default=None, help="profile JSON (default profiles/<device>-<model>-<engine>.json, -tpN before .json when --tp N > 1)")
     parser.add_argument("--report", type=Path, default=None, help="PNG report (default: the profile path with .png)")
     parser.add_argument("--restart", action="store_true", help="discard an interrupted run's saved grid points instead of resuming")
 
@@ -82,10 +83,16 @@ def run(args) -> int:
         return _fail(f"--trainer-alone-s={args.trainer_alone_s}: must be a finite number of seconds > 0")
     if args.torch_threads is not None and args.torch_threads <= 0:
         return _fail(f"--torch-threads={args.torch_threads}: must be > 0")
+    from harvest.predict.profiler import session
+    from harvest.predict.profiler.tp_layout import TensorParallelError, check_engine
+
+    try:
+        check_engine(args.tp, session.resolve_engine(args.engine))
+    except TensorParallelError as exc:
+        return _fail(str(exc))
     model_path = _resolve_model(args.model_path)
     if not (Path(model_path) / "config.json").is_file():
         return _fail(f"--model-path {args.model_path}: no config.json there")
-    from harvest.predict.profiler import session
 
     try:
         return session.profile(args, model_path, measure)

@@ -25,6 +25,8 @@ class EngineConfig:
     max_batch_size: int
     max_context_tokens: int  # per request: largest context length + warm-up + timed steps
     seed: int = 0
+    tp_size: int = 1  # tensor-parallel ranks (sglang only; rank 0 in this process, harvest.predict.profiler.sglang_ranks)
+    rank_cores: tuple[tuple[int, ...], ...] = ()  # CPU: each rank's cores (tp_layout); (): not pinned
 
 
 class BaseDecodeEngine(abc.ABC):

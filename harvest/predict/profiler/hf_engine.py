@@ -38,6 +38,8 @@ class TransformersDecodeEngine(BaseDecodeEngine):
     def __init__(self, config: EngineConfig):
         import torch
 
+        if config.tp_size != 1:  # the command refuses --tp > 1 first, naming the flag
+            raise EngineError(f"the transformers engine runs one process: tp_size={config.tp_size} needs --engine sglang")
         self._torch = torch
         self.config = config
         self.model = load_causal_lm(config.model_path, config.device, config.dtype, config.random_weights)

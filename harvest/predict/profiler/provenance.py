@@ -35,6 +35,7 @@ def collect(
     finetune: FinetuneIdentity,
     measurement: MeasurementSettings,
     argv: list[str],
+    tp_size: int = 1,
 ) -> Provenance:
     import torch
 
@@ -57,6 +58,7 @@ def collect(
         measurement=measurement,
         created_utc=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         command_line=shlex.join(argv),
+        tp_size=tp_size,
     )
 
 

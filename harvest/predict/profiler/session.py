@@ -23,6 +23,7 @@ from harvest.predict.profiler.measure import MeasureConfig, MeasurementError, ti
 from harvest.predict.profiler.partial import PartialRun, PartialRunError, grid_key, partial_path
 from harvest.predict.profiler.report import write_report
 from harvest.predict.profiler.runner import plan_points, run_grid
+from harvest.predict.profiler.tp_layout import TensorParallelError, check_gpus, cpu_core_groups, format_threads_bind
 from harvest.predict.profiler.trainer_alone import measure_section
 from harvest.predict.schema import FinetuneIdentity, Grid, MeasurementSettings, ProfileError
 from harvest.train import trainer_cpu
@@ -73,16 +74,45 @@ def _make_workload(args, finetune_model: str, device: str, dtype: str):
     )
 
 
-def _decode_threads(args, device: str) -> int:
-    """Decode's torch intra-op threads for the run: ``--torch-threads``, else on a CPU the
-    cores the co-run trainer leaves (as the server runs decode beside a job), else torch's."""
+def resolve_engine(requested: str) -> str:
+    """The engine ``--engine`` names (auto: sglang when installed)."""
+    if requested != "auto":
+        return requested
+    return "sglang" if sglang_available() else "transformers"
+
+
+def _rank_cores(tp_size: int, device: str) -> tuple[tuple[int, ...], ...]:
+    """On a CPU with ``--tp`` > 1, each rank's cores (harvest.predict.profiler.tp_layout);
+    else () (GPUs: rank r on GPU r, checked to be there)."""
+    import torch
+
+    try:
+        if device != "cpu":
+            check_gpus(tp_size, device, torch.cuda.device_count())
+            return ()
+        return cpu_core_groups(tp_size) if tp_size > 1 else ()
+    except TensorParallelError as exc:
+        raise ProfilingFailed(str(exc)) from None
+
+
+def _decode_threads(args, device: str, rank_cores: tuple[tuple[int, ...], ...]) -> int:
+    """Decode's torch intra-op threads for the run (rank 0's with --tp): ``--torch-threads``,
+    else on a CPU the cores the co-run trainer leaves of rank 0's (as the server runs decode
+    beside a job), else torch's."""
     import torch
 
     if args.torch_threads is not None:
         return args.torch_threads
     if device == "cpu":
-        return trainer_cpu.decode_threads_beside_trainer(args.trainer_cpu_threads, torch.get_num_threads())
+        cores = len(rank_cores[0]) if rank_cores else None  # rank 0's group; one rank: every usable core
+        return trainer_cpu.decode_threads_beside_trainer(args.trainer_cpu_threads, torch.get_num_threads(), cores)
     return torch.get_num_threads()
+
+
+def default_profile_path(device_kind: str, model_name: str, engine_name: str, tp_size: int) -> Path:
+    """profiles/<device>-<model>-<engine>[-tpN].json: a profile per TP degree."""
+    tp = f"-tp{tp_size}" if tp_size > 1 else ""
+    return Path("profiles") / f"{device_kind}-{model_name}-{engine_name}{tp}.json"
 
 
 def profile(args, model_path: str, measure: MeasureConfig) -> int:
@@ -91,16 +121,17 @@ def profile(args, model_path: str, measure: MeasureConfig) -> int:
 
     device = _device(args.device)
     dtype = args.dtype if args.dtype != "auto" else ("float32" if device == "cpu" else "bfloat16")
-    engine_name = args.engine if args.engine != "auto" else ("sglang" if sglang_available() else "transformers")
+    engine_name = resolve_engine(args.engine)
+    rank_cores = _rank_cores(args.tp, device)
     if args.switch_interval_ms is not None:
         sys.setswitchinterval(args.switch_interval_ms / 1e3)
-    decode_threads = _decode_threads(args, device)
+    decode_threads = _decode_threads(args, device, rank_cores)
     torch.manual_seed(args.seed)
     finetune_model = args.finetune_model or model_path
     device_id = device_identity(device)
     model = provenance.model_identity(model_path, dtype, args.random_weights)
     grid = Grid(tuple(args.batch_sizes), tuple(args.context_lengths))
-    out = args.out or Path("profiles") / f"{device_id.kind}-{model.name}-{engine_name}.json"
+    out = args.out or default_profile_path(device_id.kind, model.name, engine_name, args.tp)
     report_path = args.report or out.with_suffix(".png")
 
     partitioner = create_partitioner(device, **({} if args.levels is None else {"levels": args.levels}))
@@ -112,6 +143,7 @@ def profile(args, model_path: str, measure: MeasureConfig) -> int:
             "random_weights": args.random_weights, "ladder": ladder.to_dict(), "grid": [grid.batch_sizes, grid.context_lengths],
             "warmup": measure.warmup_steps, "repeats": measure.timed_steps, "trim": measure.trim_fraction,
             "switch_interval_s": sys.getswitchinterval(), "torch_threads": decode_threads, "workload": workload_identity, "seed": args.seed,
+            "tp_size": args.tp, "rank_cores": [list(group) for group in rank_cores],
         }
         partial = PartialRun(partial_path(out), identity)
         try:
@@ -120,9 +152,14 @@ def profile(args, model_path: str, measure: MeasureConfig) -> int:
             raise ProfilingFailed(str(exc)) from exc
         threads = f"; decode on {decode_threads} torch thread(s), the co-run trainer on {args.trainer_cpu_threads}" if device == "cpu" else ""
         print(f"harvest profile: {model.name} ({dtype}) on {device_id.name}, {engine_name} engine; {partitioner.description}{threads}")
+        if args.tp > 1:
+            where = f"GPUs 0..{args.tp - 1}" if not rank_cores else f"cores {format_threads_bind(rank_cores)} (SGLANG_CPU_OMP_THREADS_BIND)"
+            print(f"tensor parallel: {args.tp} ranks on {where}; rank 0 times the steps beside the co-run trainer")
         torch.set_num_threads(decode_threads)
         try:
-            records, buckets, finetune, trainer = _measure(args, engine_name, model_path, device, dtype, measure, grid, ladder, finetune_model, done, partial, tqdm)
+            records, buckets, finetune, trainer = _measure(
+                args, engine_name, model_path, device, dtype, measure, grid, ladder, finetune_model, done, partial, tqdm, rank_cores
+            )
         except KeyboardInterrupt:
             partial.close()
             print(f"\ninterrupted: measured grid points are kept in {partial.path}; run the same command again to resume", file=sys.stderr)
@@ -135,7 +172,7 @@ def profile(args, model_path: str, measure: MeasureConfig) -> int:
     measurement = MeasurementSettings(
         timer_for_name(device), measure.warmup_steps, measure.timed_steps, measure.trim_fraction, sys.getswitchinterval(), torch.get_num_threads()
     )
-    prov = provenance.collect(device_id, ladder, engine_name, model, finetune, measurement, command_line(args))
+    prov = provenance.collect(device_id, ladder, engine_name, model, finetune, measurement, command_line(args), args.tp)
     try:
         result = build_profile(prov, ladder, buckets, grid, records, trainer)
     except FitError as exc:
@@ -168,13 +205,15 @@ def timer_for_name(device: str) -> str:
     return "cuda-events" if device.startswith("cuda") else "perf_counter_ns"
 
 
-def _measure(args, engine_name, model_path, device, dtype, measure, grid, ladder, finetune_model, done, partial, tqdm):
+def _measure(args, engine_name, model_path, device, dtype, measure, grid, ladder, finetune_model, done, partial, tqdm, rank_cores):
     """Measure what ``done`` lacks, then the trainer alone; returns (records, buckets,
     finetune identity, trainer section)."""
     engine = workload = None
     try:
         max_context = max(grid.context_lengths) + measure.warmup_steps + measure.timed_steps + 1
-        config = EngineConfig(model_path, device, dtype, args.random_weights, max(grid.batch_sizes), max_context, args.seed)
+        config = EngineConfig(
+            model_path, device, dtype, args.random_weights, max(grid.batch_sizes), max_context, args.seed, args.tp, rank_cores
+        )
         engine = make_engine(engine_name, config)
         workload = _make_workload(args, finetune_model, device, dtype)
         workload.cpu_threads = args.trainer_cpu_threads

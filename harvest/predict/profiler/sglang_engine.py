@@ -10,7 +10,9 @@ choosing the next batch, outside ``run_batch``. This is the span harvest's per-s
 measures online, so offline and online samples are the same quantity.
 
 SGLang keeps process-wide state (published server args, torch.distributed), so one
-engine per process: `harvest profile` is a command, not a library call.
+engine per process: `harvest profile` is a command, not a library call. With
+``tp_size`` N > 1 this engine is TP rank 0 and drives ranks 1..N-1, each this engine in
+a process of its own (:mod:`.sglang_ranks`).
 """
 
 from __future__ import annotations
@@ -62,6 +64,8 @@ def server_argv(config: EngineConfig, max_total_tokens: int) -> list[str]:
         "--random-seed", str(config.seed),
         "--log-level", "warning",
     ]
+    if config.tp_size > 1:
+        argv += ["--tp-size", str(config.tp_size)]
     if config.device == "cpu":
         # No AMX on the CPUs harvest tests on; see ../shared/notes/sglang-on-cpu.md.
         argv += ["--attention-backend", "torch_native", "--disable-cuda-graph"]
@@ -73,9 +77,14 @@ def server_argv(config: EngineConfig, max_total_tokens: int) -> list[str]:
 
 
 class SglangDecodeEngine(BaseDecodeEngine):
+    """TP rank ``tp_rank`` of a decode instance of ``config.tp_size`` ranks. Rank 0 (the
+    default) parses the server arguments and starts the other ranks; a follower rank is
+    given rank 0's ``server_args`` and ``port_args``, and ``before_rendezvous`` to tell
+    rank 0 it is about to create the process groups (:func:`.sglang_ranks.follow`)."""
+
     name = "sglang"
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, tp_rank: int = 0, server_args=None, port_args=None, before_rendezvous=None):
         global _CREATED
         if _CREATED:
             raise EngineError("SglangDecodeEngine: SGLang's process-wide state allows one engine per process")
@@ -83,28 +92,51 @@ class SglangDecodeEngine(BaseDecodeEngine):
         if config.device == "cpu":
             os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
         import torch
+        from sglang.srt.entrypoints.engine import _set_envs_and_config
+        from sglang.srt.server_args import PortArgs, ServerArgs
+
+        self._torch = torch
+        self.config = config
+        self._followers = None
+        self._batch = None
+        # Room for every request's context plus the decoded tokens, padded to pages.
+        self._max_total_tokens = config.max_batch_size * (config.max_context_tokens + 64)
+        if server_args is None:
+            parser = argparse.ArgumentParser()
+            ServerArgs.add_cli_args(parser)
+            server_args = ServerArgs.from_cli_args(parser.parse_args(server_argv(config, self._max_total_tokens)))
+            server_args.resolve_once()
+            _set_envs_and_config(server_args)  # environment the follower processes then inherit
+            port_args = PortArgs.init_new(server_args)
+        if tp_rank == 0 and config.tp_size > 1:
+            from harvest.predict.profiler.sglang_ranks import RankFollowers
+
+            self._followers = RankFollowers(type(self), config, server_args, port_args)
+            before_rendezvous = self._followers.wait_at_rendezvous
+        try:
+            self._load(config, server_args, port_args, tp_rank, before_rendezvous)
+        except BaseException as exc:
+            failure = self._followers.failure() if self._followers is not None else None
+            self.close()
+            if failure is not None:
+                raise EngineError(f"SGLang's tensor-parallel start-up failed: {failure}") from exc
+            raise
+
+    def _load(self, config: EngineConfig, server_args, port_args, tp_rank: int, before_rendezvous) -> None:
+        """Rank ``tp_rank``'s ModelRunner, as sglang.benchmark.one_batch loads one;
+        ``before_rendezvous`` (TP > 1) runs just before the process groups are created."""
         from sglang.srt.configs.model_config import ModelConfig
         from sglang.srt.distributed import bootstrap
-        from sglang.srt.entrypoints.engine import _set_envs_and_config
         from sglang.srt.layers.moe import initialize_moe_config
         from sglang.srt.layers.quantization.fp4_utils import initialize_fp4_gemm_config
         from sglang.srt.layers.quantization.fp8_utils import initialize_fp8_gemm_config
         from sglang.srt.layers.quantization.unquant import initialize_bf16_gemm_config
         from sglang.srt.model_executor.model_runner import ModelRunner
-        from sglang.srt.runtime_context import SpawnRanks, get_device, get_schedule, publish
-        from sglang.srt.server_args import PortArgs, ServerArgs
+        from sglang.srt.runtime_context import SpawnRanks, get_device, get_schedule, publish, spawn_world_rank
 
-        self._torch = torch
-        self.config = config
-        # Room for every request's context plus the decoded tokens, padded to pages.
-        self._max_total_tokens = config.max_batch_size * (config.max_context_tokens + 64)
-        parser = argparse.ArgumentParser()
-        ServerArgs.add_cli_args(parser)
-        server_args = ServerArgs.from_cli_args(parser.parse_args(server_argv(config, self._max_total_tokens)))
-        server_args.resolve_once()
-        _set_envs_and_config(server_args)
-        port_args = PortArgs.init_new(server_args)
-        publish(server_args, role="scheduler", ranks=SpawnRanks(world_rank=0, gpu_id=0))
+        gpu_id = tp_rank  # rank r on GPU r (CPU: the r-th SGLANG_CPU_OMP_THREADS_BIND group)
+        world_rank = spawn_world_rank(server_args, tp_rank=tp_rank, pp_rank=0)
+        publish(server_args, role="scheduler", ranks=SpawnRanks(world_rank=world_rank, gpu_id=gpu_id))
         for initialize in (initialize_moe_config, initialize_fp8_gemm_config, initialize_bf16_gemm_config, initialize_fp4_gemm_config):
             initialize()
         model_config = ModelConfig.from_server_args(server_args)
@@ -113,12 +145,14 @@ class SglangDecodeEngine(BaseDecodeEngine):
                 f"context lengths up to {config.max_context_tokens} tokens (grid + steps) exceed the model's "
                 f"context length {model_config.context_len}; lower --context-lengths"
             )
+        if before_rendezvous is not None:
+            before_rendezvous()
         bootstrap.init_parallel_runtime(server_args=server_args, device=get_device().device, dist_port=port_args.nccl_port)
         bootstrap.init_layer_runtime(model_config=model_config)
         runner = ModelRunner(
             model_config=model_config,
             mem_fraction_static=server_args.mem_fraction_static,
-            gpu_id=0,
+            gpu_id=gpu_id,
             nccl_port=port_args.nccl_port,
             server_args=server_args,
         )
@@ -130,7 +164,6 @@ class SglangDecodeEngine(BaseDecodeEngine):
         self.model_dtype = str(model_config.dtype).removeprefix("torch.")
         self.batch_size_buckets = tuple(sorted(set(getattr(runner, "decode_cuda_graph_capture_bs", []) or [])))
         self._page_size = get_schedule().page_size
-        self._batch = None
         self._next_token_ids = None
         self._request_serial = 0
         if runner.req_to_token_pool.size < config.max_batch_size:
@@ -138,9 +171,17 @@ class SglangDecodeEngine(BaseDecodeEngine):
                 f"SGLang's request pool holds {runner.req_to_token_pool.size} requests, the grid needs {config.max_batch_size}"
             )
         logger.info(
-            "SGLang ModelRunner ready: %s on %s, %d KV tokens, CUDA-graph batch sizes %s",
-            config.model_path, config.device, runner.max_total_num_tokens, list(self.batch_size_buckets) or "none",
+            "SGLang ModelRunner ready: %s on %s (TP rank %d of %d), %d KV tokens, CUDA-graph batch sizes %s",
+            config.model_path, config.device, tp_rank, config.tp_size, runner.max_total_num_tokens,
+            list(self.batch_size_buckets) or "none",
         )
+
+    def _rank_failure(self, exc: BaseException) -> None:
+        """``exc`` on rank 0 as the EngineError naming the follower whose failure caused it
+        (a collective whose peer died fails on every other rank), if one did."""
+        failure = self._followers.failure() if self._followers is not None else None
+        if failure is not None:
+            raise EngineError(failure) from exc
 
     def _requests(self, batch_size: int, context_length: int):
         from sglang.srt.managers.schedule_batch import Req
@@ -170,6 +211,10 @@ class SglangDecodeEngine(BaseDecodeEngine):
         from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
         self.release()
+        if self._followers is not None:
+            from harvest.predict.profiler.sglang_ranks import PREPARE
+
+            self._followers.send(PREPARE, batch_size, context_length)
         runner = self.runner
         cache = _NoPrefixCache(page_size=self._page_size, device=runner.device, token_to_kv_pool_allocator=runner.token_to_kv_pool_allocator)
         batch = ScheduleBatch.init_new(
@@ -181,18 +226,26 @@ class SglangDecodeEngine(BaseDecodeEngine):
             enable_overlap=False,
             spec_algorithm=SpeculativeAlgorithm.NONE,
         )
-        with self._torch.inference_mode():
-            batch.prepare_for_extend()
-            if batch.input_ids is None and getattr(batch, "prefill_input_ids_cpu", None) is not None:
-                batch.input_ids = batch.prefill_input_ids_cpu.to(batch.device)
-                batch.prefill_input_ids_cpu = None
-            self._next_token_ids = self._forward_and_sample(batch)
+        try:
+            with self._torch.inference_mode():
+                batch.prepare_for_extend()
+                if batch.input_ids is None and getattr(batch, "prefill_input_ids_cpu", None) is not None:
+                    batch.input_ids = batch.prefill_input_ids_cpu.to(batch.device)
+                    batch.prefill_input_ids_cpu = None
+                self._next_token_ids = self._forward_and_sample(batch)
+        except Exception as exc:
+            self._rank_failure(exc)
+            raise
         self._batch = batch
 
     def begin_step(self) -> float:
         batch = self._batch
         if batch is None:
             raise EngineError("SglangDecodeEngine.begin_step before prepare")
+        if self._followers is not None:  # they start the step now: the timed span holds no pipe traffic
+            from harvest.predict.profiler.sglang_ranks import STEP
+
+            self._followers.send(STEP)
         with self._torch.inference_mode():
             batch.input_ids = self._next_token_ids.to(self._torch.int64)
             batch.prepare_for_decode()
@@ -201,13 +254,29 @@ class SglangDecodeEngine(BaseDecodeEngine):
         return float(batch.seq_lens_cpu.sum())
 
     def step(self) -> None:
-        with self._torch.inference_mode():
-            self._next_token_ids = self._forward_and_sample(self._batch)
+        try:
+            with self._torch.inference_mode():
+                self._next_token_ids = self._forward_and_sample(self._batch)
+        except Exception as exc:
+            self._rank_failure(exc)
+            raise
 
     def release(self) -> None:
         if self._batch is None:
             return
         self._batch = None
         self._next_token_ids = None
+        if self._followers is not None:
+            from harvest.predict.profiler.sglang_ranks import RELEASE
+
+            self._followers.send(RELEASE)
         self.runner.req_to_token_pool.clear()
         self.runner.token_to_kv_pool_allocator.clear()
+
+    def close(self) -> None:
+        try:
+            self.release()
+        finally:
+            if self._followers is not None:
+                self._followers.close()
+                self._followers = None
