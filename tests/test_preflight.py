@@ -250,6 +250,16 @@ def test_the_served_model_is_read_from_sglangs_arguments(argv, model_path):
     assert launch.served_model_path(argv) == model_path
 
 
+@pytest.mark.parametrize("argv, tp_size", [
+    (["--model-path", "m", "--tp", "2"], 2),
+    (["--tp-size=4", "--model-path", "m"], 4),
+    (["--tensor-parallel-size", "8"], 8),
+    (["--model-path", "m"], None),  # not given: SGLang's default, or its --config file's (the plugin's hook checks it)
+])
+def test_the_tensor_parallel_degree_is_read_from_sglangs_arguments(argv, tp_size):
+    assert launch.sglang_flags(argv).tp_size == tp_size
+
+
 @pytest.fixture
 def busy_port():
     import socket

@@ -164,7 +164,7 @@ def running_identity(engine: EngineAdapter, ladder):
 
     return RuntimeIdentity(device_name=device_identity(engine.device).name, sm_count=ladder.total_sms,
                            model_config_hash=model_config_hash_of_path(engine.model_path),
-                           model_dtype=engine.model_dtype, ladder=ladder)
+                           model_dtype=engine.model_dtype, ladder=ladder, tp_size=engine.tp_size)
 
 
 def _refiner(config, engine: EngineAdapter, partitioner):

@@ -37,18 +37,22 @@ def build_command(config: str | None, sglang_args: list[str]) -> list[str]:
 
 def sglang_flags(sglang_args: list[str]) -> argparse.Namespace:
     """The SGLang flags the pre-flight check looks at: the checkpoint (``--model-path`` or
-    SGLang's alias ``--model``), ``--host``, and the per-instance metrics endpoint. Each
+    SGLang's alias ``--model``), ``--host``, the tensor-parallel degree (``--tp-size``, its
+    alias ``--tensor-parallel-size``, or ``--tp`` as SGLang's parser abbreviates it: the
+    profile must be of that degree), and the per-instance metrics endpoint. Each
     None when the command line does not give it (SGLang's own ``--config`` file may: the
     plugin's hook, which sees SGLang's parsed arguments, checks again with those)."""
     parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False, exit_on_error=False)
     parser.add_argument("--model-path", "--model", dest="model_path", default=None)
     parser.add_argument("--host", default=None)
+    parser.add_argument("--tp-size", "--tp", "--tensor-parallel-size", dest="tp_size", type=int, default=None)
     parser.add_argument("--harvest-metrics-port", default=None)
     parser.add_argument("--harvest-metrics-host", default=None)
     try:
         known, _ = parser.parse_known_args(sglang_args)
     except argparse.ArgumentError:  # e.g. a flag without a value: SGLang's parser says so
-        return argparse.Namespace(model_path=None, host=None, harvest_metrics_port=None, harvest_metrics_host=None)
+        return argparse.Namespace(model_path=None, host=None, tp_size=None, harvest_metrics_port=None,
+                                  harvest_metrics_host=None)
     return known
 
 
@@ -74,7 +78,8 @@ def run(args) -> int:
                            (config_env.METRICS_HOST_VAR, flags.harvest_metrics_host)):
             if value is not None:
                 os.environ[var] = value
-        check(args.config, model_path=flags.model_path, sglang_host=flags.host or SGLANG_DEFAULT_HOST)
+        check(args.config, model_path=flags.model_path, sglang_host=flags.host or SGLANG_DEFAULT_HOST,
+              tp_size=flags.tp_size)
     except (PreflightError, ValueError) as exc:
         print(f"harvest launch: {exc}", file=sys.stderr)
         return 2
