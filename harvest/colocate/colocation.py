@@ -234,9 +234,7 @@ class Colocation:
                                            f"digests {agreed.digests_by_rank})")
             self.lending.enabled = False
             if host is not None:
-                host.operator_stop()
-            if self.trainer_tp is not None:
-                self.trainer_tp.abort(self.ranks_stopped_why)
+                host.operator_stop()  # on every rank: the trainers vote stop together and checkpoint
             logger.error("lending and the trainer are stopped on every rank, serving goes on: %s",
                          self.ranks_stopped_why)
 
