@@ -35,6 +35,7 @@ def _int_list(text: str) -> tuple[int, ...]:
 def add_arguments(parser) -> None:
     parser.add_argument("--model-path", required=True, help=f"served model directory (or {' / '.join(TINY_MODELS)}: harvest's tiny local models)")
     parser.add_argument("--engine", choices=["auto", "sglang", "transformers"], default="auto", help="decode engine (auto: sglang when installed)")
+    parser.add_argument("--graphs", choices=["auto", "on", "off"], default="auto", help="transformers engine: time each decode step as a CUDA graph replayed on the level's stream, as a server runs it (auto: on with CUDA; SGLang's engine uses its own graphs)")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks of the decode instance, as the server's --tp-size (sglang engine; default 1): GPUs 0..N-1, or on a CPU N groups of cores (SGLANG_CPU_OMP_THREADS_BIND, else harvest splits the usable cores)")
     parser.add_argument("--device", default="auto", help="cpu, cuda or cuda:N (auto: cuda when available)")
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto", help="auto: float32 on CPU, bfloat16 on GPU")
@@ -86,10 +87,15 @@ def run(args) -> int:
     from harvest.predict.profiler import session
     from harvest.predict.profiler.tp_layout import TensorParallelError, check_engine
 
+    engine = session.resolve_engine(args.engine)
     try:
-        check_engine(args.tp, session.resolve_engine(args.engine))
+        check_engine(args.tp, engine)
     except TensorParallelError as exc:
         return _fail(str(exc))
+    if args.graphs == "on" and engine != "transformers":
+        return _fail(f"--graphs on: the {engine} engine captures its own decode graphs; --graphs is for --engine transformers")
+    if args.graphs == "on" and (args.device == "cpu" or not _cuda_available()):
+        return _fail(f"--graphs on: decode CUDA graphs need a CUDA device (--device {args.device}: none here)")
     model_path = _resolve_model(args.model_path)
     if not (Path(model_path) / "config.json").is_file():
         return _fail(f"--model-path {args.model_path}: no config.json there")
@@ -98,6 +104,12 @@ def run(args) -> int:
         return session.profile(args, model_path, measure)
     except session.ProfilingFailed as exc:
         return _fail(str(exc), 1)
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _resolve_model(name: str) -> str:

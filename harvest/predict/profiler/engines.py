@@ -27,6 +27,8 @@ class EngineConfig:
     seed: int = 0
     tp_size: int = 1  # tensor-parallel ranks (sglang only; rank 0 in this process, harvest.predict.profiler.sglang_ranks)
     rank_cores: tuple[tuple[int, ...], ...] = ()  # CPU: each rank's cores (tp_layout); (): not pinned
+    graphs: bool = False  # transformers engine: each step a CUDA graph replay (sglang: its own graphs)
+    steps_per_point: int = 0  # decode steps one grid point takes (warm-up + timed + 1); graphs size their cache by it
 
 
 class BaseDecodeEngine(abc.ABC):

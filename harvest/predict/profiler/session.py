@@ -122,6 +122,10 @@ def profile(args, model_path: str, measure: MeasureConfig) -> int:
     device = _device(args.device)
     dtype = args.dtype if args.dtype != "auto" else ("float32" if device == "cpu" else "bfloat16")
     engine_name = resolve_engine(args.engine)
+    try:
+        graphs = decode_graphs(getattr(args, "graphs", "auto"), engine_name, device)
+    except EngineError as exc:
+        raise ProfilingFailed(str(exc)) from exc
     rank_cores = _rank_cores(args.tp, device)
     if args.switch_interval_ms is not None:
         sys.setswitchinterval(args.switch_interval_ms / 1e3)
@@ -143,7 +147,7 @@ def profile(args, model_path: str, measure: MeasureConfig) -> int:
             "random_weights": args.random_weights, "ladder": ladder.to_dict(), "grid": [grid.batch_sizes, grid.context_lengths],
             "warmup": measure.warmup_steps, "repeats": measure.timed_steps, "trim": measure.trim_fraction,
             "switch_interval_s": sys.getswitchinterval(), "torch_threads": decode_threads, "workload": workload_identity, "seed": args.seed,
-            "tp_size": args.tp, "rank_cores": [list(group) for group in rank_cores],
+            "tp_size": args.tp, "rank_cores": [list(group) for group in rank_cores], "graphs": graphs,
         }
         partial = PartialRun(partial_path(out), identity)
         try:
@@ -151,14 +155,15 @@ def profile(args, model_path: str, measure: MeasureConfig) -> int:
         except PartialRunError as exc:
             raise ProfilingFailed(str(exc)) from exc
         threads = f"; decode on {decode_threads} torch thread(s), the co-run trainer on {args.trainer_cpu_threads}" if device == "cpu" else ""
-        print(f"harvest profile: {model.name} ({dtype}) on {device_id.name}, {engine_name} engine; {partitioner.description}{threads}")
+        print(f"harvest profile: {model.name} ({dtype}) on {device_id.name}, {engine_name} engine{' (decode steps as CUDA graph replays)' if graphs else ''}; {partitioner.description}{threads}")
         if args.tp > 1:
             where = f"GPUs 0..{args.tp - 1}" if not rank_cores else f"cores {format_threads_bind(rank_cores)} (SGLANG_CPU_OMP_THREADS_BIND)"
             print(f"tensor parallel: {args.tp} ranks on {where}; rank 0 times the steps beside the co-run trainer")
         torch.set_num_threads(decode_threads)
         try:
             records, buckets, finetune, trainer = _measure(
-                args, engine_name, model_path, device, dtype, measure, grid, ladder, finetune_model, done, partial, tqdm, rank_cores
+                args, engine_name, model_path, device, dtype, measure, grid, ladder, finetune_model, done, partial, tqdm, rank_cores,
+                graphs,
             )
         except KeyboardInterrupt:
             partial.close()
@@ -205,14 +210,17 @@ def timer_for_name(device: str) -> str:
     return "cuda-events" if device.startswith("cuda") else "perf_counter_ns"
 
 
-def _measure(args, engine_name, model_path, device, dtype, measure, grid, ladder, finetune_model, done, partial, tqdm, rank_cores):
+def _measure(args, engine_name, model_path, device, dtype, measure, grid, ladder, finetune_model, done, partial, tqdm, rank_cores,
+             graphs=False):
     """Measure what ``done`` lacks, then the trainer alone; returns (records, buckets,
     finetune identity, trainer section)."""
     engine = workload = None
     try:
         max_context = max(grid.context_lengths) + measure.warmup_steps + measure.timed_steps + 1
         config = EngineConfig(
-            model_path, device, dtype, args.random_weights, max(grid.batch_sizes), max_context, args.seed, args.tp, rank_cores
+            model_path, device, dtype, args.random_weights, max(grid.batch_sizes), max_context, args.seed, args.tp, rank_cores,
+            graphs=graphs,
+            steps_per_point=measure.warmup_steps + measure.timed_steps + 1,
         )
         engine = make_engine(engine_name, config)
         workload = _make_workload(args, finetune_model, device, dtype)
@@ -254,6 +262,17 @@ def _config_hash_or_none(model_path: str) -> str | None:
         return model_config_hash_of_path(model_path)
     except ValueError:
         return None
+
+
+def decode_graphs(requested: str, engine_name: str, device: str) -> bool:
+    """Whether the transformers engine replays each step as a CUDA graph (--graphs):
+    auto = on a CUDA device. SGLang's engine captures its own graphs whatever is asked."""
+    if engine_name != "transformers" or requested == "off":
+        return False
+    on_cuda = device.startswith("cuda")
+    if requested == "on" and not on_cuda:
+        raise EngineError(f"--graphs on: decode CUDA graphs need a CUDA device, not {device!r}")
+    return on_cuda
 
 
 def make_engine(name: str, config: EngineConfig) -> BaseDecodeEngine:
