@@ -15,6 +15,7 @@ import platform
 import sys
 from typing import Any
 
+import harvest
 from harvest import native
 from harvest.compute import device
 from harvest.compute.device import GpuInfo, probe_gpus
@@ -46,7 +47,8 @@ def collect() -> dict[str, Any]:
     gpus, no_gpu_reason, driver_version = probe_gpus()
     ladder = _ladder(gpus)
     return {
-        "harvest": _version("harvest"),
+        # A source checkout on PYTHONPATH (the GPU validation) has no distribution metadata.
+        "harvest": _version("harvest") or harvest.__version__,
         "python": platform.python_version(),
         "platform": f"{platform.system()} {platform.machine()}",
         "packages": {
