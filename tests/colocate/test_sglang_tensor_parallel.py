@@ -2,7 +2,9 @@
 
 - greedy outputs of 200 requests are identical with harvest on and off, while both ranks
   lend and reclaim KV chunks: the same chunks, in the same order (the ranks' move
-  digests agree at every step), and a burst takes lent chunks back on both;
+  digests agree at every step), and a burst takes lent chunks back on both; an operator's
+  pause on rank 0's endpoint returns every chunk on both; stopping the server stops both
+  trainers at the same step;
 - the job trained by the two ranks, on their shards of the served weights, equals the same
   job trained offline on one rank (final adapter, 1e-5);
 - a trainer fault on rank 1 stops rank 0's trainer too, every chunk comes back on both
@@ -11,12 +13,14 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from harvest import colocation_config
 from harvest.sglang import server
-from tests.colocate.test_sglang_colocation import (BURST, RETRACTION, _generate_all, _metrics, _prompts, _status,
-                                                   _wait_for)
+from tests.colocate.test_sglang_colocation import (BURST, RETRACTION, _generate_all, _metrics, _operator, _prompts,
+                                                   _status, _wait_for)
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow, pytest.mark.timeout(1200)]
 
@@ -69,7 +73,12 @@ def test_outputs_identical_and_both_ranks_lend_and_reclaim_the_same_chunks(tiny_
         burst_out = _generate_all(srv, burst, BURST)
         after = _status(port)
         samples, _ = _metrics(port)
-        log = srv.log_path.read_text(errors="replace")
+        # An operator's pause, on rank 0's endpoint, gives the memory back on both ranks.
+        pause = _operator(port, "pause")
+        paused = _wait_for(lambda: (s := _status(port))["tensor_parallel"]["chunks_taken_by_rank"] == [0] * TP and s)
+        resume = _operator(port, "resume")
+        relent_after_pause = _wait_for(lambda: (s := _status(port))["kv"]["chunks_lent"] > 0 and s)
+    log = srv.log_path.read_text(errors="replace")
     assert (light_out, burst_out) == tp_reference_outputs
     assert status["tensor_parallel"]["size"] == TP and _ranks_agree(status), status["tensor_parallel"]
     assert relent and after["kv"]["reclaims_total"] > 0, after["kv"]  # the burst took lent chunks back
@@ -81,6 +90,12 @@ def test_outputs_identical_and_both_ranks_lend_and_reclaim_the_same_chunks(tiny_
     harvest_errors = [line for line in log.splitlines() if "harvest pid=" in line and "ERROR" in line]
     assert not harvest_errors, harvest_errors
     assert samples['harvest_kv_reclaims_total{}'] > 0 and samples['harvest_trainer_steps_total{}'] > 0
+    assert pause[0] == 200 and paused and _ranks_agree(paused), pause
+    assert resume[0] == 200 and relent_after_pause and _ranks_agree(relent_after_pause)
+    # Stopping the server stops both trainers at the same step (a collective checkpoint).
+    stopped = re.findall(r"harvest pid=(\d+)\] INFO trainer job .* stopped at step (\d+)", log)
+    assert len(stopped) == TP and len({pid for pid, _ in stopped}) == TP and len({step for _, step in stopped}) == 1, \
+        stopped
 
 
 def test_the_two_ranks_train_the_job_one_rank_trains(tiny_llama_path, tmp_path):
