@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import gc
 import threading
+import math
 import time
 from typing import Callable
 
@@ -91,7 +92,7 @@ class Colocation:
         self._lending_request: str | None = None  # an operator's "return" or "resume", for this thread
         self._operator_stopped = False
         self._refit_lock = threading.Lock()
-        self._last_refit = 0.0
+        self._last_refit = -math.inf  # monotonic() starts near 0 at boot
         self._closed = False
         # Tensor-parallel (harvest.colocate.rank_sync): the ranks agree at every step and
         # idle tick; rank 0 decides. ``trainer_tp``: the trainer's TensorParallel, whose

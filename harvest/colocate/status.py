@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import time
 
 from harvest.colocate.controller import StepRecord
@@ -18,7 +19,7 @@ class StatusReporter:
     def __init__(self, colocation, interval_s: float = 0.5):
         self.colocation = colocation
         self.interval_s = interval_s
-        self._last_publish = 0.0
+        self._last_publish = -math.inf  # due at once: monotonic() starts near 0 at boot
 
         # Steps already in a snapshot: each snapshot carries the steps since the one
         # before the previous, so an endpoint that missed one snapshot loses no step.

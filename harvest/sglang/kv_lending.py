@@ -110,7 +110,7 @@ class KvLendingController:
         self.num_reclaimed_total = 0
         self.reclaim_s_total = 0.0
         self.num_integrity_checks = 0
-        self._last_lend = 0.0
+        self._last_lend = -math.inf  # monotonic() starts near 0 at boot
         self._last_integrity_check = -math.inf
         # harvest.colocate.rank_sync.RankSync on a tensor-parallel instance: every rank's
         # free lists change only together (the same chunks, at the same point of the

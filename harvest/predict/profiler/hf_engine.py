@@ -44,6 +44,7 @@ def load_causal_lm(model_path: str, device: str, dtype: str, random_weights: boo
 
 class TransformersDecodeEngine(BaseDecodeEngine):
     name = "transformers"
+    CAPTURE_WARMUP = 2  # eager steps before a capture (lazy allocations, library handles)
 
     def __init__(self, config: EngineConfig):
         import torch
@@ -72,10 +73,6 @@ class TransformersDecodeEngine(BaseDecodeEngine):
             raise EngineError(f"decode CUDA graphs need a CUDA device, not {config.device!r} (--graphs on); use --graphs off or auto")
         if config.graphs and config.steps_per_point < 1:
             raise EngineError("decode CUDA graphs need EngineConfig.steps_per_point (the steps a grid point takes)")
-
-    @property
-    def graphs(self) -> bool:
-        return self.config.graphs
 
     def prepare(self, batch_size: int, context_length: int) -> None:
         torch = self._torch
@@ -108,7 +105,7 @@ class TransformersDecodeEngine(BaseDecodeEngine):
         batch = StaticDecodeBatch(self.model, self.config.device, batch_size, context_length, max_steps=steps,
                                   seed=self.config.seed + self._serial)
         stream = torch.cuda.current_stream()
-        for _ in range(self.CAPTURE_WARMUP):  # lazy allocations and library handles before the capture
+        for _ in range(self.CAPTURE_WARMUP):
             batch.decode_step()
         stream.synchronize()
         graph = torch.cuda.CUDAGraph()
@@ -119,8 +116,6 @@ class TransformersDecodeEngine(BaseDecodeEngine):
         stream.synchronize()
         self._static, self._graph = batch, graph
         self._length, self._batch_size = context_length, batch_size
-
-    CAPTURE_WARMUP = 2
 
     def begin_step(self) -> float:
         if self._static is not None:

@@ -126,6 +126,8 @@ def profile(args, model_path: str, measure: MeasureConfig) -> int:
         graphs = decode_graphs(getattr(args, "graphs", "auto"), engine_name, device)
     except EngineError as exc:
         raise ProfilingFailed(str(exc)) from exc
+    if engine_name == "transformers" and getattr(args, "graphs", None) == "auto":
+        args.graphs = "on" if graphs else "off"  # the provenance's command line says what ran
     rank_cores = _rank_cores(args.tp, device)
     if args.switch_interval_ms is not None:
         sys.setswitchinterval(args.switch_interval_ms / 1e3)
