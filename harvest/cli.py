@@ -22,6 +22,8 @@ COMMANDS = {
     "launch": "harvest.sglang.launch",
     "replay": "harvest.replay.command",
     "config-schema": "harvest.config_schema",
+    "top": "harvest.metrics.top",
+    "ctl": "harvest.sglang.ctl",
 }
 
 # Commands that may start CUDA (in this process or in the servers they start) run with

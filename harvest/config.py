@@ -17,7 +17,8 @@ Example (every key is optional; ``harvest config-schema`` lists them all)::
       initial_margin: 0.05      # decisions aim under target x (1 - margin)
     profile: profiles/h100-llama3-8b.json   # `harvest profile` output; required with jobs
     allow_profile_mismatch: false           # true: use a profile of another GPU/model (warns)
-    jobs: [jobs/alpaca-lora.yaml]           # LlamaFactory-style job files, run in order
+    jobs: [jobs/alpaca-lora.yaml]           # LlamaFactory-style job files (fair share by their harvest.weight)
+    queue: {max_running: 4, quantum_s: 0.5, starvation_s: 30}  # how many share the trainer, slice length
     share_served_weights: true  # a job whose base is the served checkpoint uses its weights in place
     ladder: auto                # or a list of decode SM counts, e.g. [132, 96, 64, 32]
     trainer:
@@ -30,6 +31,7 @@ Example (every key is optional; ``harvest config-schema`` lists them all)::
     metrics:
       port: 18400               # harvest's /metrics and control endpoints; 0 = off
       host: null                # address they listen on; null = SGLang's --host
+      labels: {cluster: eu-1}   # extra labels on every harvest series (model_name is always there)
     online:
       window: 512               # measured steps kept per level to refit the predictor
 """
@@ -43,12 +45,17 @@ from typing import Any
 
 from harvest.predict.online import OnlineSettings
 from harvest.schedule.config import SchedulerConfig
+from harvest.schedule.fair_share import JobQueueConfig
+from harvest.setting_kinds import LabelSet
 from harvest.settings import (Boolean, FilePath, Integer, ListOf, Number, SettingError, Text, from_mapping, invalid,
                               json_schema, section, setting, validate)
 from harvest.train.trainer_cpu import TrainerConfig
 
 
 DEFAULT_METRICS_PORT = 18400
+# Label names harvest's own series use (and Prometheus's target labels): metrics.labels
+# cannot take them.
+RESERVED_LABELS = ("model_name", "job", "instance", "job_name", "state", "le", "quantile")
 
 
 class ConfigError(ValueError):
@@ -89,6 +96,11 @@ class MetricsConfig:
                                Text(r"[^\s/]+", "a host name or IP address"), nullable=True)
     publish_interval_s: float = setting(0.5, "least time between two metric updates while idle, in seconds",
                                         Number(minimum=0.0))
+    # SGLang's metrics carry model_name (and --tokenizer-metrics-custom-labels for its own
+    # request labels); harvest's carry model_name plus these on every series, so one
+    # dashboard selects a fleet's servers by any of them.
+    labels: tuple = setting((), "extra labels on every harvest series, e.g. {cluster: eu-1, pool: decode} "
+                            "(model_name is always there)", LabelSet(reserved=RESERVED_LABELS))
 
     def __post_init__(self) -> None:
         validate(self)
@@ -100,8 +112,10 @@ class HarvestConfig:
     profile: Path | None = setting(None, "calibration profile from `harvest profile` for this GPU and model; "
                                    "required with jobs", FilePath(), nullable=True)
     allow_profile_mismatch: bool = setting(False, "use a profile of another GPU, model or ladder (warns)", Boolean())
-    jobs: tuple[Path, ...] = setting((), "LlamaFactory job files (with a `harvest:` section), run in order",
-                                     ListOf(FilePath(), one_as_list=True))
+    jobs: tuple[Path, ...] = setting((), "LlamaFactory job files (with a `harvest:` section); up to queue.max_running "
+                                     "share the trainer, the rest wait in order", ListOf(FilePath(), one_as_list=True))
+    queue: JobQueueConfig = section(JobQueueConfig, "the server's job queue: how many jobs share the trainer and "
+                                    "how its time is shared (fair share by job weight)")
     share_served_weights: bool = setting(True, "a job whose base model is the served checkpoint trains on its "
                                          "weights in place", Boolean())
     ladder: tuple[int, ...] | None = setting(None, "decode SM counts of the ladder levels; auto: planned from the device",

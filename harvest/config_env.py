@@ -132,3 +132,13 @@ def metrics_host() -> str | None:
     if any(ch.isspace() or ch == "/" for ch in value):
         raise ValueError(f"{METRICS_HOST_VAR}={value!r} is not a host name or IP address")
     return value
+
+
+CLIENT_API_KEY_VAR = "HARVEST_API_KEY"
+
+
+def client_api_key() -> str | None:
+    """HARVEST_API_KEY: the key `harvest ctl` and `harvest top` send to a server's control
+    endpoint (SGLang's admin key, or its API key when it has no admin key). Not the
+    server's own setting: a server takes its keys from SGLang's --api-key/--admin-api-key."""
+    return os.environ.get(CLIENT_API_KEY_VAR) or None

@@ -188,7 +188,7 @@ def check_in_child(config_path: str | os.PathLike | None, *, model_path: str | N
     out = subprocess.run(command, capture_output=True, text=True, check=False)
     if out.returncode == 0:
         return
-    reported = _reported_error(out.stdout)
+    reported = reported_error(out.stdout)
     if reported is not None:
         raise PreflightError(reported)
     raise PreflightError(f"harvest's pre-flight check failed (exit status {out.returncode}): "
@@ -198,7 +198,23 @@ def check_in_child(config_path: str | os.PathLike | None, *, model_path: str | N
 _REPORT_KEY = "preflight_error"
 
 
-def _reported_error(stdout: str) -> str | None:
+def check_job_file(path: str | os.PathLike) -> None:
+    """One job file as a server checks it before it runs (a run-time submission): its
+    name and harvest section, then `harvest train --check`'s checks with the server's caps."""
+    from harvest.train.errors import CheckpointError, JobError
+    from harvest.train.job import job_identity, load_job
+    from harvest.train.plan import check_job
+
+    try:
+        job_identity(path)
+        check_job(load_job(path, in_server=True))
+    except JobError as exc:  # names the job file and the key
+        raise PreflightError(str(exc)) from None
+    except CheckpointError as exc:
+        raise PreflightError(f"job file {str(path)!r}: {exc}") from None
+
+
+def reported_error(stdout: str) -> str | None:
     """The child's PreflightError: its last stdout line (libraries may print before it)."""
     lines = stdout.strip().splitlines()
     if not lines:
@@ -217,9 +233,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model-path", default=None, help="the served checkpoint")
     parser.add_argument("--sglang-host", default=None, help="SGLang's --host")
     parser.add_argument("--tp-size", type=int, default=None, help="SGLang's --tp-size")
+    parser.add_argument("--job", default=None, help="check this one job file instead (a run-time submission)")
     args = parser.parse_args(argv)
     try:
-        check(args.config, model_path=args.model_path, sglang_host=args.sglang_host, tp_size=args.tp_size)
+        if args.job is not None:
+            check_job_file(args.job)
+        else:
+            check(args.config, model_path=args.model_path, sglang_host=args.sglang_host, tp_size=args.tp_size)
     except PreflightError as exc:
         print(json.dumps({_REPORT_KEY: str(exc)}))
         return 2

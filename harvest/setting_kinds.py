@@ -206,3 +206,39 @@ class ListOf:
         if self.distinct:
             array["uniqueItems"] = True
         return {"anyOf": [self.item.schema(), array]} if self.one_as_list else array
+
+
+@dataclasses.dataclass(frozen=True)
+class LabelSet:
+    """A mapping of Prometheus label names to string values (kept as a sorted tuple of
+    pairs: settings are frozen). ``reserved``: names harvest itself uses."""
+
+    reserved: tuple[str, ...] = ()
+
+    @property
+    def expected(self) -> str:
+        taken = f", none of {', '.join(self.reserved)}" if self.reserved else ""
+        return ("a mapping of label names (letters, digits and '_', not starting with a digit or '__'"
+                f"{taken}) to strings")
+
+    def convert(self, value: Any, base_dir: Path | None) -> tuple:
+        if isinstance(value, tuple) and all(isinstance(pair, tuple) and len(pair) == 2 for pair in value):
+            value = dict(value)
+        if not isinstance(value, abc.Mapping):
+            raise Mismatch()
+        for name, text in value.items():
+            if (not isinstance(name, str) or re.fullmatch(LABEL_NAME_PATTERN, name) is None or name.startswith("__")
+                    or name in self.reserved or not isinstance(text, str)):
+                raise Mismatch()
+        return tuple(sorted(value.items()))
+
+    def to_yaml(self, value: tuple) -> dict:
+        return dict(value)
+
+    def schema(self) -> dict:
+        return {"type": "object", "propertyNames": {"pattern": f"^{LABEL_NAME_PATTERN}$",
+                                                    "not": {"enum": list(self.reserved)}},
+                "additionalProperties": {"type": "string"}}
+
+
+LABEL_NAME_PATTERN = r"[a-zA-Z_][a-zA-Z0-9_]*"

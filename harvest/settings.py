@@ -92,7 +92,8 @@ class Setting:
         for word, meaning in self.words.items():
             if value is meaning or (meaning is not None and value == meaning):
                 return word
-        return _to_yaml(value)
+        to_yaml = getattr(self.kind, "to_yaml", None)  # a kind whose YAML form is not a list or scalar
+        return to_yaml(value) if to_yaml is not None else _to_yaml(value)
 
 
 def _to_yaml(value: Any) -> Any:

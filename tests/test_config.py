@@ -143,7 +143,8 @@ ladder: [132, 64]
 trainer: {cpu_threads: 2, nice: 5}
 memory: {reserve_tokens: 4096, hysteresis_chunks: 0, max_lend_fraction: 0.5, lend_interval_s: 0.2,
          urgent_reclaim_wait_s: 2.5, integrity_check_interval_s: 30, release_on_pause: false}
-metrics: {port: 0, host: 0.0.0.0, publish_interval_s: 2}
+metrics: {port: 0, host: 0.0.0.0, publish_interval_s: 2, labels: {cluster: eu-1, pool: decode}}
+queue: {max_running: 2, quantum_s: 1.5, starvation_s: 10}
 online: {window: 64, refit_every: 16, min_observations: 8, drift_threshold: 0.2, online_share: 0.25,
          refit_min_interval_s: 0.5}
 """
@@ -157,10 +158,13 @@ def _write_non_default(tmp_path):
     return tmp_path / "harvest.yaml"
 
 
+MAPPING_SETTINGS = ("metrics.labels",)  # settings whose value is itself a mapping
+
+
 def _leaf_paths(document, parent=""):
     for key, value in document.items():
         path = f"{parent}.{key}" if parent else key
-        yield from _leaf_paths(value, path) if isinstance(value, dict) else [path]
+        yield from _leaf_paths(value, path) if isinstance(value, dict) and path not in MAPPING_SETTINGS else [path]
 
 
 def _lookup(obj, dotted):

@@ -126,10 +126,12 @@ def test_sections_validate_their_new_settings():
 
 def test_every_job_harvest_option_is_reachable_from_yaml():
     written = {"micro_batch_size": 4, "unit_target_ms": 20, "window_stages": 3, "memory_budget_mb": 512,
-               "microbatches_per_pass": 2, "device": "cpu"}
+               "microbatches_per_pass": 2, "device": "cpu", "name": "alpaca-v2", "weight": 3.0,
+               "serve_as": "support-bot"}
     assert {path for path, _ in setting_paths(HarvestOptions)} == set(written)
     options = HarvestOptions.from_mapping(written)
     for name, value in written.items():
         assert getattr(options, name) == value != getattr(HarvestOptions(), name), name
     assert to_mapping(HarvestOptions()) == {"micro_batch_size": "auto", "unit_target_ms": 10.0, "window_stages": "all",
-                                            "memory_budget_mb": None, "microbatches_per_pass": 1, "device": "auto"}
+                                            "memory_budget_mb": None, "microbatches_per_pass": 1, "device": "auto",
+                                            "name": None, "weight": 1.0, "serve_as": None}

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from pathlib import Path
 from typing import Any, Callable
 
 from harvest.logs import get_logger
@@ -66,6 +67,12 @@ class EngineAdapter:
     # (harvest.train.tensor_parallel.TensorParallel). None: one rank.
     ranks: Any = None
     trainer_tp: Any = None
+    # The served model's name (SGLang's --served-model-name): the model_name label of
+    # every harvest series. None: the checkpoint's folder name.
+    model_name: str | None = None
+    # Serving finished jobs' adapters (harvest.colocate.job_control.AdapterServing); None:
+    # the engine cannot load adapters.
+    adapters: Any = None
 
     @property
     def tp_size(self) -> int:
@@ -109,7 +116,8 @@ def _assemble(config, engine: EngineAdapter, partitioner, jobs: tuple):
     from harvest.colocate.step_timer import make_step_timer
     from harvest.schedule import QoSController
 
-    metrics = _metrics()
+    model_name = engine.model_name or Path(engine.model_path.rstrip("/")).name or engine.model_path
+    metrics = _metrics(config, engine, model_name)
     refiner = None
     if config.profile is not None and engine.tp_rank == 0:  # rank 0 decides for every rank
         refiner = _refiner(config, engine, partitioner)
@@ -125,7 +133,9 @@ def _assemble(config, engine: EngineAdapter, partitioner, jobs: tuple):
         engine.kv.allocator.set_fence_streams(kv_fence_streams(partitioner.ladder, engine.device,
                                                               engine.kv.engine_streams))
     trainer_host = None
-    if jobs:
+    # A server with a profile runs a job queue even when it starts with none: jobs can be
+    # submitted at run time (harvest ctl submit).
+    if jobs or (config.profile is not None and (engine.build_trainer is not None or engine.kv is not None)):
         from harvest.colocate.trainer_host import TrainerHost
 
         build = engine.build_trainer
@@ -135,18 +145,38 @@ def _assemble(config, engine: EngineAdapter, partitioner, jobs: tuple):
                                  "pool (kv) to build job files into lent memory")
             build = job_file_builder(engine.kv.allocator, engine.device, budget, engine.weight_source_for,
                                      tp=engine.trainer_tp)
-        trainer_host = TrainerHost(list(jobs), build=build, cpu_threads=config.trainer.cpu_threads,
-                                   nice=config.trainer.nice, tp_rank=engine.tp_rank)
+        max_running = config.queue.max_running
+        if engine.tp_size > 1 and max_running > 1:
+            # Every rank must run the same job's units at once: the ranks would have to
+            # agree on each slice. They run one job at a time, in order, instead.
+            logger.info("tensor parallelism: jobs run one at a time, in order (queue.max_running %d -> 1)",
+                        max_running)
+            max_running = 1
+        trainer_host = TrainerHost(job_specs(jobs) if engine.jobs is None else list(jobs), build=build,
+                                   cpu_threads=config.trainer.cpu_threads, nice=config.trainer.nice,
+                                   tp_rank=engine.tp_rank, max_running=max_running,
+                                   quantum_s=config.queue.quantum_s, starvation_s=config.queue.starvation_s)
     control = StepController(partitioner=partitioner, qos=qos, trainer_host=trainer_host,
                              predictor=None if refiner is None else refiner.predictor, refiner=refiner,
                              metrics=metrics, target_tpot_ms=config.qos.target_tpot_ms)
     if refiner is not None:
         import sklearn.linear_model  # noqa: F401 - pay the ~1 s import at start-up, not in the first refit
-    return Colocation(config=config, partitioner=partitioner, control=control, trainer_host=trainer_host,
-                      lending=lending, timer=make_step_timer(engine.device_type), metrics=metrics, refiner=refiner,
-                      gpu_sampler=_gpu_sampler(engine), device_type=engine.device_type,
-                      refit_min_interval_s=config.online.refit_min_interval_s,
-                      engine_places_forward=engine.places_forward, ranks=engine.ranks, trainer_tp=engine.trainer_tp)
+    colocation = Colocation(config=config, partitioner=partitioner, control=control, trainer_host=trainer_host,
+                            lending=lending, timer=make_step_timer(engine.device_type), metrics=metrics,
+                            refiner=refiner, gpu_sampler=_gpu_sampler(engine), device_type=engine.device_type,
+                            refit_min_interval_s=config.online.refit_min_interval_s,
+                            engine_places_forward=engine.places_forward, ranks=engine.ranks,
+                            trainer_tp=engine.trainer_tp, adapters=engine.adapters)
+    colocation.model_name = model_name
+    if metrics is not None:  # known now: no zeros until the first decode step
+        from harvest.colocate.job_control import current_settings
+
+        settings = current_settings(colocation)
+        metrics.set_settings(target_tpot_s=settings["target_tpot_ms"] / 1e3,
+                             max_lend_fraction=settings["max_lend_fraction"])
+        whole = partitioner.ladder.levels[partitioner.ladder.whole_device_index]
+        metrics.set_level(decode_sms=whole.decode_sms, trainer_sms=0)
+    return colocation
 
 
 def build_partitioner(config, device: str):
@@ -244,14 +274,50 @@ def job_file_builder(allocator, device: str, budget=None, weight_source_for: Cal
     return build
 
 
-def _metrics():
+def job_specs(paths) -> list:
+    """The queue's view of harvest.yaml's job files (their name, weight, served name):
+    two with one name or one output folder are refused here, at start-up."""
+    from harvest.colocate.trainer_host import JobRefused, JobSpec
+    from harvest.train.job import job_identity
+
+    specs = []
+    for index, path in enumerate(paths):
+        identity = job_identity(path)
+        spec = JobSpec(identity.path, identity.name, identity.weight, identity.serve_as, identity.output_dir)
+        for other in specs:
+            if other.name == spec.name or (spec.output_dir is not None and other.output_dir == spec.output_dir):
+                clash = "name" if other.name == spec.name else f"output_dir {spec.output_dir}"
+                raise JobRefused(f"jobs[{index}] ({path}) has the {clash} of {other.path}: give each job its own "
+                                 "(harvest: {name: ...}, output_dir)")
+        specs.append(spec)
+    return specs
+
+
+def _metrics(config, engine: EngineAdapter, model_name: str):
     from harvest.metrics.registry import HarvestMetrics
 
     try:
-        return HarvestMetrics()
+        metrics = HarvestMetrics(constant_labels={"model_name": model_name, **dict(config.metrics.labels)})
     except ImportError:  # prometheus-client is the serve extra's; a bare harness runs without metrics
         logger.info("metrics off: prometheus-client is not installed")
         return None
+    metrics.set_build_info(**_build_info(engine))
+    return metrics
+
+
+def _build_info(engine: EngineAdapter) -> dict:
+    import harvest
+
+    try:
+        from importlib.metadata import version
+
+        sglang_version = version("sglang")
+    except Exception:  # noqa: BLE001 - not installed (a bare harness)
+        sglang_version = "none"
+    import torch
+
+    return {"version": harvest.__version__, "sglang_version": sglang_version, "torch_version": torch.__version__,
+            "device": engine.device}
 
 
 def _gpu_sampler(engine: EngineAdapter):

@@ -63,7 +63,7 @@ class NoKvLending:
 class Colocation:
     def __init__(self, *, config, partitioner, control, trainer_host, lending, timer, metrics, refiner,
                  gpu_sampler=None, device_type: str = "cpu", refit_min_interval_s: float = 2.0,
-                 engine_places_forward: bool = False, ranks=None, trainer_tp=None):
+                 engine_places_forward: bool = False, ranks=None, trainer_tp=None, adapters=None):
         self.config = config
         self.partitioner = partitioner
         self.control = control
@@ -109,9 +109,15 @@ class Colocation:
         self.last_agreement = None
         if ranks is not None:
             lending.ranks = ranks
+        # harvest.colocate.job_control.AdapterServing: finished jobs' adapters into the
+        # serving engine (None: the engine cannot serve adapters).
+        self.adapters = adapters
+        self.model_name: str | None = None  # the served model's name (metrics' model_name label)
+        self._cores_left_to_trainer = False
         if trainer_host is not None:
             trainer_host.on_unit = self._after_trainer_unit
             trainer_host.on_fault = self._on_trainer_fault
+            trainer_host.on_job_end = self._on_job_end
 
     # -- the decode step ----------------------------------------------------------------
     def run_step(self, load: StepLoad, run, *args, **kwargs):
@@ -333,7 +339,7 @@ class Colocation:
         from harvest.schedule import TrainerState
 
         host = self.trainer_host
-        if host is None:
+        if host is None or not host.runs:
             return 409, {"error": "no finetune job configured"}
         state = host.status().state
         ended = (TrainerState.STOPPED, TrainerState.FINISHED, TrainerState.FAILED)
@@ -362,6 +368,18 @@ class Colocation:
             return 200, {"trainer": "stopping (checkpoint first)", "kv": "returning lent memory; no more lending"}
         raise ValueError(f"unknown operator action {action!r}")
 
+    def lend_again_for_live_jobs(self) -> None:
+        """After a job's fault took every chunk back (lending off): the server's other
+        jobs, or one submitted later, get lent memory again, unless lending stopped for a
+        reason that concerns every job (a failed integrity check, an operator's stop)."""
+        host = self.trainer_host
+        if isinstance(self.lending, NoKvLending) or host is None or not host.live or self._operator_stopped \
+                or self.integrity_error is not None \
+                or self.ranks_stopped_why is not None or self.ranks is not None:
+            return
+        self.lending.enabled = True
+        self.lending.resume_lending()
+
     def _request_lending(self, request: str) -> None:
         if self.ranks is not None:  # rank 0's endpoint: every rank moves memory at the next exchange
             self._lending_out = LendingRequest.RETURN if request == "return" else LendingRequest.RESUME
@@ -382,6 +400,7 @@ class Colocation:
                 self.metrics.trainer_fault()
             self.lending.reclaim_all()
             logger.info("trainer fault handled: %d KV chunks lent now, decode has every SM", self.lending.num_lent)
+            self.lend_again_for_live_jobs()
         for handler in self.attention_handlers:
             if handler():
                 self._attention = True
@@ -391,12 +410,35 @@ class Colocation:
         """On the engine thread: settle its CPU threads beside the trainer's, then start
         the trainer thread."""
         if self.trainer_host is not None:
-            if self.device_type == "cpu":
-                leave_cores_to_trainer(self.config.trainer.cpu_threads)
+            if self.trainer_host.runs:
+                self._leave_cores_to_trainer()
             self.trainer_host.start()
         import torch
 
         self.decode_cpu_threads = torch.get_num_threads()
+
+    def _leave_cores_to_trainer(self) -> None:
+        """Engine thread, once, before the first job starts (at start-up, or the first
+        submission to a server started without jobs)."""
+        if self._cores_left_to_trainer:
+            return
+        self._cores_left_to_trainer = True
+        if self.device_type == "cpu":
+            leave_cores_to_trainer(self.config.trainer.cpu_threads)
+            if self.trainer_host is not None:
+                self.trainer_host.note_serving_threads()
+
+    # -- the job queue and run-time settings (engine thread: the control link's commands) --
+    def command(self, action: str, args: dict | None = None) -> tuple[int, dict]:
+        """An operator's command from the control endpoint: (HTTP status, reply)."""
+        from harvest.colocate import job_control
+
+        return job_control.execute(self, action, args or {})
+
+    def _on_job_end(self, run) -> None:
+        """A job's thread, as the job ends: a finished job with ``serve_as`` is served."""
+        if run.state == "finished" and run.spec.serve_as and self.adapters is not None:
+            self.adapters.publish(run, run.spec.serve_as)
 
     def close(self, trainer_timeout_s: float = 10.0) -> None:
         """Stop the trainer (it checkpoints first); idempotent."""

@@ -10,7 +10,8 @@ through:
   ``metrics.publish_interval_s``, atomically (write, then rename). The endpoint reads it
   and serves every GET from its own copy: a thousand scrapes cost the engine nothing.
 - a **command socket** (one end of a socketpair): the endpoint writes one JSON line per
-  operator action (``{"id": 7, "action": "pause"}``); a reader thread here, blocked in
+  operator action (``{"id": 7, "action": "pause"}``, ``{"id": 8, "action": "submit",
+  "args": {"path": ...}}``: harvest.colocate.job_control); a reader thread here, blocked in
   ``recv`` (the GIL released), queues it and asks for the engine's attention; the engine
   runs it at its next step or idle tick and writes the reply line
   (``{"id": 7, "code": 200, "reply": {...}}``). When this process dies the socket
@@ -31,15 +32,14 @@ from harvest.logs import get_logger
 
 logger = get_logger(__name__)
 
-ACTIONS = ("pause", "resume", "stop")
 SNAPSHOT_VERSION = 1
 
 
 class ControlLink:
-    """``execute(action) -> (HTTP status, reply)`` runs on the engine thread, from
+    """``execute(action, args) -> (HTTP status, reply)`` runs on the engine thread, from
     :meth:`serve_commands`, which the engine calls when ``request_attention`` was asked."""
 
-    def __init__(self, sock: socket.socket, snapshot_path: Path, execute: Callable[[str], tuple[int, dict]],
+    def __init__(self, sock: socket.socket, snapshot_path: Path, execute: Callable[[str, dict], tuple[int, dict]],
                  request_attention: Callable[[], None]):
         self.snapshot_path = Path(snapshot_path)
         self._sock = sock
@@ -84,14 +84,11 @@ class ControlLink:
             served += 1
             command = self._commands.popleft()
             action = command.get("action")
-            if action not in ACTIONS:
-                code, reply = 404, {"error": f"no such action {action!r}"}
-            else:
-                try:
-                    code, reply = self._execute(action)
-                except Exception as exc:  # noqa: BLE001 - the reply says what failed; serving goes on
-                    logger.exception("control: %s failed", action)
-                    code, reply = 500, {"error": f"{action} failed: {exc}"}
+            try:
+                code, reply = self._execute(action, command.get("args") or {})
+            except Exception as exc:  # noqa: BLE001 - the reply says what failed; serving goes on
+                logger.exception("control: %s failed", action)
+                code, reply = 500, {"error": f"{action} failed: {exc}"}
             self._reply({"id": command.get("id"), "code": code, "reply": reply})
         return served
 

@@ -11,6 +11,7 @@ import math
 import time
 
 from harvest.colocate.controller import StepRecord
+from harvest.colocate.job_control import current_settings
 
 STEP_FIELDS = ("seq", *StepRecord._fields)
 
@@ -55,7 +56,8 @@ class StatusReporter:
                 "metrics": metrics.exposition().decode() if metrics is not None else ""}
 
     def publish(self) -> None:
-        """The gauges that are not updated per step: trainer, KV chunks, predictor, GPU."""
+        """The gauges that are not updated per step: the trainer and its jobs, KV chunks,
+        predictor, GPU (build info, settings and the first level are set at start-up)."""
         colo = self.colocation
         metrics = colo.metrics
         if metrics is None:
@@ -64,21 +66,21 @@ class StatusReporter:
         if host is not None:
             status = host.status()
             stats = status.stats or {}
-            metrics.set_trainer(state=status.state, tokens=stats.get("tokens_seen", 0), samples=stats.get("samples_seen", 0),
-                                steps=stats.get("global_step", 0), loss=stats.get("loss"), eval_loss=stats.get("eval_loss"),
-                                window_layers=stats.get("window_stages", 0), resident_bytes=stats.get("resident_bytes", 0))
+            metrics.set_trainer(state=status.state, window_layers=stats.get("window_stages", 0),
+                                resident_bytes=stats.get("resident_bytes", 0))
+            metrics.set_jobs(getattr(status, "jobs", None) or [])  # HostStatus.jobs: one dict per job
         kv = colo.lending.stats()
         if kv:
             lent = colo.lending.num_lent
             # A chunk being lent (waiting for decode's fences) is neither mapped for SGLang nor lent yet.
             mapped = kv["chunks_total"] - lent - kv.get("chunks_lending", 0)
             metrics.set_kv_chunks(mapped=mapped, lent=lent, fragmentation_bytes=kv["fragmentation_bytes"])
-        if colo.refiner is not None:
-            metrics.set_prediction_error(colo.refiner.error, colo.refiner.drift)
+        refiner = colo.refiner
+        if refiner is not None and refiner.num_observations:  # its error is 0.0, not unknown, before any
+            metrics.set_prediction_error(refiner.error, refiner.drift)
         if colo.gpu_sampler is not None:
             sample = colo.gpu_sampler.sample()
-            metrics.set_gpu(sm_utilization=sample.sm_utilization,
-                            memory_bandwidth_utilization=sample.memory_bandwidth_utilization,
+            metrics.set_gpu(busy_ratio=sample.busy_ratio, memory_busy_ratio=sample.memory_busy_ratio,
                             memory_used_bytes=sample.memory_used_bytes)
 
     def status(self) -> dict:
@@ -94,7 +96,12 @@ class StatusReporter:
             "level": {"index": colo.partitioner.current_index, "decode_sms": control.level.decode_sms,
                       "trainer_sms": control.level.trainer_sms, "partitioner": colo.partitioner.description},
             "kv": {**colo.lending.stats(), "integrity_error": colo.integrity_error},
-            "qos": {"target_tpot_ms": config.qos.target_tpot_ms, **control.qos.stats().to_dict()},
+            "qos": {"target_tpot_ms": control.qos.config.target_tpot_ms, **control.qos.stats().to_dict()},
+            "tpot_ms": recent_tpot(control.recent_steps),
+            "settings": current_settings(colo),
+            "queue": {"max_running": host.max_running, "quantum_s": host.fair.quantum_s,
+                      "starvation_s": host.fair.starvation_s} if host is not None else None,
+            "model_name": getattr(colo, "model_name", None),
             "steps": colo.profiler.num_steps,
             "unmeasured_steps": control.unmeasured_steps,
             **colo.profiler.summary(),
@@ -106,6 +113,28 @@ class StatusReporter:
             "idle_gc_collections": colo.idle_gc_collections,
             "tensor_parallel": _tensor_parallel(colo),
         }
+
+
+TPOT_WINDOW_STEPS = 512
+
+
+def recent_tpot(records) -> dict:
+    """Median and 99th percentile of the last ``TPOT_WINDOW_STEPS`` decode steps' measured
+    latency (what `harvest top` shows against the target); None without decode steps."""
+    measured = sorted(record.measured_ms for record in itertools.islice(reversed(records), TPOT_WINDOW_STEPS)
+                      if record.is_decode)
+    if not measured:
+        return {"p50": None, "p99": None, "window_steps": 0}
+    return {"p50": round(_quantile(measured, 0.5), 3), "p99": round(_quantile(measured, 0.99), 3),
+            "window_steps": len(measured)}
+
+
+def _quantile(ordered: list, q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default), on a sorted list."""
+    position = q * (len(ordered) - 1)
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
 def _tensor_parallel(colo) -> dict | None:

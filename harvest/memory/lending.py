@@ -70,7 +70,8 @@ def plan(policy: LendingPolicy, free_per_chunk: Sequence[int], lent: Sequence[bo
         raise ValueError(f"plan: expected {policy.num_chunks} chunks, got {len(free_per_chunk)} counts and {len(lent)} flags")
     free_mapped = free_mapped_tokens(free_per_chunk, lent)
     num_lent = sum(lent)
-    to_reclaim = reclaim_count(policy, free_mapped, num_lent)
+    # Over the cap (an operator lowered max_lend_fraction at run time): the excess comes back.
+    to_reclaim = max(reclaim_count(policy, free_mapped, num_lent), num_lent - policy.max_lent_chunks)
     if to_reclaim:
         return LendingPlan(reclaim_count=to_reclaim, free_mapped_tokens=free_mapped)
     floor = policy.reserve_tokens + policy.hysteresis_chunks * policy.tokens_per_chunk

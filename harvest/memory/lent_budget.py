@@ -42,11 +42,17 @@ class BudgetSnapshot:
 
 
 class LentMemoryBudget:
+    """Followed by every trainer of the server's jobs (harvest.colocate.trainer_host runs
+    several, one unit at a time). A follower is a trainer thread: it follows, acknowledges
+    and stops following on its own thread, so followers are told apart by thread. A wait
+    for a generation waits for every follower: a parked job acknowledges at once (its
+    ``wake``), the running one at its next unit boundary."""
+
     def __init__(self) -> None:
         self._cond = threading.Condition(threading.Lock())
         self._snapshot = BudgetSnapshot(0, 0, 0)
-        self._acknowledged = 0
-        self._wake: Callable[[], None] | None = None  # the follower's
+        self._acknowledged = 0  # the least generation every follower applied (the last, once none follows)
+        self._followers: dict[int, list] = {}  # thread ident -> [wake, generation it applied]
 
     # -- memory side ----------------------------------------------------------------------
     @property
@@ -56,7 +62,7 @@ class LentMemoryBudget:
     @property
     def followed(self) -> bool:
         """Whether a trainer follows this budget (only a follower ever acknowledges)."""
-        return self._wake is not None
+        return bool(self._followers)
 
     def publish(self, *, lent_bytes: int, wanted_back_bytes: int) -> int:
         """Publish what is lent and what is wanted back; returns the generation to wait
@@ -69,44 +75,63 @@ class LentMemoryBudget:
                 return current.generation
             generation = current.generation + 1
             self._snapshot = BudgetSnapshot(generation, lent_bytes, wanted_back_bytes)
-            wake = self._wake
-        if wake is not None:
+            wakes = [follower[0] for follower in self._followers.values()]
+        for wake in wakes:
             wake()  # outside this lock: the wake takes the follower's gate lock
         return generation
 
     @property
     def acknowledged_generation(self) -> int:
-        """The latest generation the follower has applied."""
+        """The latest generation every follower has applied."""
         return self._acknowledged
 
     def wait_acknowledged(self, generation: int, timeout_s: float) -> bool:
-        """Wait until the follower has applied ``generation`` (or stopped following), at
-        most ``timeout_s``. True if it did."""
+        """Wait until every follower has applied ``generation`` (or stopped following), at
+        most ``timeout_s``. True if they did."""
         with self._cond:
-            return self._cond.wait_for(lambda: self._acknowledged >= generation or self._wake is None, timeout_s)
+            return self._cond.wait_for(lambda: self._acknowledged >= generation or not self._followers, timeout_s)
 
     # -- trainer side ---------------------------------------------------------------------
     def acknowledge(self, generation: int) -> None:
-        """The follower applied ``generation``: it holds at most that snapshot's limit."""
+        """The calling follower applied ``generation``: it holds at most that snapshot's
+        limit. From a thread that does not follow: the only follower's (a trainer driven
+        from another thread), or, with none, the budget's record."""
         with self._cond:
-            if generation > self._acknowledged:
-                self._acknowledged = generation
-                self._cond.notify_all()
+            follower = self._followers.get(threading.get_ident())
+            if follower is None and len(self._followers) == 1:
+                follower = next(iter(self._followers.values()))
+            if follower is None:
+                if not self._followers and generation > self._acknowledged:
+                    self._acknowledged = generation
+                    self._cond.notify_all()
+                return
+            if generation > follower[1]:
+                follower[1] = generation
+                self._update_acknowledged_locked()
 
     def follow(self, wake: Callable[[], None]) -> Callable[[], None]:
-        """Register the one follower. ``wake()`` is called (from the publishing thread, so
-        it must only signal, never block) after every change, so that a follower blocked
-        elsewhere applies it promptly. Returns ``unfollow``; a follower that stops must
-        have released the lent memory first (waiters then stop waiting)."""
+        """Register the calling thread's trainer as a follower. ``wake()`` is called (from
+        the publishing thread, so it must only signal, never block) after every change, so
+        that a follower blocked elsewhere applies it promptly. Returns ``unfollow``; a
+        follower that stops must have released the lent memory first. A new follower holds
+        no lent memory yet: it counts as having applied the current generation."""
+        ident = threading.get_ident()
         with self._cond:
-            if self._wake is not None:
-                raise RuntimeError("LentMemoryBudget.follow: a follower is already registered (one trainer at a time)")
-            self._wake = wake
+            if ident in self._followers:
+                raise RuntimeError("LentMemoryBudget.follow: this thread already follows the budget")
+            self._followers[ident] = [wake, self._snapshot.generation]
+            self._update_acknowledged_locked()
 
         def unfollow() -> None:
             with self._cond:
-                if self._wake is wake:
-                    self._wake = None
-                    self._cond.notify_all()
+                follower = self._followers.get(ident)
+                if follower is not None and follower[0] is wake:
+                    del self._followers[ident]
+                    self._update_acknowledged_locked()
 
         return unfollow
+
+    def _update_acknowledged_locked(self) -> None:
+        if self._followers:
+            self._acknowledged = min(follower[1] for follower in self._followers.values())
+        self._cond.notify_all()

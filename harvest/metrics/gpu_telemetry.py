@@ -1,9 +1,12 @@
 """GPU telemetry through NVML (the ``pynvml`` module of nvidia-ml-py).
 
-``nvmlDeviceGetUtilizationRates`` gives the share of the last sample period in which a
-kernel ran (``gpu``) and in which device memory was read or written (``memory``); the
-latter is NVML's memory-bandwidth utilisation. Without a driver, :func:`open_sampler`
-returns None and says why; nothing is faked.
+``nvmlDeviceGetUtilizationRates`` gives two shares of NVML's last sample period (1/6 s
+to 1 s, depending on the product): ``gpu``, the share in which *any* kernel was running
+on the device, and ``memory``, the share in which device memory was being read or
+written. Neither says how many SMs were busy: one kernel on one SM counts as fully busy.
+SM activity and occupancy come from DCGM's profiling counters (dcgm-exporter's
+``DCGM_FI_PROF_SM_ACTIVE``, ``DCGM_FI_PROF_SM_OCCUPANCY``; docs/metrics.md). Without a
+driver, :func:`open_sampler` returns None and says why; nothing is faked.
 """
 
 from __future__ import annotations
@@ -13,9 +16,9 @@ import dataclasses
 
 @dataclasses.dataclass(frozen=True)
 class GpuSample:
-    sm_utilization: float  # 0..1
-    memory_bandwidth_utilization: float  # 0..1
-    memory_used_bytes: int
+    busy_ratio: float  # NVML utilization.gpu: share of the period with any kernel running (not SM occupancy)
+    memory_busy_ratio: float  # NVML utilization.memory: share of the period with device memory read or written
+    memory_used_bytes: int  # device memory in use, every process's
 
 
 class NvmlSampler:

@@ -10,7 +10,18 @@
     POST /harvest/resume
     POST /harvest/stop     trainer checkpoints and stops; every lent chunk comes back and
                            nothing more is lent
-    (409 for an action the trainer's state refuses, 405 for a method a route does not take)
+    GET  /harvest/jobs     JSON: {"jobs": [...]}, the queue (each job's state, weight,
+                           progress, ETA, share, deficit, served adapter)
+    POST /harvest/jobs     {"path": "/abs/job.yaml"}: checked as `harvest train --check`
+                           does (in a child process), then queued (202)
+    POST /harvest/jobs/NAME/cancel            a queued job never starts; a running one
+                                              checkpoints and ends
+    POST /harvest/jobs/NAME/publish           {"as": "adapter-name"} (optional): its adapter
+                                              (final, else latest checkpoint) into SGLang
+    POST /harvest/settings {"target_tpot_ms": 35, "max_lend_fraction": 0.5,
+                           "weights": {"NAME": 3}}: all validated, then all applied
+    (400 for a bad request, 404 for an unknown job, 409 for an action the trainer's state
+    refuses, 405 for a method a route does not take)
 
 Why a process: served from a thread of the scheduler process, request handling competed
 with decode for the GIL, and polling the endpoint broke the latency target (2000 polls by
@@ -35,8 +46,10 @@ import json
 import math
 import os
 import queue
+import re
 import shutil
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -54,8 +67,24 @@ STEPS_KEPT = 8192
 STEPS_DEFAULT_LIMIT = 512  # a poll's default: ~75 kB, where all 8192 kept would be ~1.2 MB
 COMMAND_TIMEOUT_S = 10.0
 MAX_BODY_BYTES = 64 * 1024
-GET_ROUTES = ("/metrics", "/harvest/status", "/harvest/steps")
-POST_ROUTES = ("/harvest/pause", "/harvest/resume", "/harvest/stop")
+JOB_CHECK_TIMEOUT_S = 600.0  # LlamaFactory's imports and the dataset's preprocessing, at idle priority
+GET_ROUTES = ("/metrics", "/harvest/status", "/harvest/steps", "/harvest/jobs")
+POST_ROUTES = ("/harvest/pause", "/harvest/resume", "/harvest/stop", "/harvest/jobs", "/harvest/settings")
+JOB_ACTION_ROUTE = re.compile(r"/harvest/jobs/([^/]+)/(cancel|publish)")
+
+
+def post_action(path: str) -> tuple[str, dict] | None:
+    """(engine action, arguments from the path) of a POST route; None: no such route."""
+    if path in ("/harvest/pause", "/harvest/resume", "/harvest/stop"):
+        return path.rsplit("/", 1)[1], {}
+    if path == "/harvest/jobs":
+        return "submit", {}
+    if path == "/harvest/settings":
+        return "set", {}
+    match = JOB_ACTION_ROUTE.fullmatch(path)
+    if match:
+        return match.group(2), {"name": urllib.parse.unquote(match.group(1))}
+    return None
 
 
 def strict(value):
@@ -166,12 +195,15 @@ class CommandChannel:
             pass
         self._on_closed()
 
-    def call(self, action: str, timeout_s: float = COMMAND_TIMEOUT_S) -> tuple[int, dict]:
+    def call(self, action: str, args: dict | None = None, timeout_s: float = COMMAND_TIMEOUT_S) -> tuple[int, dict]:
+        command = {"id": None, "action": action}
+        if args:
+            command["args"] = args
         with self._send_lock:
             self._next_id += 1
-            command_id = self._next_id
+            command_id = command["id"] = self._next_id
             try:
-                self._sock.sendall((json.dumps({"id": command_id, "action": action}) + "\n").encode())
+                self._sock.sendall((json.dumps(command) + "\n").encode())
             except OSError:
                 return 503, {"error": "the serving process is gone"}
         with self._arrived:
@@ -269,7 +301,9 @@ def make_handler(snapshot: Snapshot, commands: CommandChannel, auth, api_key: st
             return parts.path, urllib.parse.parse_qs(parts.query)
 
         def _wrong_method(self, path: str) -> None:
-            allowed = "GET, HEAD" if path in GET_ROUTES else "POST" if path in POST_ROUTES else None
+            allowed = ("GET, HEAD, POST" if path in GET_ROUTES and path in POST_ROUTES else "GET, HEAD"
+                       if path in GET_ROUTES else "POST" if path in POST_ROUTES or JOB_ACTION_ROUTE.fullmatch(path)
+                       else None)
             if allowed is None:
                 self._json(404, {"error": f"no such endpoint {path}"})
             else:
@@ -282,10 +316,13 @@ def make_handler(snapshot: Snapshot, commands: CommandChannel, auth, api_key: st
             elif path == "/metrics":
                 self._reply(200, snapshot.metrics, "text/plain; version=0.0.4; charset=utf-8")
             elif self._allowed(path):
-                if path == "/harvest/status":
+                if path in ("/harvest/status", "/harvest/jobs"):
                     status = snapshot.status_document()
                     if status is None:
                         self._json(503, {"error": "harvest is starting: no status published yet"})
+                    elif path == "/harvest/jobs":
+                        self._json(200, {"jobs": (status.get("trainer") or {}).get("jobs") or [],
+                                         "snapshot_age_s": status["snapshot_age_s"]})
                     else:
                         self._json(200, status)
                 else:
@@ -308,11 +345,29 @@ def make_handler(snapshot: Snapshot, commands: CommandChannel, auth, api_key: st
                 self.close_connection = True
                 self._json(413, {"error": f"a body of at most {MAX_BODY_BYTES} bytes"})
                 return
-            self.rfile.read(int(length))  # the actions take no body; read it to keep the connection usable
-            if path not in POST_ROUTES:
+            body = self.rfile.read(int(length))  # read even when refused: keeps the connection usable
+            routed = post_action(path)
+            if routed is None:
                 self._wrong_method(path)
-            elif self._allowed(path):
-                self._json(*commands.call(path.rsplit("/", 1)[1]))
+                return
+            if not self._allowed(path):
+                return
+            action, args = routed
+            try:
+                given = json.loads(body) if body.strip() else {}
+            except ValueError as exc:
+                self._json(400, {"error": f"the request body is not JSON: {exc}"})
+                return
+            if not isinstance(given, dict):
+                self._json(400, {"error": "the request body must be a JSON object"})
+                return
+            args = {**given, **args}
+            if action == "submit":
+                problem = check_job_in_child(args.get("path"))
+                if problem is not None:
+                    self._json(400, {"error": problem})
+                    return
+            self._json(*commands.call(action, args))
 
         def _other(self):
             self._wrong_method(self._route()[0])
@@ -333,6 +388,37 @@ def _int_param(query: dict, name: str) -> int | None:
     if not value.isdigit():
         raise ValueError(f"{name} must be a non-negative integer, not {value!r}")
     return int(value)
+
+
+def check_job_in_child(path) -> str | None:
+    """Why the job file ``path`` would not run in this server, or None: `harvest train
+    --check`'s checks with the server's caps (harvest.preflight --job), in a child process
+    (LlamaFactory's imports cost seconds and hundreds of MB, and must not happen in the
+    engine process). The child runs at normal priority with nice 10, not at this
+    process's idle priority, which a busy server's cores would never give it."""
+    if not isinstance(path, str) or not path:
+        return f"'path' must be the job file's absolute path on the server, got {path!r}"
+    if not os.path.isabs(path):
+        return f"'path' must be absolute (the server's working directory is not yours): {path}"
+    command = [sys.executable, "-m", "harvest.preflight", "--job", path]
+    try:
+        out = subprocess.run(command, capture_output=True, text=True, timeout=JOB_CHECK_TIMEOUT_S,
+                             preexec_fn=_normal_priority, check=False)
+    except subprocess.TimeoutExpired:
+        return f"the job check of {path} did not finish within {JOB_CHECK_TIMEOUT_S:.0f} s"
+    if out.returncode == 0:
+        return None
+    from harvest.preflight import reported_error
+
+    return reported_error(out.stdout) or (f"the job check of {path} failed (exit status {out.returncode}): "
+                                          f"{out.stderr.strip()[-2000:] or 'no output'}")
+
+
+def _normal_priority() -> None:
+    try:
+        os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+    except (AttributeError, OSError):
+        pass
 
 
 def _lower_priority(nice: int) -> None:

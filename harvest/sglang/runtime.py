@@ -116,7 +116,7 @@ class HarvestRuntime:
         self.endpoint = EndpointProcess.start(settings, snapshot_path, api_key=server_args.api_key,
                                               admin_api_key=getattr(server_args, "admin_api_key", None),
                                               poll_interval_s=max(0.05, interval_s / 2), where=where)
-        self.control = ControlLink(self.endpoint.commands, snapshot_path, self.colocation.operator,
+        self.control = ControlLink(self.endpoint.commands, snapshot_path, self.colocation.command,
                                    self.colocation.request_attention)
         self.colocation.attention_handlers.append(self._serve_commands)
         self._publish()
@@ -224,10 +224,34 @@ def sglang_engine(scheduler, config):
     if config.share_served_weights:
         weight_source_for = _served_weights(model_path, scheduler.tp_worker.model_runner.model,
                                             scheduler.model_config.hf_config, 1 if ranks is None else ranks.size)
+    server_args = scheduler.server_args
     return EngineAdapter(device=device, model_path=model_path,
                          model_dtype=str(scheduler.model_config.dtype).replace("torch.", ""), kv=kv,
                          weight_source_for=weight_source_for, places_forward=True, ranks=ranks,
-                         trainer_tp=trainer_tp)
+                         trainer_tp=trainer_tp, model_name=getattr(server_args, "served_model_name", None),
+                         # rank 0 asks SGLang, which loads an adapter on every rank
+                         adapters=adapter_serving(server_args) if ranks is None or ranks.leader else None)
+
+
+def adapter_serving(server_args):
+    """Finished jobs' adapters into this server, through SGLang's own /load_lora_adapter
+    (harvest.sglang.adapters): from a thread of harvest's, never the scheduler's (SGLang
+    answers that request from the scheduler loop, which would wait for itself)."""
+    from harvest.colocate.job_control import AdapterServing
+    from harvest.sglang import adapters
+
+    base_url, api_key = adapters.base_url_of(server_args), adapters.adapter_endpoint_key(server_args)
+
+    def load(name, adapter_dir):
+        problem = adapters.adapter_problem(adapter_dir, server_args)
+        if problem is not None:
+            raise adapters.AdapterServingError(f"{adapter_dir} cannot be served as {name!r}: {problem}")
+        return adapters.load_adapter(base_url, name, adapter_dir, api_key=api_key)
+
+    def unload(name):
+        return adapters.unload_adapter(base_url, name, api_key=api_key)
+
+    return AdapterServing(load, adapters.lora_serving_problem(server_args), unload)
 
 
 # The trainer's collectives wait at unit boundaries for as long as a peer's gate stays

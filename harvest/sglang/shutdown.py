@@ -63,7 +63,7 @@ class SignalCheckpoint:
             return
         self._signum = signum
         self._deadline = time.monotonic() + self.timeout_s
-        self.trainer_host.gate.stop()
+        self.trainer_host.operator_stop()  # every job checkpoints and ends
         self.on_signal()
 
     def poll(self) -> None:

@@ -35,6 +35,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -44,6 +45,9 @@ from harvest.train.llamafactory_env import import_llamafactory  # noqa: F401  (i
 
 logger = logging.getLogger(__name__)
 HARVEST_SECTION = "harvest"
+# A job's name is a Prometheus label value, a URL path segment and an SGLang LoRA name.
+JOB_NAME_PATTERN = r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}"
+JOB_NAME_EXPECTED = "1-64 letters, digits, '_', '.' or '-', starting with a letter or digit"
 
 # Keys harvest sets when the job does not: the layer-split trainer keeps one micro-batch
 # pass of activations by design, so HF gradient checkpointing would only recompute work.
@@ -80,6 +84,17 @@ class HarvestOptions:
     microbatches_per_pass: int = setting(1, "micro-batches that share one pass over the layers", Integer(minimum=1))
     device: str = setting("auto", "the trainer's device (auto: cuda when available, else cpu)",
                           Text(r"auto|cpu|cuda|cuda:[0-9]+", "auto, cpu, cuda or cuda:N"))
+    # Inside a decode server (harvest.yaml jobs, `harvest ctl submit`): how the job is
+    # named, shares the trainer with the others, and is served when it finishes.
+    name: str | None = setting(None, "the job's name in a server (status, metrics label job_name, harvest ctl); "
+                               "null: the job file's name without .yaml", Text(JOB_NAME_PATTERN, JOB_NAME_EXPECTED),
+                               nullable=True)
+    weight: float = setting(1.0, "its share of the trainer's time beside the server's other jobs (fair share: "
+                            "weights 1 and 3 get a quarter and three quarters)",
+                            Number(minimum=0.0, exclusive_minimum=True))
+    serve_as: str | None = setting(None, "when the job finishes, load its adapter into the same SGLang server under "
+                                   "this LoRA name (the server needs --enable-lora); null: not served",
+                                   Text(JOB_NAME_PATTERN, JOB_NAME_EXPECTED), nullable=True)
 
     def __post_init__(self) -> None:
         validate(self)
@@ -133,6 +148,40 @@ def load_job(source: str | os.PathLike | Mapping[str, Any], *, in_server: bool =
         return _validated_job(raw, str(source), Path(source).resolve().parent, in_server)
     except JobError as exc:
         raise JobError(f"job file {str(source)!r}: {exc}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class JobIdentity:
+    """What a server needs of a job file before building it: its name, fair-share weight,
+    served adapter name and output folder (the YAML and the ``harvest:`` section only, no
+    LlamaFactory: milliseconds, so a server can take a submission between decode steps)."""
+
+    path: Path
+    name: str
+    weight: float
+    serve_as: str | None
+    output_dir: Path | None
+
+
+def job_identity(path: str | os.PathLike) -> JobIdentity:
+    """Raises `JobError` naming the file and the field."""
+    path = Path(path).expanduser().resolve()
+    raw = _read_yaml(path)
+    try:
+        options = HarvestOptions.from_mapping(raw.get(HARVEST_SECTION))
+    except JobError as exc:
+        raise JobError(f"job file {str(path)!r}: {exc}") from None
+    output_dir = raw.get("output_dir")
+    if isinstance(output_dir, str) and output_dir:
+        output_dir = Path(output_dir).expanduser()
+        output_dir = output_dir if output_dir.is_absolute() else path.parent / output_dir
+    else:
+        output_dir = None
+    name = options.name or path.name.removesuffix(".yaml").removesuffix(".yml")
+    if options.name is None and not re.fullmatch(JOB_NAME_PATTERN, name):
+        raise JobError(f"job file {str(path)!r}: its file name {name!r} is not a job name ({JOB_NAME_EXPECTED}); "
+                       f"name it in the job: harvest: {{name: ...}}")
+    return JobIdentity(path, name, options.weight, options.serve_as, output_dir)
 
 
 def _validated_job(raw: dict[str, Any], origin: str, job_dir: Path | None, in_server: bool) -> TrainJob:

@@ -282,6 +282,11 @@ class LayerSplitTrainer:
         self._budget_generation = snapshot.generation
         budget.acknowledge(snapshot.generation)
 
+    @property
+    def holds_lent_window(self) -> bool:
+        """Its frozen-weight window lives in lent KV memory (it follows the lending budget)."""
+        return self.window.allocator.budget is not None
+
     def release_window(self) -> int:
         """Free all of the window's memory between units (a unit that needs a stage loads it
         again). Returns the bytes the window holds afterwards (0 unless weights are shared)."""

@@ -17,7 +17,8 @@ from harvest.schedule import TrainerState
 class Host:
     def __init__(self, state=TrainerState.RUNNING):
         self.state, self.calls = state, []
-        self.on_unit = self.on_fault = None
+        self.on_unit = self.on_fault = self.on_job_end = None
+        self.runs = ["job"]  # one job configured
 
     def status(self):
         return types.SimpleNamespace(state=self.state)
@@ -106,3 +107,18 @@ def test_an_ended_trainer_refuses_every_action(state):
 def test_without_a_job_every_action_is_refused():
     colo = colocation(None)
     assert colo.operator("pause") == (409, {"error": "no finetune job configured"})
+
+
+@pytest.mark.parametrize(("live", "lends_again"), [(True, True), (False, False)])
+def test_one_jobs_fault_takes_the_memory_back_and_the_other_jobs_get_it_again(live, lends_again):
+    host = Host()
+    host.live = live  # another job still queued or running
+    colo = colocation(host)
+    colo.lending.enabled = True
+    colo.lending.reclaim_all = lambda: (colo.lending.calls.append("reclaim_all"),
+                                        setattr(colo.lending, "enabled", False))
+    colo._on_trainer_fault(RuntimeError("one job's OOM"))
+    colo.on_idle()
+    assert colo.lending.calls[0] == "reclaim_all"
+    assert colo.lending.enabled is lends_again
+    assert (colo.lending.calls[1:] == ["resume"]) is lends_again

@@ -50,7 +50,8 @@ class ThreadRanks:
 class Host:
     def __init__(self):
         self.calls, self.applied = [], []
-        self.on_unit = self.on_fault = None
+        self.on_unit = self.on_fault = self.on_job_end = None
+        self.runs = ["job"]
 
     def status(self):
         return types.SimpleNamespace(state=TrainerState.RUNNING)

@@ -67,7 +67,9 @@ def _metrics(port):
 
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
         text = response.read().decode()
-    return {s.name + json.dumps(s.labels, sort_keys=True): s.value for f in text_string_to_metric_families(text) for s in f.samples}, \
+    # Every harvest series carries model_name (the served model): keyed without it here.
+    return {s.name + json.dumps({k: v for k, v in s.labels.items() if k != "model_name"}, sort_keys=True): s.value
+            for f in text_string_to_metric_families(text) for s in f.samples}, \
         {f.name: f.type for f in text_string_to_metric_families(text)}
 
 
@@ -143,7 +145,8 @@ def test_outputs_identical_reclaim_progress_and_metrics(tiny_llama_path, tmp_pat
     assert samples['harvest_decode_step_seconds_count{}'] > 0
     assert after["unmeasured_steps"] == 0, after  # every step's forward went through harvest's forward hook
     assert samples['harvest_kv_lends_total{}'] >= lent_before and samples['harvest_kv_reclaims_total{}'] > 0
-    assert samples['harvest_trainer_tokens_total{}'] > 0 and samples['harvest_trainer_steps_total{}'] > 0
+    assert samples['harvest_trainer_tokens_total{"job_name": "job"}'] > 0
+    assert samples['harvest_trainer_steps_total{"job_name": "job"}'] > 0
     assert samples['harvest_qos_target_seconds{}'] == pytest.approx(0.040)
 
 

@@ -89,7 +89,7 @@ def test_outputs_identical_and_both_ranks_lend_and_reclaim_the_same_chunks(tiny_
     assert "pool memory leak detected" not in log and RETRACTION not in log
     harvest_errors = [line for line in log.splitlines() if "harvest pid=" in line and "ERROR" in line]
     assert not harvest_errors, harvest_errors
-    assert samples['harvest_kv_reclaims_total{}'] > 0 and samples['harvest_trainer_steps_total{}'] > 0
+    assert samples['harvest_kv_reclaims_total{}'] > 0 and samples['harvest_trainer_steps_total{"job_name": "job"}'] > 0
     assert pause[0] == 200 and paused and _ranks_agree(paused), pause
     assert resume[0] == 200 and relent_after_pause and _ranks_agree(relent_after_pause)
     # Stopping the server stops both trainers at the same step (a collective checkpoint).

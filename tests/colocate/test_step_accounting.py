@@ -28,7 +28,9 @@ class _Control:
     decode_stream = None
     unmeasured_steps = 0
     level = types.SimpleNamespace(index=0, decode_sms=1, trainer_sms=1)
-    qos = types.SimpleNamespace(stats=lambda: types.SimpleNamespace(to_dict=dict))
+    qos = types.SimpleNamespace(stats=lambda: types.SimpleNamespace(to_dict=dict),
+                                config=types.SimpleNamespace(target_tpot_ms=40.0))
+    recent_steps = ()
 
     def __init__(self):
         self.loads, self.measured = [], []

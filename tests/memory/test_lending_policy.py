@@ -39,6 +39,16 @@ def test_cap_on_lent_fraction():
     assert plan(policy(reserve_tokens=0, hysteresis_chunks=0, max_lend_fraction=0.3), [0] + [T] * 6 + [0] * 3, lent).lend == ()
 
 
+def test_a_cap_lowered_below_what_is_lent_takes_the_excess_back():
+    lent = [False] * 4 + [True] * 6  # an operator lowered max_lend_fraction from 0.8 to 0.2 at run time
+    free = [0] + [T] * 3 + [0] * 6
+    result = plan(policy(reserve_tokens=0, hysteresis_chunks=0, max_lend_fraction=0.2), free, lent)
+    assert result.reclaim_count == 4 and result.lend == ()
+    # Short of the reserve as well: the larger of the two counts.
+    result = plan(policy(reserve_tokens=700, hysteresis_chunks=0, max_lend_fraction=0.2), free, lent)
+    assert result.reclaim_count == 4
+
+
 def test_below_reserve_reclaims_enough_and_lends_nothing():
     lent = [False] * 5 + [True] * 5
     free = [0, 20, 30, 40, 10] + [0] * 5  # free mapped 100 < reserve 250

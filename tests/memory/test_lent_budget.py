@@ -36,6 +36,48 @@ def test_one_follower_at_a_time():
 
 
 @pytest.mark.timeout(20)
+def test_several_jobs_follow_and_a_wait_waits_for_every_one():
+    """The job queue: one trainer thread per job follows; each is woken by a publish, and
+    a wait ends when all of them applied the generation (or left)."""
+    budget = LentMemoryBudget()
+    woken = {"a": threading.Event(), "b": threading.Event()}
+    acknowledge = {"a": threading.Event(), "b": threading.Event()}
+    leave = threading.Event()
+
+    def follower(name):
+        unfollow = budget.follow(woken[name].set)
+        acknowledge[name].wait(10)
+        budget.acknowledge(budget.snapshot.generation)
+        leave.wait(10)
+        unfollow()
+
+    threads = [threading.Thread(target=follower, args=(name,)) for name in ("a", "b")]
+    for thread in threads:
+        thread.start()
+    assert _wait(lambda: len(budget._followers) == 2)
+    generation = budget.publish(lent_bytes=100, wanted_back_bytes=50)
+    assert woken["a"].wait(5) and woken["b"].wait(5)
+    acknowledge["a"].set()
+    assert budget.wait_acknowledged(generation, timeout_s=0.2) is False  # b has not applied it
+    acknowledge["b"].set()
+    assert budget.wait_acknowledged(generation, timeout_s=5)
+    leave.set()
+    for thread in threads:
+        thread.join(10)
+    assert not budget.followed
+
+
+def _wait(predicate, timeout_s=5.0):
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return False
+
+
 def test_waits_end_at_the_acknowledgement_at_the_bound_or_when_nobody_follows():
     budget = LentMemoryBudget()
     generation = budget.publish(lent_bytes=100, wanted_back_bytes=100)

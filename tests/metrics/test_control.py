@@ -37,6 +37,7 @@ class FakeEngine:
 
     def __init__(self, endpoint: EndpointProcess, snapshot_path: Path, replies: dict):
         self.calls: list[str] = []
+        self.args: list[dict] = []
         self.replies = replies
         self._wake = threading.Event()
         self.link = ControlLink(endpoint.commands, snapshot_path, self.execute, self._wake.set)
@@ -44,8 +45,9 @@ class FakeEngine:
         self._thread = threading.Thread(target=self._loop, daemon=True)
         self._thread.start()
 
-    def execute(self, action):
+    def execute(self, action, args):
         self.calls.append(action)
+        self.args.append(args)
         return self.replies[action]
 
     def _loop(self):
@@ -160,7 +162,7 @@ def test_actions_run_on_the_engine_and_their_status_passes_through(endpoint):
 def test_a_failing_action_answers_500_and_the_endpoint_goes_on(tmp_path):
     endpoint, engine = start(tmp_path)
     try:
-        def explode(action):
+        def explode(action, args):
             raise RuntimeError("boom")
         engine.link._execute = explode
         status, body, _ = request(endpoint.port, "POST", "/harvest/pause")
