@@ -90,6 +90,27 @@ class InjectedTrainerFault(RuntimeError):
     """Raised on purpose (HARVEST_FAULT_AFTER_UNITS) to test fault isolation."""
 
 
+class _FaultInjectingGate:
+    """Delegates to a gate; raises after ``after_units`` units (the tensor-parallel fault
+    tests drive a trainer through it directly; a server's jobs inject through _JobGate)."""
+
+    def __init__(self, gate, after_units: int):
+        self._gate = gate
+        self._remaining = after_units
+
+    def acquire(self, while_parked=None):
+        return self._gate.acquire(while_parked)
+
+    def wake(self) -> None:
+        self._gate.wake()
+
+    def unit_done(self, record) -> None:
+        self._gate.unit_done(record)
+        self._remaining -= 1
+        if self._remaining <= 0:
+            raise InjectedTrainerFault("injected trainer fault after a unit (HARVEST_FAULT_AFTER_UNITS)")
+
+
 class _JobGate(Gate):
     """A job's gate: charges each unit's trainer time to the job, at the unit boundary
     where the host may end its slice."""

@@ -529,7 +529,10 @@ class LayerSplitTrainer:
         eval_pass = self._eval_pass
         if eval_pass is None:
             return Unit(UnitKind.EVAL, 0, 0)  # built by the unit itself, on the trainer's stream
-        return eval_pass.plan[eval_pass.cursor]
+        plan, cursor = eval_pass.plan, eval_pass.cursor
+        # A lock-free peek (the decode thread) can land between the last unit's cursor
+        # step and the pass's end: the pass's last unit stands for it.
+        return plan[min(cursor, len(plan) - 1)]
 
     def _run_eval_unit_locked(self, compute_stream, events) -> UnitRecord:
         started = time.perf_counter()
