@@ -13,6 +13,7 @@ import pytest
 from harvest.colocate.trainer_host import JobRefused, JobSpec, TrainerHost
 from harvest.schedule import TrainerState
 from harvest.train.gate import GateAction
+from tests.metrics.test_control import wait_for as wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -88,12 +89,7 @@ def started_host(trainers: dict, specs, **kwargs) -> TrainerHost:
 
 
 def wait_for(predicate, timeout_s=30.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return False
+    return wait_until(predicate, timeout_s)
 
 
 def job(host, name):

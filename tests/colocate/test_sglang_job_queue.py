@@ -17,6 +17,7 @@ import yaml
 
 from harvest import colocation_config
 from harvest.sglang import server
+from tests.colocate.test_sglang_colocation import _wait_for
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -28,16 +29,6 @@ def _status(port):
 
 def _jobs(port):
     return {job["name"]: job for job in _status(port)["trainer"]["jobs"]}
-
-
-def _wait_for(predicate, timeout_s=120.0, interval_s=0.5):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval_s)
-    return predicate()
 
 
 def _harvest(*args, timeout=700):

@@ -9,6 +9,7 @@ import time
 import pytest
 
 from harvest.memory.lent_budget import BudgetSnapshot, LentMemoryBudget
+from tests.metrics.test_control import wait_for
 
 
 def test_publish_bumps_the_generation_only_on_a_change_and_wakes_the_follower():
@@ -54,7 +55,7 @@ def test_several_jobs_follow_and_a_wait_waits_for_every_one():
     threads = [threading.Thread(target=follower, args=(name,)) for name in ("a", "b")]
     for thread in threads:
         thread.start()
-    assert _wait(lambda: len(budget._followers) == 2)
+    assert wait_for(lambda: len(budget._followers) == 2)
     generation = budget.publish(lent_bytes=100, wanted_back_bytes=50)
     assert woken["a"].wait(5) and woken["b"].wait(5)
     acknowledge["a"].set()
@@ -65,17 +66,6 @@ def test_several_jobs_follow_and_a_wait_waits_for_every_one():
     for thread in threads:
         thread.join(10)
     assert not budget.followed
-
-
-def _wait(predicate, timeout_s=5.0):
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return False
 
 
 def test_waits_end_at_the_acknowledgement_at_the_bound_or_when_nobody_follows():
