@@ -18,6 +18,7 @@ COMMANDS = {
     "doctor": "harvest.doctor",
     "demo": "harvest.demo",
     "train": "harvest.train.command",
+    "fleet-store": "harvest.fleet.command",
     "profile": "harvest.predict.profiler.command",
     "launch": "harvest.sglang.launch",
     "replay": "harvest.replay.command",

@@ -63,6 +63,11 @@ def _outside(value, minimum, maximum, exclusive_minimum: bool, exclusive_maximum
     return maximum is not None and (value >= maximum if exclusive_maximum else value > maximum)
 
 
+# A name harvest shows outside (a job, a served adapter, a fleet job): a Prometheus label
+# value, a URL path segment and an SGLang LoRA name all accept it.
+NAME_PATTERN = r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}"
+NAME_EXPECTED = "1-64 letters, digits, '_', '.' or '-', starting with a letter or digit"
+
 @dataclasses.dataclass(frozen=True)
 class Number:
     """A finite number (an integer is taken as a float)."""

@@ -128,10 +128,18 @@ def test_every_job_harvest_option_is_reachable_from_yaml():
     written = {"micro_batch_size": 4, "unit_target_ms": 20, "window_stages": 3, "memory_budget_mb": 512,
                "microbatches_per_pass": 2, "device": "cpu", "name": "alpaca-v2", "weight": 3.0,
                "serve_as": "support-bot"}
-    assert {path for path, _ in setting_paths(HarvestOptions)} == set(written)
-    options = HarvestOptions.from_mapping(written)
+    fleet = {"rendezvous": "trainer-store.internal:29500", "job_id": "alpaca-fleet", "host_store": "never",
+             "min_members": 2, "max_members": 8, "sync": "every_step", "sync_interval_s": 10.0,
+             "outer_optimizer": "nesterov", "outer_lr": 0.5, "outer_momentum": 0.8, "heartbeat_s": 2.0,
+             "dead_after_s": 20.0, "collective_timeout_s": 30.0}
+    assert {path for path, _ in setting_paths(HarvestOptions)} == set(written) | {f"fleet.{k}" for k in fleet}
+    options = HarvestOptions.from_mapping({**written, "fleet": fleet})
     for name, value in written.items():
         assert getattr(options, name) == value != getattr(HarvestOptions(), name), name
-    assert to_mapping(HarvestOptions()) == {"micro_batch_size": "auto", "unit_target_ms": 10.0, "window_stages": "all",
-                                            "memory_budget_mb": None, "microbatches_per_pass": 1, "device": "auto",
-                                            "name": None, "weight": 1.0, "serve_as": None}
+    for name, value in fleet.items():
+        assert getattr(options.fleet, name) == value != getattr(HarvestOptions().fleet, name), name
+    defaults = to_mapping(HarvestOptions())
+    assert defaults.pop("fleet")["rendezvous"] is None  # not a fleet job unless a rendezvous is named
+    assert defaults == {"micro_batch_size": "auto", "unit_target_ms": 10.0, "window_stages": "all",
+                        "memory_budget_mb": None, "microbatches_per_pass": 1, "device": "auto",
+                        "name": None, "weight": 1.0, "serve_as": None}

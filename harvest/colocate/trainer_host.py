@@ -190,6 +190,7 @@ class JobRun:
             "trainer_s": round(self.trainer_s, 6), "share": share, "deficit_s": deficit_s,
             "submitted_at": self.submitted_at, "started_at": self.started_at, "ended_at": self.ended_at,
             "adapter": dict(self.adapter) if self.adapter is not None else None, "error": self.error,
+            "fleet": stats.fleet if stats is not None else None,
         }
 
 

@@ -122,6 +122,9 @@ def build_trainer(job: TrainJob, *, weight_source: BaseWeightSource | None = Non
     writer = tp is None or tp.rank == 0  # tensor-parallel: rank 0 writes the run's files
     if tp is not None and tp.size > 1:
         check_tensor_parallel_job(job)
+    fleet = job.harvest.fleet if job.harvest.fleet.enabled else None
+    if fleet is not None:
+        check_fleet_job(job, tp)
     model_args = copy.copy(job.model_args)
     model_args.device_map = {"": "cpu"}  # frozen weights belong in host memory; the trainer places the rest
     data = prepare_data(job)  # what `harvest train --check` accepted
@@ -149,10 +152,14 @@ def build_trainer(job: TrainJob, *, weight_source: BaseWeightSource | None = Non
                         steps_per_epoch=steps_per_epoch, samples_per_step=job.samples_per_step,
                         plot_loss=bool(job.finetuning_args.plot_loss))
 
+    # A fleet's members share output_dir: its checkpoints are the fleet's (one member writes
+    # each), and no member keeps the one-process trainer log there.
     return assemble_trainer(model, dataset, collator, settings, job.harvest, device=device,
                             weight_source=weight_source, allocator=allocator, resume_from=checkpoint_path,
                             max_sample_len=job.data_args.cutoff_len, make_optimizer=job_optimizer(job),
-                            make_log=make_log if resume and writer else None, eval_sets=eval_sets, tp=tp)
+                            make_log=make_log if resume and writer and fleet is None else None,
+                            eval_sets=eval_sets, tp=tp,
+                            fleet_job_id=(fleet.job_id or job_identity_name(job)) if fleet is not None else None)
 
 
 def _remove_earlier_run(output_dir: Path) -> None:
@@ -172,6 +179,33 @@ def _remove_earlier_run(output_dir: Path) -> None:
     if stale or files:
         logger.warning("overwrite_output_dir: removed an earlier run's %s from %s",
                        ", ".join(p.name for p in stale + files), output_dir)
+
+
+def job_identity_name(job: TrainJob) -> str:
+    from harvest.train.job import job_identity
+
+    if job.harvest.name:
+        return job.harvest.name
+    if job.source.endswith((".yaml", ".yml")):
+        return job_identity(job.source).name
+    raise JobError("harvest.fleet.job_id: a job that is not read from a file needs a job_id (or harvest.name)")
+
+
+def check_fleet_job(job: TrainJob, tp) -> None:
+    """JobError for what a fleet member cannot run (named with the key to change)."""
+    args = job.training_args
+    if tp is not None and tp.size > 1:
+        raise JobError("harvest.fleet: a fleet job on a tensor-parallel server is not supported; train it on "
+                       "tp = 1 servers")
+    if str(getattr(args.eval_strategy, "value", args.eval_strategy)) != "no" or args.do_eval:
+        raise JobError("eval_strategy: evaluation during a fleet job is not supported; evaluate the finished adapter")
+    if args.overwrite_output_dir:
+        raise JobError("overwrite_output_dir: a fleet's members share output_dir and resume from the fleet's "
+                       "checkpoints; remove the directory yourself to start the fleet over")
+    scheduler = str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type))
+    if job.harvest.fleet.sync == "periodic" and scheduler == "reduce_lr_on_plateau":
+        raise JobError("lr_scheduler_type: reduce_lr_on_plateau depends on one process's evaluation history; a "
+                       "periodic fleet sets each step's rate from its global step")
 
 
 def check_tensor_parallel_job(job: TrainJob) -> None:
@@ -217,7 +251,8 @@ def assemble_trainer(peft_model, dataset: Sequence[dict[str, Any]], collate: Cal
                      max_sample_len: int | None = None, record_device_events: bool = False,
                      make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer] | None = None,
                      make_log: Callable[[int, int], Any] | None = None,
-                     eval_sets: dict[str, Sequence[dict[str, Any]]] | None = None, tp=None) -> LayerSplitTrainer:
+                     eval_sets: dict[str, Sequence[dict[str, Any]]] | None = None, tp=None,
+                     fleet_job_id: str | None = None) -> LayerSplitTrainer:
     """The trainer over a PEFT model. ``make_optimizer(peft_model)`` builds the optimizer
     (default: AdamW from ``settings``, as the Hugging Face Trainer builds it);
     ``make_log(total_steps, steps_per_epoch)`` its TrainLog (default: none); ``eval_sets``
@@ -269,7 +304,7 @@ def assemble_trainer(peft_model, dataset: Sequence[dict[str, Any]], collate: Cal
         evaluation=Evaluation(eval_sets, collate, settings.evaluation, total_steps=total_steps,
                               steps_per_epoch=batches.steps_per_epoch,
                               microbatches_per_pass=options.microbatches_per_pass) if eval_sets else None,
-        sharded=sharded)
+        sharded=sharded, fleet=_fleet_member(options, fleet_job_id, total_steps, settings))
     resumed = None
     if resume_from:
         resumed = trainer.resume_from(Path(resume_from))
@@ -285,6 +320,17 @@ def assemble_trainer(peft_model, dataset: Sequence[dict[str, Any]], collate: Cal
             logger.info("micro-batch size %d: longest unit %.2f ms (target %.1f ms)",
                         trainer.micro_batch_size, unit_ms, options.unit_target_ms)
     return trainer
+
+
+def _fleet_member(options: HarvestOptions, job_id: str | None, total_steps: int, settings: TrainerSettings):
+    if not options.fleet.enabled:
+        return None
+    from harvest.fleet.member import FleetMember
+
+    if job_id is None:
+        raise JobError("harvest.fleet.job_id: needed to train a job assembled from parts in a fleet")
+    return FleetMember(options.fleet, job_id=job_id, total_steps=total_steps,
+                       fingerprint={**settings.fingerprint, "samples_per_step": settings.samples_per_step})
 
 
 def _window_capacity(options: HarvestOptions, stage_bytes: list[int], resident_bytes: int) -> tuple[int, int | None]:

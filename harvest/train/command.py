@@ -25,6 +25,7 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
+    from harvest.fleet.store import FleetError
     from harvest.train.build import build_trainer
     from harvest.train.errors import CheckpointError, JobError, TrainingDiverged
     from harvest.train.gate import Gate
@@ -58,6 +59,9 @@ def run(args) -> int:
     except TrainingDiverged as exc:  # the last good step is checkpointed
         print(f"harvest train: {job.source}: {exc}", file=sys.stderr)
         return 3
+    except FleetError as exc:  # joining the fleet failed, or every_step lost a member
+        print(f"harvest train: {job.source}: {exc}", file=sys.stderr)
+        return 2
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -44,8 +44,13 @@ class StepBatches:
         order = self._epoch_order(epoch)
         return order[offset: offset + self.samples_per_step]
 
-    def micro_batches(self, step: int, micro_batch_size: int, device: torch.device) -> list[MicroBatch]:
+    def micro_batches(self, step: int, micro_batch_size: int, device: torch.device,
+                      shard: tuple[int, int] | None = None) -> list[MicroBatch]:
+        """``shard`` (rank, size): every ``size``-th of the step's samples from ``rank`` on
+        (a fleet's every_step members split each step so)."""
         indices = self.step_indices(step)
+        if shard is not None:
+            indices = indices[shard[0]::shard[1]]
         result = []
         for number, start in enumerate(range(0, len(indices), micro_batch_size)):
             features = [self.dataset[i] for i in indices[start: start + micro_batch_size]]

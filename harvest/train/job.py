@@ -39,15 +39,16 @@ import re
 from pathlib import Path
 from typing import Any, Mapping
 
-from harvest.settings import Integer, Number, SettingError, Text, from_mapping, setting, validate
+from harvest.fleet.options import FleetOptions
+from harvest.setting_kinds import NAME_EXPECTED, NAME_PATTERN
+from harvest.settings import Integer, Number, SettingError, Text, from_mapping, section, setting, validate
 from harvest.train.errors import JobError
 from harvest.train.llamafactory_env import import_llamafactory  # noqa: F401  (its home for most callers)
 
 logger = logging.getLogger(__name__)
 HARVEST_SECTION = "harvest"
 # A job's name is a Prometheus label value, a URL path segment and an SGLang LoRA name.
-JOB_NAME_PATTERN = r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}"
-JOB_NAME_EXPECTED = "1-64 letters, digits, '_', '.' or '-', starting with a letter or digit"
+JOB_NAME_PATTERN, JOB_NAME_EXPECTED = NAME_PATTERN, NAME_EXPECTED
 
 # Keys harvest sets when the job does not: the layer-split trainer keeps one micro-batch
 # pass of activations by design, so HF gradient checkpointing would only recompute work.
@@ -95,6 +96,8 @@ class HarvestOptions:
     serve_as: str | None = setting(None, "when the job finishes, load its adapter into the same SGLang server under "
                                    "this LoRA name (the server needs --enable-lora); null: not served",
                                    Text(JOB_NAME_PATTERN, JOB_NAME_EXPECTED), nullable=True)
+    # One job trained by many servers together (harvest.fleet; docs/fleet.md).
+    fleet: FleetOptions = section(FleetOptions, "train this job together with other servers (rendezvous: null: alone)")
 
     def __post_init__(self) -> None:
         validate(self)

@@ -65,3 +65,4 @@ class TrainerStats:
     load_wait_s: float  # host time spent in synchronous stage loads (window misses)
     starved: int  # times a unit could not start: no window memory for its stage
     eval_loss: float | None = None  # the last evaluation's loss (the first eval set's, with several)
+    fleet: dict | None = None  # a fleet member's view (harvest.fleet.member.FleetMember.stats); None: trains alone

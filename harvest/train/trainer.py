@@ -35,8 +35,11 @@ from harvest.train.window import WeightWindow
 
 
 class _Step:
-    def __init__(self, step: int, micro_batches: list[MicroBatch], plan: list[Unit], rng_state: dict):
+    def __init__(self, step: int, micro_batches: list[MicroBatch], plan: list[Unit], rng_state: dict,
+                 data_step: int | None = None):
         self.step = step
+        self.data_step = step if data_step is None else data_step  # whose samples and LR (a fleet's global step)
+        self.fleet_loss: float | None = None  # every_step: the loss over every member's samples
         self.micro_batches = micro_batches
         self.plan = plan
         self.stage_sequence = [unit.stage for unit in plan if unit.kind != UnitKind.OPTIMIZER]
@@ -53,7 +56,7 @@ class LayerSplitTrainer:
                  microbatches_per_pass: int = 1, save_steps: int | None = None, save_total_limit: int | None = None,
                  max_grad_norm: float = 0.0, autocast_dtype: torch.dtype | None = None,
                  fingerprint: dict | None = None, record_device_events: bool = False, train_log=None,
-                 save_only_model: bool = False, evaluation=None, sharded=None):
+                 save_only_model: bool = False, evaluation=None, sharded=None, fleet=None):
         self.split = split
         self.window = window
         self.batches = batches
@@ -77,6 +80,14 @@ class LayerSplitTrainer:
         self.sharded = sharded
         self.tp = sharded.tp if sharded is not None and sharded.tp.size > 1 else None
         self.writes_files = self.tp is None or self.tp.rank == 0  # checkpoints, the final adapter
+        # harvest.fleet.member.FleetMember: this trainer is one member of a job many servers
+        # train (periodic: it trains the global steps it claims; every_step: its share of each).
+        self.fleet = fleet
+        self._fleet_periodic = fleet is not None and not fleet.every_step
+        self._claimed: int | None = None  # periodic: the global step claimed for the next step
+        self._fleet_steps: list[int] = []  # periodic: global steps trained since the last round
+        self._fleet_tokens = 0
+        self._resumed_fleet_state: dict | None = None
         self._eval_owed = evaluation is not None and evaluation.due_after(0)  # eval_on_start
         self._eval_pass = None  # the evaluation in progress (harvest.train.evaluation.EvalPass)
         self._eval_done_step: int | None = None  # the step after which the last evaluation completed
@@ -105,6 +116,8 @@ class LayerSplitTrainer:
     # -- driving -------------------------------------------------------------------------
     @property
     def finished(self) -> bool:
+        if self._fleet_periodic:
+            return self.fleet.done  # an attribute: the decode thread's peek asks this
         return self.global_step >= self.total_steps and not self._evaluating
 
     @property
@@ -174,6 +187,9 @@ class LayerSplitTrainer:
         budget = self.window.allocator.budget
         unfollow = budget.follow(gate.wake) if budget is not None else None
         try:
+            if self.fleet is not None:
+                self.fleet.start(self, self._resumed_fleet_state)
+                self.writes_files = self.fleet.rank == 0
             while not self.finished:
                 decision = gate.acquire(while_parked=self._follow_lent_memory)
                 if decision.was_paused:
@@ -193,6 +209,11 @@ class LayerSplitTrainer:
                     self.save_checkpoint()
                     self._set_state("stopped")
                     return "stopped"
+                if self._fleet_periodic and not self._claim_fleet_step():
+                    # Not joined yet, or every step is claimed and others still train theirs.
+                    self._follow_lent_memory()
+                    time.sleep(0.02)
+                    continue
                 try:
                     record = self.run_one_unit(decision.stream)
                 except WindowMemoryUnavailable:
@@ -213,6 +234,9 @@ class LayerSplitTrainer:
                     self.save_checkpoint()
             raise
         finally:
+            if self.fleet is not None:
+                with contextlib.suppress(Exception):
+                    self.fleet.leave()
             if self.train_log is not None:
                 with contextlib.suppress(Exception):
                     self.train_log.end()  # flush the log's writer
@@ -246,6 +270,66 @@ class LayerSplitTrainer:
             except WindowMemoryUnavailable:
                 return False
             return True
+
+    # -- fleet ---------------------------------------------------------------------------------
+    def _claim_fleet_step(self) -> bool:
+        """Periodic fleet: whether a step is in hand (in progress, or claimed now)."""
+        if self._claimed is not None or (self._step is not None and self._step.step == self.global_step):
+            return True
+        self._claimed = self.fleet.claim()
+        return self._claimed is not None
+
+    def fleet_snapshot(self):
+        """(LoRA weights as one host vector, tokens and global steps trained since the last
+        call): between two units, so the weights are those after whole optimizer steps."""
+        from harvest.fleet.averaging import flatten
+
+        with self._unit_lock:
+            self._settle_device()
+            steps, self._fleet_steps = self._fleet_steps, []
+            tokens, self._fleet_tokens = self._fleet_tokens, 0
+            return flatten(self.trainable_params), tokens, steps
+
+    def fleet_apply(self, result, snapshot) -> None:
+        """The round's weights, plus what this member trained since its snapshot."""
+        from harvest.fleet.averaging import flatten, unflatten_into
+
+        with self._unit_lock, torch.no_grad():
+            self._settle_device()
+            unflatten_into(result + (flatten(self.trainable_params) - snapshot), self.trainable_params)
+
+    def fleet_checkpoint(self, fleet_state: dict, final: bool) -> Path | None:
+        """The fleet's checkpoint (this member wrote the round's weights first): named by
+        the fleet's committed steps; ``final``: the finished job's adapter too."""
+        if self.output_dir is None:
+            return None
+        step = sum(last - first + 1 for first, last in fleet_state["committed_steps"])
+        with self._unit_lock:
+            self._settle_device()
+            with self._stats_lock:
+                state = dict(samples_seen=self._counters["samples_seen"], tokens_seen=self._counters["tokens_seen"],
+                             loss=self._last_loss)
+            state.update(micro_batch_size=self.micro_batch_size, total_steps=self.total_steps, job=self.fingerprint,
+                         fleet=fleet_state, eval_done_step=None)
+            path = checkpoint.save_checkpoint(
+                self.output_dir, step, peft_model=self.split.peft_model, optimizer=self.optimizer,
+                scheduler=self.scheduler, rng_state=checkpoint.capture_rng_state(self.device), state=state,
+                save_total_limit=self.save_total_limit, model_only=self.save_only_model)
+            if final:
+                checkpoint.write_final_adapter(self.output_dir, self.split.peft_model)
+        return path
+
+    def _settle_device(self) -> None:
+        if self._last_stream is not None:
+            self._last_stream.synchronize()  # another thread reads or writes the weights next
+
+    def _set_fleet_lr(self, data_step: int) -> None:
+        """Periodic fleet: the learning rate a one-process run has at ``data_step``."""
+        self.scheduler.last_epoch = data_step
+        for group, base_lr, factor in zip(self.optimizer.param_groups, self.scheduler.base_lrs,
+                                          self.scheduler.lr_lambdas):
+            group["lr"] = base_lr * factor(data_step)
+        self.scheduler._last_lr = [group["lr"] for group in self.optimizer.param_groups]
 
     # -- window ----------------------------------------------------------------------------
     def set_window_stages(self, num_stages: int) -> int:
@@ -298,8 +382,8 @@ class LayerSplitTrainer:
     def save_checkpoint(self) -> Path | None:
         """Checkpoint the state of the last completed step (mid-step work is redone on
         resume). Returns its path, or None when there is nothing to save."""
-        if self.output_dir is None or self.global_step == 0:
-            return None
+        if self.output_dir is None or self.global_step == 0 or self._fleet_periodic:
+            return None  # a periodic fleet member's checkpoints are the fleet's (fleet_checkpoint)
         if self._last_saved_step == self.global_step and self._last_saved_eval == self._eval_done_step:
             return self.output_dir / f"checkpoint-{self.global_step}"
         rng_state = self._step.rng_state if self._step is not None else checkpoint.capture_rng_state(self.device)
@@ -340,6 +424,7 @@ class LayerSplitTrainer:
             rng_state = checkpoint.load_checkpoint_tensors(path, self.split.peft_model, self.optimizer, self.scheduler)
         checkpoint.restore_rng_state(rng_state, self.device)
         self.global_step = int(state["global_step"])
+        self._resumed_fleet_state = state.get("fleet")
         self._last_saved_step = self.global_step
         self._eval_done_step = self._last_saved_eval = state.get("eval_done_step")
         # An evaluation due after this step that had not completed when it was saved runs again.
@@ -365,8 +450,8 @@ class LayerSplitTrainer:
             c = dict(self._counters)
             state, loss, lr = self._state, self._last_loss, self._last_lr
         window_bytes = self.window.held_bytes
-        return TrainerStats(
-            state=state, global_step=self.global_step, total_steps=self.total_steps,
+        return TrainerStats(**{
+            "global_step": self.global_step, **self._fleet_view()}, state=state, total_steps=self.total_steps,
             samples_seen=c["samples_seen"], tokens_seen=c["tokens_seen"], loss=loss, learning_rate=lr,
             tokens_per_s=c["session_tokens"] / c["unit_s"] if c["unit_s"] > 0 else 0.0,
             units_run=c["units_run"], pauses=c["pauses"], paused_s=c["paused_s"],
@@ -374,6 +459,16 @@ class LayerSplitTrainer:
             resident_bytes=window_bytes + self._trainable_state_bytes,
             micro_batch_size=self.micro_batch_size, load_wait_s=c["load_wait_s"], starved=c["starved"],
             eval_loss=next(iter(self._last_eval.values()), None))
+
+    def _fleet_view(self) -> dict:
+        """A fleet member's stats; periodic: progress is the fleet's (committed steps plus
+        this member's unsynced ones), not this member's step count."""
+        if self.fleet is None:
+            return {}
+        view = self.fleet.stats()
+        if self._fleet_periodic:
+            return dict(fleet=view, global_step=min(self.total_steps, view["committed_steps"] + view["unsynced_steps"]))
+        return dict(fleet=view)
 
     def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Inference logits of the current model (base + adapter), through the window."""
@@ -403,8 +498,13 @@ class LayerSplitTrainer:
     def _current_step(self) -> _Step:
         if self._step is None or self._step.step != self.global_step:
             rng_state = checkpoint.capture_rng_state(self.device)
-            micro_batches = self.batches.micro_batches(self.global_step, self.micro_batch_size, self.device)
-            self._step = _Step(self.global_step, micro_batches, self._plan(len(micro_batches)), rng_state)
+            data_step, shard = self.global_step, None
+            if self._fleet_periodic:
+                data_step, self._claimed = self._claimed, None
+            elif self.fleet is not None:
+                shard = (self.fleet.rank, self.fleet.size)
+            micro_batches = self.batches.micro_batches(data_step, self.micro_batch_size, self.device, shard=shard)
+            self._step = _Step(self.global_step, micro_batches, self._plan(len(micro_batches)), rng_state, data_step)
         return self._step
 
     def _plan(self, num_micro_batches: int) -> list[Unit]:
@@ -476,6 +576,10 @@ class LayerSplitTrainer:
                 f"the update, the checkpoint keeps step {step.step} (lower learning_rate, or check the data)")
         self._in_optimizer_update = True
         step.grad_norm = None
+        if self.fleet is not None and not self._fleet_periodic:
+            step.fleet_loss, _ = self.fleet.sum_gradients(self.trainable_params, step.num_label_tokens, loss)
+        if self._fleet_periodic:
+            self._set_fleet_lr(step.data_step)
         if self.tp is not None:
             self.sharded.sum_replicated_gradients()
         if self.max_grad_norm and self.max_grad_norm > 0:
@@ -485,12 +589,15 @@ class LayerSplitTrainer:
                 step.grad_norm = float(torch.nn.utils.clip_grad_norm_(self.trainable_params, self.max_grad_norm))
         self._last_lr = float(self.scheduler.get_last_lr()[0])
         self.optimizer.step()
-        self.scheduler.step()
+        if not self._fleet_periodic:  # a fleet member sets the claimed step's rate itself
+            self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self._in_optimizer_update = False
 
     def _finish_step(self, step: _Step) -> None:
         loss = float(torch.stack(step.losses).sum()) if step.losses else float("nan")
+        if step.fleet_loss is not None:
+            loss = step.fleet_loss
         tokens = sum(mb.num_tokens for mb in step.micro_batches)
         samples = sum(mb.input_ids.shape[0] for mb in step.micro_batches)
         self.global_step += 1
@@ -502,6 +609,9 @@ class LayerSplitTrainer:
             self._counters["session_tokens"] += tokens
         if step.step == 0:
             self._trainable_state_bytes = self._measure_trainable_state_bytes()  # AdamW state now exists
+        if self._fleet_periodic:
+            self._fleet_steps.append(step.data_step)
+            self._fleet_tokens += tokens
         entry = dict(step=self.global_step, loss=loss, learning_rate=self._last_lr, grad_norm=step.grad_norm,
                      tokens=tokens, samples=samples, tokens_seen=self._counters["tokens_seen"],
                      epoch=round(self.global_step / self.batches.steps_per_epoch, 4), time=time.time())
@@ -510,14 +620,14 @@ class LayerSplitTrainer:
         for callback in self.step_callbacks:
             callback(entry)
         due = self.save_steps and self.global_step % self.save_steps == 0
-        if due or self.global_step >= self.total_steps:
+        if (due or self.global_step >= self.total_steps) and not self._fleet_periodic:
             self.save_checkpoint()
         if self.evaluation is not None and self.evaluation.due_after(self.global_step):
             self._eval_owed = True  # its units run before the next step's
         self._finalize_if_done()
 
     def _finalize_if_done(self) -> None:
-        if self.finished and self.output_dir is not None:
+        if self.finished and self.output_dir is not None and not self._fleet_periodic:
             with self._whole():
                 if self.writes_files:
                     checkpoint.write_final_adapter(self.output_dir, self.split.peft_model)

@@ -53,6 +53,17 @@ def _status(port):
         return json.loads(response.read())
 
 
+def _status_since(port, since, timeout_s=30.0):
+    """The first /harvest/status snapshot taken after ``since`` (time.time()): the endpoint
+    serves the engine's latest snapshot (every 0.5 s, when the engine gets to it), so a
+    read right after some traffic may still describe the server before it."""
+    def fresh():
+        status = _status(port)
+        return time.time() - status["snapshot_age_s"] > since and status
+
+    return _wait_for(fresh, timeout_s=timeout_s, interval_s=0.1) or _status(port)
+
+
 def _operator(port, action):
     request = urllib.request.Request(f"http://127.0.0.1:{port}/harvest/{action}", method="POST", data=b"")
     try:
@@ -119,14 +130,14 @@ def test_outputs_identical_reclaim_progress_and_metrics(tiny_llama_path, tmp_pat
         assert step_between, "the trainer made no progress between bursts"
         lent_before_burst = _wait_for(lambda: _status(port)["kv"]["chunks_lent"] >= lent_before and _status(port)["kv"]["chunks_lent"])
         burst_out = _generate_all(srv, burst, BURST)
-        after = _status(port)
+        after = _status_since(port, time.time())  # metrics come from the same (or a later) snapshot
         samples, types = _metrics(port)
         # /flush_cache clears SGLang's pool (every slot free again) while chunks are lent:
         # they stay out of its free list, and the server lives and answers the same.
         relent = _wait_for(lambda: (s := _status(port))["kv"]["chunks_lent"] > 0 and s)
         flush_code, flush_body = srv.get("/flush_cache")
         flushed_out = _generate_all(srv, light[:16], 4)
-        after_flush = _status(port)
+        after_flush = _status_since(port, time.time())
         log = srv.log_path.read_text(errors="replace")
     assert (light_out, burst_out) == reference_outputs
     assert relent and flush_code == 200, (flush_code, flush_body)
@@ -186,7 +197,7 @@ def test_trainer_fault_leaves_the_server_serving(tiny_llama_path, tmp_path, refe
         failed = _wait_for(lambda: (s := _status(port))["trainer"]["state"] == "failed" and s, timeout_s=120)
         assert failed, _status(port)
         outputs = _generate_all(srv, light[:40], 8)
-        after = _status(port)
+        after = _status_since(port, time.time())
         samples, _ = _metrics(port)
     assert "InjectedTrainerFault" in failed["trainer"]["error"]
     assert outputs == reference_outputs[0][:40]  # still serving, same answers
@@ -202,7 +213,7 @@ def test_same_base_model_trains_on_the_served_weights(tiny_llama_path, tmp_path,
         status = _wait_for(lambda: ((s := _status(port))["trainer"]["stats"] or {}).get("global_step", 0) > 0 and s, timeout_s=120)
         assert status, _status(port)
         outputs = _generate_all(srv, light[:60], 8)
-        after = _status(port)
+        after = _status_since(port, time.time())
         log = srv.log_path.read_text(errors="replace")
     assert "trains on the served weights in place" in log
     assert status["trainer"]["stats"]["window_bytes"] == 0  # no second copy of the frozen weights

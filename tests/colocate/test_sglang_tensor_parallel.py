@@ -14,13 +14,14 @@
 from __future__ import annotations
 
 import re
+import time
 
 import pytest
 
 from harvest import colocation_config
 from harvest.sglang import server
 from tests.colocate.test_sglang_colocation import (BURST, RETRACTION, _generate_all, _metrics, _operator, _prompts,
-                                                   _status, _wait_for)
+                                                   _status, _status_since, _wait_for)
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow, pytest.mark.timeout(1200)]
 
@@ -71,7 +72,7 @@ def test_outputs_identical_and_both_ranks_lend_and_reclaim_the_same_chunks(tiny_
         light_out = _generate_all(srv, light, 8)
         relent = _wait_for(lambda: (s := _status(port))["kv"]["chunks_lent"] > 0 and s, timeout_s=60)
         burst_out = _generate_all(srv, burst, BURST)
-        after = _status(port)
+        after = _status_since(port, time.time())
         samples, _ = _metrics(port)
         # An operator's pause, on rank 0's endpoint, gives the memory back on both ranks.
         pause = _operator(port, "pause")
@@ -158,7 +159,7 @@ def test_a_trainer_fault_on_rank_1_stops_both_and_returns_every_chunk(tiny_llama
                            and s["tensor_parallel"]["chunks_taken_by_rank"] == [0] * TP and s, timeout_s=240)
         assert failed, _status(port)
         outputs = _generate_all(srv, light[:40], 8)
-        after = _status(port)
+        after = _status_since(port, time.time())
         samples, _ = _metrics(port)
         log = srv.log_path.read_text(errors="replace")
     assert "rank 1" in failed["trainer"]["error"] and "PeerTrainerFault" in failed["trainer"]["error"], failed["trainer"]

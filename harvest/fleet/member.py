@@ -1,0 +1,332 @@
+"""A fleet member: this process's part in one job trained by many servers.
+
+Threads (none of them a decode thread):
+
+- the trainer's thread asks :meth:`FleetMember.claim` for each step's global step number
+  (periodic) or joins :meth:`every_step_group` once and sums gradients each optimizer
+  step (every_step);
+- a heartbeat thread bumps ``beat/<member>`` every ``heartbeat_s``; a member whose counter
+  stops for ``dead_after_s`` is dropped by the next round, its unsynced steps re-queued;
+- a sync thread (periodic) runs the rounds every ``sync_interval_s`` of its own clock, so
+  a member whose trainer is parked (its server busy) still takes part, bringing the few
+  tokens it trained: a busy server never paces the others.
+
+A round (periodic): members arrive (``r<N>/arrived``, the arrival order is the rank); it
+closes once every live member (and at least ``min_members``) has arrived. Waiting costs
+the trainers nothing: the sync threads wait, the trainers go on, and the snapshot is
+taken only when the round closes. Every round holds every live member, so after it all
+of them start from the same weights. The first to see the condition sets ``r<N>/size``
+(compare-set: one answer for all); a member that arrives later (it joined meanwhile)
+waits for the next round. When every step is claimed, rounds follow each other without
+the interval until every step is in the fleet's weights. The members of the round
+build a gloo group on the store (``r<N>/pg``), take a snapshot of their LoRA weights
+between two units, all-reduce, and put the result back as ``result + (now − snapshot)``:
+what the trainer trained during the collective is kept. A failed collective (a member
+died in it) changes nothing and the next round goes on without that member.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+from typing import Any, Protocol
+
+from harvest.fleet import averaging
+from harvest.fleet.options import FleetOptions
+from harvest.fleet.store import FleetError, job_store, open_store
+from harvest.fleet.work import ROUND, StepQueue, as_ranges
+
+logger = logging.getLogger(__name__)
+POLL_S = 0.02
+
+
+class FleetTrainer(Protocol):
+    """What a member needs of its trainer (harvest.train.trainer.LayerSplitTrainer)."""
+
+    def fleet_snapshot(self) -> tuple[Any, int, list[int]]: ...  # (flat weights, tokens, steps) since the last round
+
+    def fleet_apply(self, result, snapshot) -> None: ...
+
+    def fleet_checkpoint(self, fleet_state: dict, final: bool) -> None: ...
+
+
+class FleetMember:
+    def __init__(self, options: FleetOptions, *, job_id: str, total_steps: int, fingerprint: dict):
+        self.options = options
+        self.job_id = job_id
+        self.total_steps = total_steps
+        self.fingerprint = fingerprint
+        self.member_id = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+        self.store = None  # the job's PrefixStore (this thread's connection)
+        self.hosted = False
+        self.queue: StepQueue | None = None
+        self.trainer: FleetTrainer | None = None
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+        self.joined = threading.Event()  # periodic: this member has the fleet's weights
+        self.done = False  # periodic: every step of the job is in the fleet's weights (read by the decode thread)
+        self.outer = (averaging.OuterNesterov(options.outer_lr, options.outer_momentum)
+                      if options.outer_optimizer == "nesterov" else None)
+        self._liveness: dict[str, tuple[int, float]] = {}  # member -> (beat seen, when it last changed)
+        self._stats = dict(rounds=0, rounds_failed=0, rounds_missed=0, round=0, members=0, tokens_contributed=0,
+                           last_round_at=None, last_round_tokens=0, steps_requeued=0, hosted_store=False)
+        self._last_round_mono: float | None = None
+        self.group = None  # every_step: the fixed group
+        self.rank = 0
+        self.size = 1
+        self._committed_seen = 0  # the fleet's committed steps at this member's last look
+
+    # -- life -----------------------------------------------------------------------------
+    @property
+    def every_step(self) -> bool:
+        return self.options.sync == "every_step"
+
+    def start(self, trainer: FleetTrainer, resumed: dict | None) -> None:
+        """Connect, register, set up or check the job's queue, start the heartbeat (and,
+        periodic, the sync thread). every_step: also form the group (waits for every member)."""
+        host, port = self.options.host_port
+        store, self.hosted = open_store(host, port, may_host=self.options.host_store == "auto",
+                                        timeout_s=self.options.collective_timeout_s)
+        self._root_store = store  # keeps a hosted store alive as long as the member
+        self._stats["hosted_store"] = self.hosted
+        self.store = job_store(store, self.job_id)
+        self.trainer = trainer
+        live = self.live_members()
+        if len(live) >= self.options.max_members:
+            raise FleetError(f"harvest.fleet.max_members: the fleet job {self.job_id!r} already has {len(live)} live "
+                             f"member(s); this one is refused")
+        self.queue = StepQueue(self.store, self.member_id, self.total_steps)
+        self.queue.initialize(self.fingerprint, resumed, self.options.collective_timeout_s)
+        self._committed_seen = self.queue.committed
+        index = self.store.add("members/count", 1) - 1
+        self.store.set(f"members/{index}", self.member_id)
+        self._member_index = index
+        self.store.add(f"beat/{self.member_id}", 1)
+        logger.info("fleet job %s: member %s joined (%s store at %s)", self.job_id, self.member_id,
+                    "hosting the" if self.hosted else "the", self.options.rendezvous)
+        self._spawn("harvest-fleet-heartbeat", self._heartbeat_loop, store)
+        if self.every_step:
+            self._form_group()
+            self.joined.set()
+        else:
+            self._spawn("harvest-fleet-sync", self._sync_loop, store)
+
+    def _spawn(self, name: str, target, store) -> None:
+        thread = threading.Thread(target=target, args=(job_store(store.clone(), self.job_id),), name=name, daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    def leave(self) -> None:
+        """Stop taking part: unsynced steps back to the queue (the others train them), the
+        threads end, the membership is withdrawn."""
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=self.options.collective_timeout_s)
+        if self.store is None:
+            return
+        with contextlib.suppress(Exception):
+            returned = self.queue.give_back() if not self.every_step else []
+            if returned:
+                logger.info("fleet job %s: %d unsynced step(s) given back to the fleet", self.job_id, len(returned))
+            self.store.set(f"members/{self._member_index}", "")
+
+    @property
+    def finished(self) -> bool:
+        return self.queue is not None and self.queue.finished
+
+    # -- periodic: the trainer's side -----------------------------------------------------
+    def claim(self) -> int | None:
+        """The next global step to train, or None (not joined yet, or nothing left to claim)."""
+        if not self.joined.is_set():
+            return None
+        with self._lock:
+            return self.queue.claim()
+
+    @property
+    def progress_steps(self) -> int:
+        """The fleet's committed steps plus this member's unsynced ones (for progress)."""
+        return self.queue.committed + len(self.queue.unsynced) if self.queue is not None else 0
+
+    # -- membership -----------------------------------------------------------------------
+    def live_members(self, store=None) -> list[str]:
+        """Registered members whose heartbeat moved within ``dead_after_s`` (as this member
+        has watched it; a member first seen now counts as live)."""
+        store = store or self.store
+        count = store.add("members/count", 0)
+        now = time.monotonic()
+        live = []
+        for index in range(count):
+            member = store.get(f"members/{index}").decode()
+            if not member:
+                continue
+            beat = store.add(f"beat/{member}", 0)
+            seen, since = self._liveness.get(member, (None, now))
+            if beat != seen:
+                self._liveness[member] = (beat, now)
+                since = now
+            if now - since < self.options.dead_after_s:
+                live.append(member)
+        return live
+
+    def _drop_dead(self, store, live: list[str]) -> None:
+        count = store.add("members/count", 0)
+        for index in range(count):
+            member = store.get(f"members/{index}").decode()
+            if member and member not in live and member != self.member_id:
+                store.set(f"members/{index}", "")
+                steps = StepQueue(store, self.member_id, self.total_steps).requeue_member(member)
+                self._stats["steps_requeued"] += len(steps)
+                logger.warning("fleet job %s: member %s silent for %.0f s, dropped; %d unsynced step(s) re-queued",
+                               self.job_id, member, self.options.dead_after_s, len(steps))
+
+    def _heartbeat_loop(self, store) -> None:
+        while not self._stop.wait(self.options.heartbeat_s):
+            try:
+                store.add(f"beat/{self.member_id}", 1)
+            except Exception as error:  # the store's host is gone: rounds fail too, and say so
+                logger.warning("fleet job %s: heartbeat failed: %s", self.job_id, error)
+
+    # -- periodic: rounds -----------------------------------------------------------------
+    def _sync_loop(self, store) -> None:
+        next_round = time.monotonic()  # the first round at once: it brings the fleet's weights
+        while not self._stop.is_set():
+            try:
+                if self.queue.finished and self.joined.is_set():
+                    self.done = True
+                    return
+                if time.monotonic() >= next_round or (self.joined.is_set() and self.queue.all_claimed):
+                    self._round(store)
+                    next_round = time.monotonic() + self.options.sync_interval_s
+            except Exception as error:  # noqa: BLE001 - a round's failure must not end the member
+                self._stats["rounds_failed"] += 1
+                logger.warning("fleet job %s: round failed: %s", self.job_id, error)
+                next_round = time.monotonic() + min(self.options.sync_interval_s, 1.0)
+            self._stop.wait(POLL_S * 5)
+
+    def _round(self, store) -> None:
+        options = self.options
+        number = int(store.get(ROUND))
+        rank = store.add(f"r{number}/arrived", 1) - 1
+        fresh = not self.joined.is_set()
+        size = None
+        while size is None:
+            if self._stop.is_set():
+                return
+            if store.check([f"r{number}/size"]):
+                size = int(store.get(f"r{number}/size"))
+                break
+            if int(store.get(ROUND)) != number:
+                self._stats["rounds_missed"] += 1
+                return  # it ended without this member (closed before it arrived, or failed)
+            arrived = store.add(f"r{number}/arrived", 0)
+            if arrived >= max(options.min_members, len(self.live_members(store))):
+                size = int(store.compare_set(f"r{number}/size", "", str(arrived)))
+            else:
+                time.sleep(POLL_S)
+        if rank >= size:
+            self._stats["rounds_missed"] += 1
+            self._wait_round_moves_on(store, number)
+            return
+        self._run_round(store, number, rank, size, fresh)
+
+    def _wait_round_moves_on(self, store, number: int) -> None:
+        deadline = time.monotonic() + self.options.collective_timeout_s
+        while int(store.get(ROUND)) == number and time.monotonic() < deadline and not self._stop.is_set():
+            time.sleep(POLL_S)
+
+    def _run_round(self, store, number: int, rank: int, size: int, fresh: bool) -> None:
+        import datetime
+
+        import torch.distributed as dist
+
+        timeout_s = self.options.collective_timeout_s
+        try:
+            group = dist.ProcessGroupGloo(dist.PrefixStore(f"r{number}/pg/", store), rank, size,
+                                          datetime.timedelta(seconds=timeout_s))
+            snapshot, tokens, steps = self.trainer.fleet_snapshot()
+            if fresh:
+                tokens = 0  # it trained nothing before joining; its weights are not the fleet's
+            mean, total = averaging.weighted_average(group, size, snapshot, tokens, timeout_s, fresh=fresh)
+            result = self.outer.step(group, size, mean, snapshot, fresh, timeout_s) if self.outer is not None else mean
+        except Exception:
+            store.compare_set(ROUND, str(number), str(number + 1))  # every member of it sees the failure
+            raise
+        self.trainer.fleet_apply(result, snapshot)
+        with self._lock:
+            self.queue.synced(steps)
+        store.compare_set(ROUND, str(number), str(number + 1))
+        self.joined.set()
+        live = self.live_members(store)
+        if rank == 0:
+            self._drop_dead(store, live)
+        now = time.time()
+        self._stats.update(rounds=self._stats["rounds"] + 1, round=number + 1, members=size, last_round_at=now,
+                           last_round_tokens=total, tokens_contributed=self._stats["tokens_contributed"] + tokens)
+        self._last_round_mono = time.monotonic()
+        committed = self._committed_seen = self.queue.committed
+        logger.info("fleet job %s: round %d: %d member(s), %d token(s) (%d of them this member's), %d/%d step(s) "
+                    "committed", self.job_id, number, size, total, tokens, committed, self.total_steps)
+        final = committed >= self.total_steps
+        if rank == 0:
+            state = dict(round=number + 1, committed_steps=as_ranges(self.queue.committed_steps()),
+                         members=size, job_id=self.job_id)
+            self.trainer.fleet_checkpoint(state, final)
+        if final:
+            self.done = True
+
+    # -- every_step -----------------------------------------------------------------------
+    def _form_group(self) -> None:
+        """every_step: the group is every one of ``max_members`` members, fixed for the run
+        (ranks in arrival order); waits for them at most ``collective_timeout_s``."""
+        import datetime
+
+        import torch.distributed as dist
+
+        size = self.options.max_members
+        rank = self.store.add("es/arrived", 1) - 1
+        if rank >= size:
+            raise FleetError(f"harvest.fleet.max_members: every_step runs exactly {size} member(s); this one came "
+                             f"{rank + 1}th. Restart the whole fleet (every member) to change it")
+        deadline = time.monotonic() + self.options.collective_timeout_s
+        while self.store.add("es/arrived", 0) < size:
+            if time.monotonic() > deadline:
+                raise FleetError(f"harvest.fleet: every_step waits for {size} member(s); only "
+                                 f"{self.store.add('es/arrived', 0)} came within {self.options.collective_timeout_s:g} s")
+            time.sleep(POLL_S)
+        self.group = dist.ProcessGroupGloo(dist.PrefixStore("es/pg/", self.store), rank, size,
+                                           datetime.timedelta(seconds=self.options.collective_timeout_s))
+        self.rank, self.size = rank, size
+        self._stats.update(members=size)
+
+    def sum_gradients(self, params, label_tokens: int, loss: float) -> tuple[float, int]:
+        try:
+            loss, total = averaging.sum_gradients(self.group, params, label_tokens, loss,
+                                                  self.options.collective_timeout_s)
+        except RuntimeError as error:  # gloo: a peer closed its connection, or the timeout passed
+            raise FleetError(f"every_step: the gradient all-reduce failed ({error}); a member is gone. Restart every "
+                             "member: they resume from the fleet's last checkpoint (rank 0 writes it)") from None
+        self._stats["rounds"] += 1
+        self._stats["round"] += 1
+        self._stats["tokens_contributed"] += label_tokens
+        self._committed_seen += 1
+        self._last_round_mono = time.monotonic()
+        return loss, total
+
+    # -- inspection -----------------------------------------------------------------------
+    def stats(self) -> dict:
+        """Attributes only, no store call: the server's status snapshot (the scheduler's
+        thread) reads this."""
+        stats = dict(self._stats)
+        stats.update(member_id=self.member_id, job_id=self.job_id, sync=self.options.sync, joined=self.joined.is_set(),
+                     rank=self.rank, staleness_s=(time.monotonic() - self._last_round_mono)
+                     if self._last_round_mono is not None else None,
+                     committed_steps=self._committed_seen,
+                     unsynced_steps=len(self.queue.unsynced) if self.queue is not None else 0,
+                     total_steps=self.total_steps)
+        return stats

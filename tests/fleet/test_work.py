@@ -1,0 +1,213 @@
+"""The fleet's parts on one machine, fast: the shared step queue, the round arithmetic on
+real gloo groups (one thread per rank), and members' rounds against a stand-in trainer."""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from harvest.fleet import averaging
+from harvest.fleet.member import FleetMember
+from harvest.fleet.options import FleetOptions
+from harvest.fleet.store import FleetError
+from harvest.fleet.work import StepQueue, as_ranges, expand_ranges
+from harvest.settings import SettingError
+
+
+@pytest.fixture()
+def store():
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=10))
+
+
+def _client(store, prefix="harvest/t/"):
+    return dist.PrefixStore(prefix, dist.TCPStore("127.0.0.1", store.port, is_master=False,
+                                                  timeout=datetime.timedelta(seconds=10)))
+
+
+def test_claims_are_disjoint_and_complete_and_a_dead_members_steps_come_back(store):
+    a, b = StepQueue(_client(store), "a", 10), StepQueue(_client(store), "b", 10)
+    assert a.initialize({"lr": 1}, None, 5) is True and b.initialize({"lr": 1}, None, 5) is False
+    claimed = {"a": [], "b": []}
+    for _ in range(5):
+        claimed["a"].append(a.claim())
+        claimed["b"].append(b.claim())
+    assert sorted(claimed["a"] + claimed["b"]) == list(range(10)) and a.claim() is None and a.all_claimed
+    a.synced(claimed["a"][:3])
+    assert a.committed == 3 and a.unsynced == claimed["a"][3:]
+    # b dies: what it had not synced goes back, once, and a trains it.
+    assert sorted(a.requeue_member("b")) == sorted(claimed["b"]) and a.requeue_member("b") == []
+    assert not a.all_claimed
+    again = [a.claim() for _ in range(5)]
+    assert sorted(again) == sorted(claimed["b"]) and a.claim() is None
+    # Leaving gives the unsynced steps back to whoever stays.
+    assert sorted(a.give_back()) == sorted(claimed["a"][3:] + again) and a.unsynced == []
+    assert a.committed_steps() == sorted(claimed["a"][:3]) and not a.finished
+
+
+def test_a_restarted_fleet_queues_again_what_its_checkpoint_did_not_hold(store):
+    resumed = {"committed_steps": as_ranges([0, 1, 2, 5, 6]), "round": 7}
+    assert resumed["committed_steps"] == [[0, 2], [5, 6]] and expand_ranges(resumed["committed_steps"]) == {0, 1, 2, 5, 6}
+    queue = StepQueue(_client(store), "a", 9)
+    queue.initialize({}, resumed, 5)
+    assert queue.committed == 5 and queue.store.get("round") == b"7"
+    assert [queue.claim() for _ in range(5)] == [3, 4, 7, 8, None]
+
+
+def test_a_member_of_another_job_is_refused(store):
+    StepQueue(_client(store), "a", 10).initialize({"lr": 1}, None, 5)
+    with pytest.raises(FleetError, match="the fleet's job differs"):
+        StepQueue(_client(store), "b", 10).initialize({"lr": 2}, None, 5)
+
+
+def _ranks(store, size, work):
+    """Run ``work(group, rank)`` on ``size`` gloo ranks, a thread each; their results."""
+    results, errors = [None] * size, []
+
+    def one(rank):
+        try:
+            group = dist.ProcessGroupGloo(dist.PrefixStore("pg/", _client(store, "")), rank, size,
+                                          datetime.timedelta(seconds=20))
+            results[rank] = work(group, rank)
+        except Exception as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=one, args=(rank,)) for rank in range(size)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not errors, errors
+    return results
+
+
+def test_weighted_average_weighs_members_by_their_tokens(store):
+    weights = [torch.tensor([1.0, 2.0]), torch.tensor([3.0, 6.0]), torch.tensor([10.0, 10.0])]
+    tokens = [100, 300, 0]
+    results = _ranks(store, 3, lambda g, r: averaging.weighted_average(g, 3, weights[r].clone(), tokens[r], 10))
+    for mean, total in results:
+        assert total == 400 and torch.allclose(mean, torch.tensor([2.5, 5.0]))  # the member with 0 tokens weighs 0
+
+
+def test_a_round_where_nobody_trained_takes_the_plain_mean(store):
+    results = _ranks(store, 2, lambda g, r: averaging.weighted_average(g, 2, torch.tensor([float(r)]), 0, 10))
+    assert [float(mean) for mean, _ in results] == [0.5, 0.5]
+
+
+def test_outer_nesterov_steps_from_the_fleets_anchor_and_a_fresh_member_adopts_it(store):
+    outer = [averaging.OuterNesterov(lr=0.7, momentum=0.9) for _ in range(2)]
+    outer[0].anchor, outer[0].velocity = torch.tensor([1.0]), torch.tensor([0.5])
+    mean = torch.tensor([0.0])
+
+    def work(group, rank):
+        return outer[rank].step(group, 2, mean, torch.tensor([42.0]), fresh=rank == 1, timeout_s=10)
+
+    results = _ranks(store, 2, work)
+    delta = 1.0 - 0.0
+    velocity = 0.9 * 0.5 + delta
+    expected = 1.0 - 0.7 * (delta + 0.9 * velocity)
+    assert [float(r) for r in results] == pytest.approx([expected, expected])
+    assert float(outer[1].velocity) == pytest.approx(velocity)  # the fresh member's outer state is the fleet's now
+
+
+def test_every_step_gradients_are_the_whole_steps(store):
+    params = [[torch.nn.Parameter(torch.zeros(2))] for _ in range(2)]
+    grads = [torch.tensor([1.0, 0.0]), torch.tensor([0.0, 4.0])]
+    label_tokens, losses = [10, 30], [2.0, 1.0]
+    for p, g in zip(params, grads):
+        p[0].grad = g.clone()
+
+    results = _ranks(store, 2, lambda g, r: averaging.sum_gradients(g, params[r], label_tokens[r], losses[r], 10))
+    for (loss, total), p in zip(results, params):
+        assert total == 40 and loss == pytest.approx((2.0 * 10 + 1.0 * 30) / 40)
+        assert torch.allclose(p[0].grad, torch.tensor([10 / 40, 4.0 * 30 / 40]))
+
+
+class StandInTrainer:
+    """What a member needs of a trainer: weights as a vector, tokens and steps per round."""
+
+    def __init__(self, value: float):
+        self.weights = torch.tensor([value])
+        self.tokens, self.steps, self.checkpoints = 0, [], []
+        self.lock = threading.Lock()
+
+    def train(self, step: int, tokens: int, change: float) -> None:
+        with self.lock:
+            self.weights += change
+            self.tokens += tokens
+            self.steps.append(step)
+
+    def fleet_snapshot(self):
+        with self.lock:
+            steps, self.steps, tokens, self.tokens = self.steps, [], self.tokens, 0
+            return self.weights.clone(), tokens, steps
+
+    def fleet_apply(self, result, snapshot):
+        with self.lock:
+            self.weights = result + (self.weights - snapshot)
+
+    def fleet_checkpoint(self, state, final):
+        self.checkpoints.append((state, final))
+
+
+def _member(port, **options):
+    settings = dict(rendezvous=f"127.0.0.1:{port}", job_id="t", sync_interval_s=0.3, heartbeat_s=0.1,
+                    dead_after_s=1.0, collective_timeout_s=10.0)
+    return FleetMember(FleetOptions(**{**settings, **options}), job_id="t", total_steps=6, fingerprint={})
+
+
+def _until(predicate, timeout_s=30.0):
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_members_average_a_joiner_gets_the_weights_and_a_dead_members_steps_are_trained_again(store):
+    first, trainer_first = _member(store.port), StandInTrainer(0.0)
+    first.start(trainer_first, None)
+    _until(first.joined.is_set)  # alone: its first round is its own
+    step = first.claim()
+    trainer_first.train(step, tokens=10, change=4.0)
+    _until(lambda: first.stats()["committed_steps"] == 1)
+    # A second member comes with other weights: its first round gives it the fleet's.
+    second, trainer_second = _member(store.port), StandInTrainer(100.0)
+    second.start(trainer_second, None)
+    _until(second.joined.is_set)
+    assert float(trainer_second.weights) == pytest.approx(float(trainer_first.weights)) == pytest.approx(4.0)
+    # Both train; the next round averages by tokens.
+    trainer_first.train(first.claim(), tokens=30, change=1.0)
+    trainer_second.train(second.claim(), tokens=10, change=5.0)
+    _until(lambda: first.stats()["committed_steps"] == 3 and second.stats()["committed_steps"] == 3)
+    assert float(trainer_first.weights) == pytest.approx(4.0 + (30 * 1.0 + 10 * 5.0) / 40)
+    assert float(trainer_second.weights) == pytest.approx(float(trainer_first.weights))
+    # The second member dies holding an unsynced step (its threads stop, nobody deregisters it).
+    lost = second.claim()
+    trainer_second.train(lost, tokens=10, change=1.0)
+    second._stop.set()
+    _until(lambda: first.stats()["steps_requeued"] == 1)
+    # The first member trains the rest, the dead member's step included, and the job finishes.
+    trained = []
+    while (step := first.claim()) is not None:
+        trained.append(step)
+        trainer_first.train(step, tokens=10, change=0.0)
+    assert lost in trained
+    _until(lambda: first.done)
+    assert trainer_first.checkpoints[-1][1] is True  # the last round wrote the final adapter
+    assert expand_ranges(trainer_first.checkpoints[-1][0]["committed_steps"]) == set(range(6))
+    first.leave()
+
+
+def test_fleet_options_are_checked():
+    with pytest.raises(SettingError, match="max_members"):
+        FleetOptions(rendezvous="h:1", min_members=3, max_members=2)
+    with pytest.raises(SettingError, match="dead_after_s"):
+        FleetOptions(rendezvous="h:1", heartbeat_s=5, dead_after_s=5)
+    with pytest.raises(SettingError, match="HOST:PORT"):
+        FleetOptions(rendezvous="no-port")
+    assert FleetOptions(rendezvous="[::1]:29500").host_port == ("::1", 29500)
+    assert not FleetOptions().enabled
