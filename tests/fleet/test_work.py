@@ -211,3 +211,19 @@ def test_fleet_options_are_checked():
         FleetOptions(rendezvous="no-port")
     assert FleetOptions(rendezvous="[::1]:29500").host_port == ("::1", 29500)
     assert not FleetOptions().enabled
+
+
+def test_what_a_fleet_member_cannot_run_is_refused_by_key(tiny_llama_path, tmp_path):
+    from harvest.train.errors import JobError
+    from harvest.train.job import load_job
+    from harvest.train.plan import check_job
+    from tests.fleet.helpers import write_fleet_job
+
+    for keys, key in (({"eval_strategy": "steps", "eval_steps": 2, "val_size": 0.2}, "eval_strategy"),
+                      ({"overwrite_output_dir": True}, "overwrite_output_dir"),
+                      ({"lr_scheduler_type": "reduce_lr_on_plateau"}, "lr_scheduler_type")):
+        job = write_fleet_job(tmp_path / key, tiny_llama_path, port=29500, max_steps=4, **keys)
+        with pytest.raises(JobError, match=f"{key}: "):
+            check_job(load_job(job))
+    fine = write_fleet_job(tmp_path / "fine", tiny_llama_path, port=29500, max_steps=4)
+    assert check_job(load_job(fine)).total_steps == 4
