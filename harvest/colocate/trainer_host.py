@@ -173,7 +173,13 @@ class JobRun:
         step = stats.global_step if stats is not None else 0
         progress = (step / total) if total else (1.0 if self.state == "finished" else 0.0)
         eta_s = None
-        if stats is not None and self.running_since is not None and not self.ended and step > self.baseline[2]:
+        fleet = stats.fleet if stats is not None else None
+        steps_trained = max(0, step - self.baseline[2])
+        if fleet is not None and fleet["sync"] == "periodic":
+            # The progress is the fleet's: this server trained only its own steps of it, and
+            # the ETA is the fleet's pace since this member joined.
+            steps_trained, eta_s = fleet["steps_trained"], fleet["eta_s"] if not self.ended else None
+        elif stats is not None and self.running_since is not None and not self.ended and step > self.baseline[2]:
             elapsed = time.monotonic() - self.running_since
             eta_s = elapsed / (step - self.baseline[2]) * (total - step)
         tokens, samples = (stats.tokens_seen, stats.samples_seen) if stats is not None else (0, 0)
@@ -186,11 +192,11 @@ class JobRun:
             "eval_loss": stats.eval_loss if stats is not None else None,
             "tokens_seen": tokens, "samples_seen": samples,
             "tokens_trained": max(0, tokens - self.baseline[0]), "samples_trained": max(0, samples - self.baseline[1]),
-            "steps_trained": max(0, step - self.baseline[2]),
+            "steps_trained": steps_trained,
             "trainer_s": round(self.trainer_s, 6), "share": share, "deficit_s": deficit_s,
             "submitted_at": self.submitted_at, "started_at": self.started_at, "ended_at": self.ended_at,
             "adapter": dict(self.adapter) if self.adapter is not None else None, "error": self.error,
-            "fleet": stats.fleet if stats is not None else None,
+            "fleet": fleet,
         }
 
 

@@ -39,7 +39,7 @@ from typing import Any, Protocol
 from harvest.fleet import averaging
 from harvest.fleet.options import FleetOptions
 from harvest.fleet.store import FleetError, job_store, open_store
-from harvest.fleet.work import ROUND, StepQueue, as_ranges
+from harvest.fleet.work import CHECKPOINTED, ROUND, StepQueue, as_ranges
 
 logger = logging.getLogger(__name__)
 POLL_S = 0.02
@@ -56,8 +56,10 @@ class FleetTrainer(Protocol):
 
 
 class FleetMember:
-    def __init__(self, options: FleetOptions, *, job_id: str, total_steps: int, fingerprint: dict):
+    def __init__(self, options: FleetOptions, *, job_id: str, total_steps: int, fingerprint: dict,
+                 save_steps: int | None = None):
         self.options = options
+        self.save_steps = save_steps  # a fleet checkpoint each time the committed steps pass a multiple
         self.job_id = job_id
         self.total_steps = total_steps
         self.fingerprint = fingerprint
@@ -81,6 +83,7 @@ class FleetMember:
         self.rank = 0
         self.size = 1
         self._committed_seen = 0  # the fleet's committed steps at this member's last look
+        self._joined_pace: tuple[float, int] | None = None  # (when, committed) at its first round: the ETA's origin
 
     # -- life -----------------------------------------------------------------------------
     @property
@@ -261,6 +264,8 @@ class FleetMember:
         with self._lock:
             self.queue.synced(steps)
         store.compare_set(ROUND, str(number), str(number + 1))
+        if not self.joined.is_set():
+            self._joined_pace = (time.monotonic(), self.queue.committed)
         self.joined.set()
         live = self.live_members(store)
         if rank == 0:
@@ -273,12 +278,21 @@ class FleetMember:
         logger.info("fleet job %s: round %d: %d member(s), %d token(s) (%d of them this member's), %d/%d step(s) "
                     "committed", self.job_id, number, size, total, tokens, committed, self.total_steps)
         final = committed >= self.total_steps
-        if rank == 0:
+        if rank == 0 and self._checkpoint_due(store, committed, final):
             state = dict(round=number + 1, committed_steps=as_ranges(self.queue.committed_steps()),
                          members=size, job_id=self.job_id)
             self.trainer.fleet_checkpoint(state, final)
+            store.set(CHECKPOINTED, str(committed))
         if final:
             self.done = True
+
+    def _checkpoint_due(self, store, committed: int, final: bool) -> bool:
+        """The job's last round, or the committed steps passed a multiple of save_steps
+        since the fleet's last checkpoint (whichever member wrote it)."""
+        if final:
+            return True
+        last = int(store.get(CHECKPOINTED)) if store.check([CHECKPOINTED]) else 0
+        return bool(self.save_steps) and committed // self.save_steps > last // self.save_steps
 
     # -- every_step -----------------------------------------------------------------------
     def _form_group(self) -> None:
@@ -319,6 +333,16 @@ class FleetMember:
         return loss, total
 
     # -- inspection -----------------------------------------------------------------------
+    def _eta_s(self) -> float | None:
+        """The fleet's remaining steps at the fleet's pace since this member joined."""
+        if self._joined_pace is None:
+            return None
+        since, committed_then = self._joined_pace
+        done = self._committed_seen - committed_then
+        if done <= 0:
+            return None
+        return (time.monotonic() - since) / done * max(0, self.total_steps - self._committed_seen)
+
     def stats(self) -> dict:
         """Attributes only, no store call: the server's status snapshot (the scheduler's
         thread) reads this."""
@@ -326,7 +350,7 @@ class FleetMember:
         stats.update(member_id=self.member_id, job_id=self.job_id, sync=self.options.sync, joined=self.joined.is_set(),
                      rank=self.rank, staleness_s=(time.monotonic() - self._last_round_mono)
                      if self._last_round_mono is not None else None,
-                     committed_steps=self._committed_seen,
+                     committed_steps=self._committed_seen, eta_s=self._eta_s(),
                      unsynced_steps=len(self.queue.unsynced) if self.queue is not None else 0,
                      total_steps=self.total_steps)
         return stats

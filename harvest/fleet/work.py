@@ -23,6 +23,7 @@ REQUEUE = "requeue"
 NEXT = "next_step"
 COMMITTED = "committed"
 COMMITTED_STEPS = "committed_steps"
+CHECKPOINTED = "checkpointed"  # the committed steps at the fleet's last checkpoint
 ROUND = "round"
 
 
@@ -46,6 +47,7 @@ class StepQueue:
             self.store.add(NEXT, following)
             self.store.add(COMMITTED, len(done))
             self.store.set(COMMITTED_STEPS, "".join(f"{s}," for s in sorted(done)))
+            self.store.set(CHECKPOINTED, str(len(done)))
             self.store.set(ROUND, str(int((resumed or {}).get("round", 0))))
             for step in sorted(set(range(following)) - done):  # trained by members that had not synced
                 self.store.queue_push(REQUEUE, str(step))

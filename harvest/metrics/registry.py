@@ -57,6 +57,15 @@ _JOB_COUNTERS = (("tokens_trained", "trainer_tokens_total"), ("samples_trained",
 # A job's dict -> the gauge it sets (absent while the value is None).
 _JOB_GAUGES = (("progress", "job_progress_ratio"), ("eta_s", "job_eta_seconds"), ("weight", "job_weight"),
                ("deficit_s", "job_fair_share_deficit_seconds"), ("loss", "trainer_loss"), ("eval_loss", "trainer_eval_loss"))
+# A fleet job's ``fleet`` dict (harvest.fleet.member.FleetMember.stats: this process's
+# member, new with each job instance, so per-instance running totals too) -> its counters
+# and gauges. Only jobs whose dict has a ``fleet`` section have these series.
+_FLEET_COUNTERS = (("tokens_contributed", "fleet_tokens_contributed_total"), ("rounds", "fleet_rounds_total"),
+                   ("rounds_failed", "fleet_rounds_failed_total"))
+_FLEET_GAUGES = (("members", "fleet_members"), ("round", "fleet_round"), ("staleness_s", "fleet_staleness_seconds"),
+                 ("committed_steps", "fleet_committed_steps"))
+# States in which a job's member no longer takes part in rounds: its staleness means nothing.
+_ENDED_STATES = frozenset({"finished", "stopped", "cancelled", "failed"})
 
 
 class _GaugeWhenSet:
@@ -119,6 +128,12 @@ def checked_constant_labels(labels: Mapping[str, str] | None) -> dict[str, str]:
     return checked
 
 
+def _fleet_of(job: Mapping) -> Mapping | None:
+    """A fleet job's ``fleet`` section, or None (a job trained alone)."""
+    fleet = job.get("fleet")
+    return fleet if isinstance(fleet, Mapping) else None
+
+
 def _known(value) -> float | None:
     """``value`` as a float, or None when it is missing or not a finite number."""
     if value is None or isinstance(value, bool):
@@ -169,6 +184,13 @@ class HarvestMetrics:
         self.job_weight = gauge("harvest_job_weight", "The job's weight in the fair share of trainer time.", ("job_name",))
         self.job_fair_share_deficit_seconds = gauge("harvest_job_fair_share_deficit_seconds", "Trainer seconds the job is owed under the fair share (negative: ahead).", ("job_name",))
         self.job_state = gauge("harvest_job_state", "1 for the job's current state, 0 for the others.", ("job_name", "state"))
+        self.fleet_tokens_contributed_total = counter("harvest_fleet_tokens_contributed_total", "Tokens this server trained that its fleet rounds averaged into the fleet job's weights.", ("job_name",))
+        self.fleet_rounds_total = counter("harvest_fleet_rounds_total", "Fleet rounds (periodic: averagings; every_step: gradient all-reduces) this server completed for the job.", ("job_name",))
+        self.fleet_rounds_failed_total = counter("harvest_fleet_rounds_failed_total", "Fleet rounds of the job that failed on this server (a member died in the collective, the store was unreachable).", ("job_name",))
+        self.fleet_members = gauge("harvest_fleet_members", "Members (servers) in the fleet job's last round this server took part in.", ("job_name",))
+        self.fleet_round = gauge("harvest_fleet_round", "The fleet job's completed rounds, as of the last round this server took part in.", ("job_name",))
+        self.fleet_staleness_seconds = gauge("harvest_fleet_staleness_seconds", "Seconds since this server's last completed fleet round of the job (its weights' distance from the fleet's).", ("job_name",))
+        self.fleet_committed_steps = gauge("harvest_fleet_committed_steps", "Global steps of the fleet job in the fleet's weights, as of this server's last look.", ("job_name",))
         self.trainer_window_layers = gauge("harvest_trainer_window_layers", "Frozen layers resident in the trainer's device window.")
         self.trainer_resident_bytes = gauge("harvest_trainer_resident_bytes", "Device bytes held by the trainer.")
         self.trainer_faults_total = counter("harvest_trainer_faults_total", "Trainer faults (exception or OOM) that stopped a job.")
@@ -246,7 +268,8 @@ class HarvestMetrics:
         """Every job the trainer host lists (harvest.colocate.trainer_host JobRun.report()).
 
         Counters advance by the increase of each job instance's running totals
-        (``tokens_trained``, ``samples_trained``, ``steps_trained``, ``trainer_s``: 0 when
+        (``tokens_trained``, ``samples_trained``, ``steps_trained``, ``trainer_s``, and a
+        fleet job's ``fleet`` ``tokens_contributed``, ``rounds``, ``rounds_failed``: 0 when
         the instance starts in this process); a total below the last one is read as a
         restart from 0, as Prometheus reads a counter reset. Gauges show the listed
         instance of each name with the highest ``instance``. A name no longer listed
@@ -266,10 +289,14 @@ class HarvestMetrics:
             key = ("instance", instance) if instance is not None else ("name", name)
             live_keys.add(key)
             totals = self._job_totals.setdefault(key, {})
-            for source, attribute in _JOB_COUNTERS:
+            fleet = _fleet_of(job)
+            running = [(source, attribute, job.get(source)) for source, attribute in _JOB_COUNTERS]
+            if fleet is not None:
+                running += [("fleet." + source, attribute, fleet.get(source)) for source, attribute in _FLEET_COUNTERS]
+            for source, attribute, raw in running:
                 counter = getattr(self, attribute).labels(job_name=name)  # present at 0 from the job's first report
                 self._job_series.add((attribute, (name,)))
-                value = _known(job.get(source))
+                value = _known(raw)
                 if value is None:
                     continue
                 last = totals.get(source, 0.0)
@@ -288,6 +315,13 @@ class HarvestMetrics:
             state = job.get("state")
             for each in JOB_STATES:
                 self._put("job_state", (name, each), None if state is None else float(each == state))
+            fleet = _fleet_of(job)
+            # Absent until the member has joined the fleet (periodic: its first round), and
+            # for a job that is not a fleet job; staleness also once the job has ended.
+            joined = fleet is not None and bool(fleet.get("joined"))
+            for source, attribute in _FLEET_GAUGES:
+                known = joined and not (source == "staleness_s" and state in _ENDED_STATES)
+                self._put(attribute, (name,), _known(fleet.get(source)) if known else None)
         for attribute, labels in [series for series in self._job_series if series[1][0] not in latest]:
             self._put(attribute, labels, None)
 

@@ -300,6 +300,32 @@ def _adapter(job: dict):
     return text.append(f" ({adapter['state']})", style="dim") if adapter.get("state") else text
 
 
+ENDED_STATES = ("finished", "stopped", "cancelled", "failed")
+
+
+def _fleet(job: dict):
+    """A fleet job's view from this server, compactly: ``r12 3 members 4s ago`` (the
+    fleet's round, members in this server's last round, time since it); ``joining``
+    before its first round; ``-`` for a job trained alone."""
+    from rich.text import Text
+
+    fleet = job.get("fleet") if isinstance(job.get("fleet"), dict) else None
+    if fleet is None:
+        return Text("-")
+    if not fleet.get("joined"):
+        return Text("joining", style="cyan")
+    number, members = _number(fleet.get("round")), _number(fleet.get("members"))
+    text = Text(f"r{'?' if number is None else int(number)} {'?' if members is None else int(members)} "
+                f"member{'' if members == 1 else 's'}")
+    stale = _number(fleet.get("staleness_s"))
+    if stale is not None and job.get("state") not in ENDED_STATES:
+        text.append(f" {duration(stale)} ago", style="dim")
+    failed = _number(fleet.get("rounds_failed"))
+    if failed:
+        text.append(f" {int(failed)} failed", style="yellow")
+    return text
+
+
 def _server_row(server: str, status: dict) -> dict:
     trainer = status.get("trainer") if isinstance(status.get("trainer"), dict) else None
     return {"server": server, "model": str(status.get("model_name") or "-"), "TPOT p50/p99": _tpot(status),
@@ -321,16 +347,18 @@ def _job_row(server: str, job: dict) -> dict:
             "share": _percent(job.get("share")),
             "deficit": Text("-" if deficit is None else ("+" if deficit > 0 else "") + duration(deficit),
                             style="yellow" if deficit is not None and deficit > 0 else ""),
-            "adapter": _adapter(job)}
+            "adapter": _adapter(job), "fleet": _fleet(job)}
 
 
 SERVER_COLUMNS = ("server", "model", "TPOT p50/p99", "viol", "SMs d/t", "KV lent", "trainer", "age")
-JOB_COLUMNS = ("server", "job", "state", "weight", "progress", "ETA", "loss (eval)", "share", "deficit", "adapter")
-LEFT = ("server", "model", "trainer", "job", "state", "progress", "adapter")
+# "fleet": shown when a job is a fleet job (several servers train it; its progress is the fleet's).
+JOB_COLUMNS = ("server", "job", "state", "weight", "progress", "ETA", "loss (eval)", "fleet", "share", "deficit",
+               "adapter")
+LEFT = ("server", "model", "trainer", "job", "state", "progress", "fleet", "adapter")
 # On a narrow terminal whole columns go, least useful first ("bar": the progress bar,
 # leaving the percent), rather than rich cutting every column down to an ellipsis.
 SERVER_DROP_ORDER = ("age", "viol", "SMs d/t")
-JOB_DROP_ORDER = ("bar", "weight", "deficit", "adapter", "share", "loss (eval)", "ETA")
+JOB_DROP_ORDER = ("bar", "weight", "deficit", "adapter", "share", "fleet", "loss (eval)", "ETA")
 
 
 class _Fitted:
@@ -371,6 +399,7 @@ def render(results: list[ServerResult]):
 
     server_rows, job_rows, problems = [], [], []
     num_up = num_running = num_violating = 0
+    any_fleet = False
     for result in results:
         server = _short(result.url)
         status = result.status
@@ -385,6 +414,7 @@ def render(results: list[ServerResult]):
             problems.append(Text(f"{server} trainer: {trainer['error']}", style="red"))
         for job in jobs_of(status):
             job_rows.append(_job_row(server, job))
+            any_fleet = any_fleet or isinstance(job.get("fleet"), dict)
             num_running += job.get("state") == "running"
             for what, error in (("", job.get("error")), (" adapter", _get(job, "adapter", "error"))):
                 if error:
@@ -396,8 +426,9 @@ def render(results: list[ServerResult]):
     footer.append(f" · jobs {num_running} running · ")
     footer.append(f"{num_violating} violating TPOT target", style="red" if num_violating else "")
     parts = [_Fitted("harvest servers", SERVER_COLUMNS, server_rows, SERVER_DROP_ORDER)]
-    if job_rows:  # with one server, no server column
-        parts.append(_Fitted("finetune jobs", JOB_COLUMNS, job_rows, JOB_DROP_ORDER, () if len(results) > 1 else ("server",)))
+    if job_rows:  # with one server, no server column; without a fleet job, no fleet column
+        hidden = (() if len(results) > 1 else ("server",)) + (() if any_fleet else ("fleet",))
+        parts.append(_Fitted("finetune jobs", JOB_COLUMNS, job_rows, JOB_DROP_ORDER, hidden))
     return Group(*parts, *problems, footer)
 
 

@@ -330,7 +330,8 @@ def _fleet_member(options: HarvestOptions, job_id: str | None, total_steps: int,
     if job_id is None:
         raise JobError("harvest.fleet.job_id: needed to train a job assembled from parts in a fleet")
     return FleetMember(options.fleet, job_id=job_id, total_steps=total_steps,
-                       fingerprint={**settings.fingerprint, "samples_per_step": settings.samples_per_step})
+                       fingerprint={**settings.fingerprint, "samples_per_step": settings.samples_per_step},
+                       save_steps=_steps(settings.save_steps, total_steps))
 
 
 def _window_capacity(options: HarvestOptions, stage_bytes: list[int], resident_bytes: int) -> tuple[int, int | None]:

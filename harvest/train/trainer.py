@@ -107,7 +107,7 @@ class LayerSplitTrainer:
         self._stats_lock = threading.Lock()
         self._state = "idle"
         self._counters = dict(samples_seen=0, tokens_seen=0, units_run=0, pauses=0, paused_s=0.0,
-                              unit_s=0.0, session_tokens=0, load_wait_s=0.0, starved=0)
+                              unit_s=0.0, session_tokens=0, load_wait_s=0.0, starved=0, fleet_steps=0)
         self._last_loss: float | None = None
         self._last_lr: float | None = None
         self._trainable_state_bytes = self._measure_trainable_state_bytes()
@@ -466,6 +466,8 @@ class LayerSplitTrainer:
         if self.fleet is None:
             return {}
         view = self.fleet.stats()
+        with self._stats_lock:
+            view["steps_trained"] = self._counters["fleet_steps"]  # by this member, this session
         if self._fleet_periodic:
             return dict(fleet=view, global_step=min(self.total_steps, view["committed_steps"] + view["unsynced_steps"]))
         return dict(fleet=view)
@@ -609,6 +611,9 @@ class LayerSplitTrainer:
             self._counters["session_tokens"] += tokens
         if step.step == 0:
             self._trainable_state_bytes = self._measure_trainable_state_bytes()  # AdamW state now exists
+        if self.fleet is not None:
+            with self._stats_lock:
+                self._counters["fleet_steps"] += 1
         if self._fleet_periodic:
             self._fleet_steps.append(step.data_step)
             self._fleet_tokens += tokens

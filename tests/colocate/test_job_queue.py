@@ -43,7 +43,7 @@ class FakeTrainer:
     def stats(self):
         from harvest.train.stats import TrainerStats
 
-        fields = {f: 0 for f in TrainerStats.__dataclass_fields__}
+        fields = {**{f: 0 for f in TrainerStats.__dataclass_fields__}, "fleet": None}
         return TrainerStats(**{**fields, "state": "running", "loss": 1.0, "global_step": self.global_step,
                                "total_steps": self.total_steps, "tokens_seen": self.tokens,
                                "learning_rate": None})
@@ -255,3 +255,24 @@ def test_counters_of_a_resumed_job_start_from_its_checkpoint():
         assert a["tokens_seen"] == 5300 and a["tokens_trained"] == 300
     finally:
         host.shutdown(10)
+
+
+def test_a_periodic_fleet_jobs_line_counts_this_servers_steps_and_the_fleets_eta():
+    import dataclasses
+    import types
+
+    from harvest.colocate.trainer_host import JobRun
+    from harvest.train.stats import TrainerStats
+
+    fields = {**{f: 0 for f in TrainerStats.__dataclass_fields__}, "state": "running", "loss": 1.0}
+    fleet = {"sync": "periodic", "steps_trained": 7, "eta_s": 12.5}
+    stats = TrainerStats(**{**fields, "global_step": 40, "total_steps": 100, "fleet": fleet})
+    run = JobRun(0, spec("f"))
+    run.state, run.running_since, run.trainer = "running", time.monotonic() - 1.0, types.SimpleNamespace(stats=lambda: stats)
+    line = run.report(active=True, host_paused=False, starved=False, share=1.0, deficit_s=0.0)
+    # Progress is the fleet's (40 of 100), the steps trained are this server's, the ETA the fleet's pace.
+    assert (line["progress"], line["steps_trained"], line["eta_s"], line["fleet"]) == (0.4, 7, 12.5, fleet)
+    solo = dataclasses.replace(stats, fleet=None)
+    run.trainer = types.SimpleNamespace(stats=lambda: solo)
+    line = run.report(active=True, host_paused=False, starved=False, share=1.0, deficit_s=0.0)
+    assert line["steps_trained"] == 40 and line["eta_s"] == pytest.approx(1.5, rel=0.5) and line["fleet"] is None

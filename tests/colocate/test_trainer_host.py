@@ -28,7 +28,7 @@ class FakeTrainer:
     def stats(self):
         from harvest.train.stats import TrainerStats
 
-        fields = {f: 0 for f in TrainerStats.__dataclass_fields__}
+        fields = {**{f: 0 for f in TrainerStats.__dataclass_fields__}, "fleet": None}
         return TrainerStats(**{**fields, "state": "running", "loss": None, "units_run": self.units})
 
     def peek_next_unit_ready(self):

@@ -15,6 +15,15 @@ def job(instance=1, name="alpaca", **fields) -> dict:
             "steps_trained": 0, "trainer_s": 0.0, "deficit_s": 0.25, **fields}
 
 
+def fleet(**fields) -> dict:
+    """A fleet job's ``fleet`` section (harvest.fleet.member.FleetMember.stats()), joined,
+    after 12 rounds with 3 members."""
+    return {"member_id": "gpu1-4242-a1b2c3", "job_id": "alpaca", "sync": "periodic", "joined": True, "rank": 0,
+            "rounds": 12, "rounds_failed": 0, "rounds_missed": 0, "round": 12, "members": 3, "tokens_contributed": 4096,
+            "last_round_at": 1_700_000_000.0, "last_round_tokens": 1024, "steps_requeued": 0, "hosted_store": True,
+            "staleness_s": 4.0, "committed_steps": 36, "unsynced_steps": 2, "total_steps": 100, **fields}
+
+
 def populated(**kwargs) -> HarvestMetrics:
     m = HarvestMetrics(**kwargs)
     m.set_build_info(version="0.1.0", sglang_version="0.5.23", torch_version="2.13.0", device="cpu")
@@ -23,7 +32,7 @@ def populated(**kwargs) -> HarvestMetrics:
     m.observe_step(measured_s=0.030, predicted_s=0.028, target_s=0.040, level_index=2, decode_sms=64, trainer_sms=68)
     m.set_prediction_error(0.05, False)
     m.set_trainer(state="running", window_layers=2, resident_bytes=4096)
-    m.set_jobs([job(tokens_trained=100, samples_trained=4, steps_trained=1, trainer_s=0.5)])
+    m.set_jobs([job(tokens_trained=100, samples_trained=4, steps_trained=1, trainer_s=0.5, fleet=fleet(rounds_failed=1))])
     m.trainer_fault()
     m.set_kv_chunks(mapped=10, lent=6, fragmentation_bytes=1 << 20)
     m.lent(6)

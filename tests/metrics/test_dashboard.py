@@ -20,6 +20,9 @@ FILTERS = ('instance=~"$instance"', 'job=~"$job"', 'model_name=~"$model_name"')
 SELECTOR = re.compile(r"\b([a-zA-Z_:][a-zA-Z0-9_:]*)\{([^}]*)\}")
 JOB_PANELS = ("job progress", "job eta", "training loss (per job)", "job tokens/s", "share of trainer time",
               "fair-share deficit", "job state")
+# Jobs one fleet of servers trains together (harvest.fleet): one line per server and job.
+FLEET_JOB_PANELS = ("fleet job members", "fleet job rounds/s", "fleet job staleness", "fleet job tokens contributed/s",
+                    "fleet job committed steps")
 
 
 def load() -> dict:
@@ -43,7 +46,7 @@ def test_dashboard_is_importable_json_with_the_required_panels():
     dashboard = load()
     assert dashboard["uid"] and dashboard["title"] and dashboard["schemaVersion"] >= 30
     titles = [p["title"].lower() for p in dashboard["panels"]]
-    for required in REQUIRED_PANELS + JOB_PANELS:
+    for required in REQUIRED_PANELS + JOB_PANELS + FLEET_JOB_PANELS:
         assert any(required in t for t in titles), required
     assert len({p["id"] for p in dashboard["panels"]}) == len(dashboard["panels"])
     variables = {v["name"]: v for v in dashboard["templating"]["list"]}
@@ -74,7 +77,7 @@ def test_every_selector_is_filtered_by_the_dashboard_variables():
             # up carries no model_name: the fleet row joins it to harvest_build_info, which does.
             needed = FILTERS[:2] if metric == "up" else FILTERS
             assert all(f in matchers for f in needed), (title, metric, matchers)
-        if any(job_panel in title.lower() for job_panel in JOB_PANELS):
+        if any(job_panel in title.lower() for job_panel in JOB_PANELS + FLEET_JOB_PANELS):
             assert 'job_name=~"$job_name"' in expr, (title, expr)
 
 
@@ -101,3 +104,19 @@ def test_the_fleet_row_comes_first():
     fleet = [p["title"].lower() for p in panels[1:rows[1]]]
     assert fleet == ["fleet: trainer tokens/s", "fleet: worst tpot p99 vs target", "fleet: servers over target",
                      "fleet: servers up"]
+
+
+def test_the_fleet_job_row_shows_each_server_and_job():
+    panels = load()["panels"]
+    rows = [i for i, p in enumerate(panels) if p["type"] == "row"]
+    start = next(i for i in rows if "fleet" in panels[i]["title"].lower() and panels[i]["title"].lower().startswith("jobs"))
+    end = next((i for i in rows if i > start), len(panels))
+    titles = [p["title"].lower() for p in panels[start + 1:end]]
+    assert len(titles) == len(FLEET_JOB_PANELS) and all(t.startswith(f) for t, f in zip(titles, FLEET_JOB_PANELS)), titles
+    for panel in panels[start + 1:end]:
+        for target in panel["targets"]:
+            expr, legend = target["expr"], target["legendFormat"]
+            assert "harvest_fleet_" in expr, (panel["title"], expr)
+            # Never merged across servers or jobs: no aggregation, or one that keeps both.
+            assert not re.search(r"\b(sum|max|min|avg|count)\b(?! by \(instance, job_name\))", expr), expr
+            assert "{{instance}}" in legend and "{{job_name}}" in legend, legend

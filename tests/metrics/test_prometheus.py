@@ -45,6 +45,9 @@ RATE_INTERVAL = "15s"  # what Grafana's $__rate_interval gives for a 1 s scrape 
 SCRAPE_FOR_S = 25  # seconds of scrapes (while requests run) before the queries
 # Metrics NVML feeds: absent on a machine without an NVIDIA driver (nothing is faked).
 GPU_ONLY = ("harvest_gpu_",)
+# Metrics of jobs a fleet of servers trains together: these servers' jobs train alone
+# (tests/fleet/test_sglang_fleet.py checks the fleet series on two servers sharing a job).
+FLEET_JOB_ONLY = ("harvest_fleet_",)
 # A job with an evaluation set, evaluating often: harvest_trainer_eval_loss exists early.
 EVAL_KEYS = {"val_size": 4, "eval_strategy": "steps", "eval_steps": 2, "per_device_eval_batch_size": 2}
 
@@ -196,8 +199,10 @@ def _substitute(expr: str, variables: dict[str, str]) -> str:
     return expr
 
 
-def _problem(prometheus: Prometheus, kind: str, expr: str, instances: set[str], on_gpu: bool) -> str | None:
-    """What is wrong with the answer to ``expr`` (variables substituted), or None."""
+def _problem(prometheus: Prometheus, kind: str, expr: str, instances: set[str], on_gpu: bool,
+             fleet_jobs: bool = False) -> str | None:
+    """What is wrong with the answer to ``expr`` (variables substituted), or None.
+    ``fleet_jobs``: the servers run a fleet job (its series must be there too)."""
     answer = prometheus.query(expr)
     if answer.get("status") != "success":
         return f"refused: {answer.get('error')}"
@@ -205,6 +210,8 @@ def _problem(prometheus: Prometheus, kind: str, expr: str, instances: set[str], 
     if not result:
         if not on_gpu and any(name in expr for name in GPU_ONLY):
             return None  # no NVML here
+        if not fleet_jobs and any(name in expr for name in FLEET_JOB_ONLY):
+            return None  # no fleet job here
         return "empty"
     labels = [{k: v for k, v in series["metric"].items() if k != "__name__"} for series in result]
     if kind == "fleet":

@@ -19,7 +19,7 @@ import pytest
 from harvest.metrics.gpu_telemetry import GpuSample, NvmlSampler
 from harvest.metrics.registry import JOB_STATES, OWN_LABEL_NAMES, HarvestMetrics
 from harvest.schedule import TrainerState
-from tests.metrics.populated import families, has, job, populated, samples, value
+from tests.metrics.populated import families, fleet, has, job, populated, samples, value
 
 EXPECTED = {
     "harvest_build_info": "gauge",
@@ -45,6 +45,13 @@ EXPECTED = {
     "harvest_job_weight": "gauge",
     "harvest_job_fair_share_deficit_seconds": "gauge",
     "harvest_job_state": "gauge",
+    "harvest_fleet_tokens_contributed": "counter",
+    "harvest_fleet_rounds": "counter",
+    "harvest_fleet_rounds_failed": "counter",
+    "harvest_fleet_members": "gauge",
+    "harvest_fleet_round": "gauge",
+    "harvest_fleet_staleness_seconds": "gauge",
+    "harvest_fleet_committed_steps": "gauge",
     "harvest_trainer_window_layers": "gauge",
     "harvest_trainer_resident_bytes": "gauge",
     "harvest_trainer_faults": "counter",
@@ -61,6 +68,11 @@ PER_JOB = ("harvest_trainer_tokens_total", "harvest_trainer_samples_total", "har
            "harvest_job_trainer_seconds_total", "harvest_trainer_loss", "harvest_trainer_eval_loss",
            "harvest_job_progress_ratio", "harvest_job_eta_seconds", "harvest_job_weight",
            "harvest_job_fair_share_deficit_seconds", "harvest_job_state")
+FLEET_COUNTERS = ("harvest_fleet_tokens_contributed_total", "harvest_fleet_rounds_total",
+                  "harvest_fleet_rounds_failed_total")
+FLEET_GAUGES = ("harvest_fleet_members", "harvest_fleet_round", "harvest_fleet_staleness_seconds",
+                "harvest_fleet_committed_steps")
+PER_FLEET_JOB = FLEET_COUNTERS + FLEET_GAUGES
 
 
 def test_every_metric_is_exported_with_its_type():
@@ -75,7 +87,9 @@ def test_a_fresh_registry_exports_counters_and_histograms_only():
     assert with_samples == {name: kind for name, kind in EXPECTED.items()
                             if kind == "histogram" or (kind == "counter" and name not in
                                                        ("harvest_trainer_tokens", "harvest_trainer_samples",
-                                                        "harvest_trainer_steps", "harvest_job_trainer_seconds"))}
+                                                        "harvest_trainer_steps", "harvest_job_trainer_seconds",
+                                                        "harvest_fleet_tokens_contributed", "harvest_fleet_rounds",
+                                                        "harvest_fleet_rounds_failed"))}
     assert all(s.value == 0 for s in samples(HarvestMetrics()) if not s.name.endswith("_created"))
 
 
@@ -213,6 +227,92 @@ def test_a_job_no_longer_listed_loses_its_series_and_the_others_keep_theirs():
     assert not [s for s in samples(m) if s.name in PER_JOB]
     m.set_jobs([job(3, "a", tokens_trained=4)])  # back under the same name: a new counter (a reset to Prometheus)
     assert value(m, "harvest_trainer_tokens_total", job_name="a") == 4
+
+
+def test_a_fleet_job_exports_its_fleet_view():
+    m = HarvestMetrics()
+    m.set_jobs([job(1, "shared", tokens_trained=300, fleet=fleet(tokens_contributed=250, rounds=12, rounds_failed=1,
+                                                                  round=15, members=3, staleness_s=4.5,
+                                                                  committed_steps=36)),
+                job(2, "solo", tokens_trained=40)])
+    assert value(m, "harvest_fleet_members", job_name="shared") == 3
+    assert value(m, "harvest_fleet_round", job_name="shared") == 15  # the fleet's count, not this member's 12
+    assert value(m, "harvest_fleet_staleness_seconds", job_name="shared") == 4.5
+    assert value(m, "harvest_fleet_committed_steps", job_name="shared") == 36
+    assert value(m, "harvest_fleet_tokens_contributed_total", job_name="shared") == 250
+    assert value(m, "harvest_fleet_rounds_total", job_name="shared") == 12
+    assert value(m, "harvest_fleet_rounds_failed_total", job_name="shared") == 1
+    assert value(m, "harvest_trainer_tokens_total", job_name="shared") == 300  # trained here, synced or not
+    # A job trained alone has none of them (not zeros).
+    assert not [s for s in samples(m) if s.name.startswith("harvest_fleet_") and s.labels.get("job_name") == "solo"]
+
+
+def test_fleet_gauges_are_absent_until_the_member_joins_and_staleness_once_the_job_ends():
+    m = HarvestMetrics()
+    joining = fleet(joined=False, rounds=0, round=0, members=0, staleness_s=None, committed_steps=0,
+                    tokens_contributed=0)
+    m.set_jobs([job(1, "shared", fleet=joining)])
+    assert not any(has(m, name, job_name="shared") for name in FLEET_GAUGES)
+    # Counters are there at 0 from the first report with a fleet section: rate() sees the first increase.
+    assert [value(m, name, job_name="shared") for name in FLEET_COUNTERS] == [0, 0, 0]
+    m.set_jobs([job(1, "shared", fleet=fleet(rounds=1, round=7, members=2, staleness_s=0.5, committed_steps=20))])
+    assert [value(m, name, job_name="shared") for name in FLEET_GAUGES] == [2, 7, 0.5, 20]
+    m.set_jobs([job(1, "shared", state="running", fleet=fleet(staleness_s=float("nan")))])  # unknown: no series
+    assert not has(m, "harvest_fleet_staleness_seconds") and has(m, "harvest_fleet_round")
+    m.set_jobs([job(1, "shared", state="finished", fleet=fleet(staleness_s=80.0))])  # it no longer syncs
+    assert not has(m, "harvest_fleet_staleness_seconds")
+    assert value(m, "harvest_fleet_round", job_name="shared") == 12 and has(m, "harvest_fleet_members")
+
+
+def test_fleet_counters_only_grow_across_instances_and_a_restarted_member():
+    m = HarvestMetrics()
+    contributed = lambda: value(m, "harvest_fleet_tokens_contributed_total", job_name="shared")  # noqa: E731
+    failed = lambda: value(m, "harvest_fleet_rounds_failed_total", job_name="shared")  # noqa: E731
+    m.set_jobs([job(1, "shared", fleet=fleet(tokens_contributed=100, rounds=2, rounds_failed=0))])
+    m.set_jobs([job(1, "shared", fleet=fleet(tokens_contributed=400, rounds=5, rounds_failed=1))])
+    assert (contributed(), failed(), value(m, "harvest_fleet_rounds_total", job_name="shared")) == (400, 1, 5)
+    # Stopped and resumed: a new instance, a new member counting from 0; the counters go on.
+    ended = job(1, "shared", state="stopped", fleet=fleet(tokens_contributed=400, rounds=5, rounds_failed=1))
+    resumed = job(2, "shared", state="building", fleet=None)  # building: no trainer, no fleet view yet
+    m.set_jobs([ended, resumed])
+    assert (contributed(), failed()) == (400, 1)
+    assert not has(m, "harvest_fleet_round")  # the gauges show the latest instance: not joined yet
+    m.set_jobs([ended, {**resumed, "state": "running", "fleet": fleet(tokens_contributed=60, rounds=1, rounds_failed=2)}])
+    assert (contributed(), failed()) == (460, 3)
+    m.set_jobs([{**resumed, "fleet": fleet(tokens_contributed=90, rounds=2, rounds_failed=2)}])  # the old one leaves
+    assert (contributed(), failed()) == (490, 3)
+    # A member's total that drops (a member rebuilt within the instance) is read as a restart from 0.
+    m.set_jobs([{**resumed, "fleet": fleet(tokens_contributed=30, rounds=1, rounds_failed=0)}])
+    assert (contributed(), failed()) == (520, 3)
+
+
+def test_fleet_counters_equal_the_sum_of_every_members_contribution():
+    rng = random.Random(1)
+    m = HarvestMetrics()
+    totals: dict[int, int] = {}
+    seen = []
+    for instance in range(1, 5):
+        totals[instance] = 0
+        for _ in range(rng.randrange(1, 6)):
+            totals[instance] += rng.randrange(0, 500)
+            m.set_jobs([job(i, "shared", fleet=fleet(tokens_contributed=t)) for i, t in totals.items()])
+            seen.append(value(m, "harvest_fleet_tokens_contributed_total", job_name="shared"))
+    assert seen == sorted(seen) and seen[-1] == sum(totals.values())
+
+
+def test_a_fleet_job_no_longer_listed_loses_its_fleet_series():
+    m = HarvestMetrics()
+    m.set_jobs([job(1, "shared", fleet=fleet()), job(2, "other", fleet=fleet(job_id="other"))])
+    assert {s.labels["job_name"] for s in samples(m) if s.name in PER_FLEET_JOB} == {"shared", "other"}
+    m.set_jobs([job(2, "other", fleet=fleet(job_id="other"))])
+    assert {(s.name, s.labels["job_name"]) for s in samples(m) if s.name in PER_FLEET_JOB} == {
+        (name, "other") for name in PER_FLEET_JOB}
+    m.set_jobs([job(3, "other", fleet=None)])  # its latest instance trains alone: no fleet gauges
+    assert {s.name for s in samples(m) if s.name in PER_FLEET_JOB} == set(FLEET_COUNTERS)
+    m.set_jobs([])
+    assert not [s for s in samples(m) if s.name.startswith("harvest_fleet_")]
+    m.set_jobs([job(4, "shared", fleet=fleet(tokens_contributed=7))])  # back: a new counter (a reset)
+    assert value(m, "harvest_fleet_tokens_contributed_total", job_name="shared") == 7
 
 
 def test_constant_labels_are_on_every_sample():

@@ -93,6 +93,59 @@ def test_full_document_shows_every_field():
     assert "servers 1 up, 0 down · jobs 1 running · 0 violating TPOT target" in text
 
 
+def _fleet_view(**fields):
+    """A fleet job's ``fleet`` section (harvest.fleet.member.FleetMember.stats())."""
+    return {"member_id": "gpu1-4242-a1b2c3", "job_id": "shared-lora", "sync": "periodic", "joined": True, "rank": 0,
+            "rounds": 10, "rounds_failed": 0, "rounds_missed": 0, "round": 12, "members": 3, "tokens_contributed": 4096,
+            "last_round_at": 1_700_000_000.0, "last_round_tokens": 1024, "steps_requeued": 0, "hosted_store": True,
+            "staleness_s": 4.2, "committed_steps": 340, "unsynced_steps": 5, "total_steps": 1000, **fields}
+
+
+def _with_fleet_job(fleet: dict, **job_fields) -> dict:
+    """FULL with a fleet job beside the solo ones: progress is the fleet's (committed steps
+    plus this member's unsynced ones, as the trainer reports it)."""
+    document = copy.deepcopy(FULL)
+    step = fleet["committed_steps"] + fleet["unsynced_steps"]
+    document["trainer"]["jobs"].append(
+        {"name": "shared-lora", "state": "running", "weight": 1, "global_step": step, "total_steps": 1000,
+         "progress": step / 1000, "eta_s": 600.0, "loss": 1.5, "eval_loss": None, "tokens_seen": 5000, "trainer_s": 40.0,
+         "share": 0.2, "deficit_s": 0.0, "serve_as": None, "adapter": None, "error": None, "fleet": fleet, **job_fields})
+    return document
+
+
+def test_a_fleet_job_shows_its_fleet_view_and_the_fleets_progress():
+    results = [top.ServerResult("http://gpu1:18400", status=_with_fleet_job(_fleet_view())),
+               top.ServerResult("http://gpu2:18400", status=_with_fleet_job(
+                   _fleet_view(rank=1, staleness_s=65.0, rounds_failed=2, committed_steps=338, unsynced_steps=1))),
+               top.ServerResult("http://gpu3:18400", status=_with_fleet_job(
+                   _fleet_view(joined=False, rounds=0, round=0, members=0, staleness_s=None, committed_steps=0,
+                               unsynced_steps=0)))]
+    text = text_of(results, width=220)
+    assert "fleet" in row_of(text, "job", "state", "progress")  # the column's header
+    first = row_of(text, "gpu1:18400", "shared-lora")
+    for expected in ("r12 3 members 4s ago", "34%", "345/1000", "running"):
+        assert expected in first, (expected, first)
+    second = row_of(text, "gpu2:18400", "shared-lora")
+    assert "r12 3 members 1m05s ago 2 failed" in second and "339/1000" in second, second
+    assert "joining" in row_of(text, "gpu3:18400", "shared-lora")
+    assert "alpaca-lora" in row_of(text, "gpu1:18400", "alpaca-lora", " - ")  # a solo job: no fleet view
+    # A finished fleet job: no staleness (its member no longer syncs); one member: singular.
+    done = _with_fleet_job(_fleet_view(members=1, committed_steps=1000, unsynced_steps=0, staleness_s=300.0),
+                           state="finished", eta_s=None)
+    row = row_of(text_of([top.ServerResult("http://gpu1:18400", status=done)]), "shared-lora")
+    assert "r12 1 member" in row and "members" not in row and " ago" not in row and "100%" in row, row
+
+
+def test_without_a_fleet_job_there_is_no_fleet_column_and_a_narrow_terminal_drops_it_before_loss():
+    assert "fleet" not in text_of([top.ServerResult("http://gpu1:18400", status=FULL)], width=200)
+    status = _with_fleet_job(_fleet_view())
+    wide = text_of([top.ServerResult("http://gpu1:18400", status=status)], width=200)
+    assert "r12 3 members" in wide
+    narrow = text_of([top.ServerResult("http://gpu1:18400", status=status)], width=80)
+    assert "r12" not in narrow and "1.234" in row_of(narrow, "alpaca-lora") and "345/1000" in row_of(narrow, "shared-lora")
+    assert max(len(line.rstrip()) for line in narrow.splitlines()) <= 80
+
+
 def test_old_style_document_and_missing_fields():
     text = text_of([top.ServerResult("http://old:18400", status=OLD),
                     top.ServerResult("http://bare:18400", status={"trainer": None})])
