@@ -65,6 +65,8 @@ class FleetMember:
         self.fingerprint = fingerprint
         self.member_id = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
         self.store = None  # the job's PrefixStore (this thread's connection)
+        self._root_store = None  # keeps a hosted store alive as long as the member
+        self._member_index: int | None = None
         self.hosted = False
         self.queue: StepQueue | None = None
         self.trainer: FleetTrainer | None = None
@@ -96,7 +98,7 @@ class FleetMember:
         host, port = self.options.host_port
         store, self.hosted = open_store(host, port, may_host=self.options.host_store == "auto",
                                         timeout_s=self.options.collective_timeout_s)
-        self._root_store = store  # keeps a hosted store alive as long as the member
+        self._root_store = store
         self._stats["hosted_store"] = self.hosted
         self.store = job_store(store, self.job_id)
         self.trainer = trainer
@@ -131,9 +133,9 @@ class FleetMember:
         self._stop.set()
         for thread in self._threads:
             thread.join(timeout=self.options.collective_timeout_s)
-        if self.store is None:
-            return
-        with contextlib.suppress(Exception):
+        if self._member_index is None:
+            return  # it never registered
+        with contextlib.suppress(Exception):  # the store may be gone with its host
             returned = self.queue.give_back() if not self.every_step else []
             if returned:
                 logger.info("fleet job %s: %d unsynced step(s) given back to the fleet", self.job_id, len(returned))
@@ -149,7 +151,15 @@ class FleetMember:
         if not self.joined.is_set():
             return None
         with self._lock:
-            return self.queue.claim()
+            try:
+                return self.queue.claim()
+            except FleetError:
+                raise
+            except Exception as error:  # noqa: BLE001 - the store's connection: say which and why
+                raise FleetError(f"fleet job {self.job_id!r}: lost the fleet's store at {self.options.rendezvous} "
+                                 f"({error}); this member's unsynced steps are lost with it, the fleet's last "
+                                 "checkpoint holds what was synced. Restart the member once the store is back "
+                                 "(a `harvest fleet-store` outlives the members)") from None
 
     @property
     def progress_steps(self) -> int:
@@ -189,11 +199,15 @@ class FleetMember:
                                self.job_id, member, self.options.dead_after_s, len(steps))
 
     def _heartbeat_loop(self, store) -> None:
+        failing = False
         while not self._stop.wait(self.options.heartbeat_s):
             try:
                 store.add(f"beat/{self.member_id}", 1)
-            except Exception as error:  # the store's host is gone: rounds fail too, and say so
-                logger.warning("fleet job %s: heartbeat failed: %s", self.job_id, error)
+                failing = False
+            except Exception as error:  # noqa: BLE001 - the store's host is gone: said once, not every beat
+                if not failing:
+                    logger.warning("fleet job %s: heartbeat failed: %s", self.job_id, error)
+                failing = True
 
     # -- periodic: rounds -----------------------------------------------------------------
     def _sync_loop(self, store) -> None:
@@ -209,7 +223,7 @@ class FleetMember:
             except Exception as error:  # noqa: BLE001 - a round's failure must not end the member
                 self._stats["rounds_failed"] += 1
                 logger.warning("fleet job %s: round failed: %s", self.job_id, error)
-                next_round = time.monotonic() + min(self.options.sync_interval_s, 1.0)
+                next_round = time.monotonic() + self.options.sync_interval_s
             self._stop.wait(POLL_S * 5)
 
     def _round(self, store) -> None:
