@@ -1,5 +1,6 @@
 """`harvest replay`: replay a request trace through one simulated decode instance under
-harvest's scheduler and the Harli baselines, from a latency profile (capacity planning).
+harvest's scheduler and the Harli baselines, from a latency profile (capacity planning);
+with ``--servers N``, through a fleet of N instances behind a router (:mod:`fleet`).
 
 Cheap to import (the CLI imports every command to build its parser): numpy, matplotlib
 and the simulator load inside :func:`run`.
@@ -52,6 +53,7 @@ def add_arguments(parser) -> None:
     g.add_argument("--max-requests", type=int, default=None, help="at most this many requests of the window")
     g.add_argument("--time-scale", type=float, default=1.0, help="multiply arrival times (2 = same requests at half the rate; default 1)")
     g.add_argument("--rate-scale", type=float, default=1.0, help="thin (<1) or multiply (>1) the requests, keeping the time base (seeded; default 1)")
+    g.add_argument("--rate-scale-sizes", choices=("copy", "resample"), default="copy", help="sizes of the extra requests --rate-scale > 1 adds: copy the request they repeat (default), or resample: those of a random request arriving within a minute of it; use resample with --servers N --rate-scale N, where copies hand every round-robin server the same requests")
     g.add_argument("--seeds", type=_seeds, default=(0,), help="comma-separated seeds for rate scaling and noise; one replay per seed (default 0)")
     d = parser.add_argument_group("decode instance and policies")
     d.add_argument("--policies", type=_csv, default=None, help="comma-separated subset of harvest,separate,static,decode-only (default: all)")
@@ -64,6 +66,9 @@ def add_arguments(parser) -> None:
     d.add_argument("--trainer-tokens-per-s", type=float, default=None, help="the finetune job's throughput alone on a whole GPU in tokens/s (default: the profile's measured trainer section, if it has one; else results are in whole-GPU trainer equivalents)")
     d.add_argument("--error-scale", type=float, default=1.0, help="true co-located latency = predicted x this (stage-2 error the scheduler does not know; default 1)")
     d.add_argument("--error-noise", type=float, default=0.0, help="relative std. dev. of per-step noise on every true latency (default 0)")
+    f = parser.add_argument_group("fleet")
+    f.add_argument("--servers", type=int, default=1, help="decode servers behind a router, each replayed as the instance above; they share the trace's requests, so each gets 1/N of its rate: add --rate-scale N --rate-scale-sizes resample for a fleet sized to N times the trace (default 1: the single-instance report)")
+    f.add_argument("--router", type=_csv, default=None, help="with --servers > 1: comma-separated subset of round-robin,least-loaded (default: both)")
     o = parser.add_argument_group("output")
     o.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR, help=f"where the PNG plots and replay.json go (default ./{DEFAULT_OUT_DIR})")
     o.add_argument("--no-plots", action="store_true", help="write no PNG plots and no replay.json")
@@ -110,13 +115,15 @@ def resolve_profile(spec: str | None):
 
 def run(args) -> int:
     from harvest.predict.schema import ProfileError
-    from harvest.replay import comparison, plots, report, trainer_model, workload
+    from harvest.replay import comparison, fleet, fleet_report, plots, report, router, trainer_model, workload
     from harvest.replay.simulator import DecodeLimits
     from harvest.replay.trace import FULL_TRACE, SAMPLE_TRACE, TraceError, read_trace
 
     trace_path = args.trace or (FULL_TRACE if FULL_TRACE.is_file() else SAMPLE_TRACE)
     try:
-        window = workload.TraceWindow(args.start_s, args.duration_s, args.max_requests, args.time_scale, args.rate_scale)
+        window = workload.TraceWindow(
+            args.start_s, args.duration_s, args.max_requests, args.time_scale, args.rate_scale, args.rate_scale_sizes == "resample"
+        )
         limits = DecodeLimits(args.max_batch_size, args.kv_capacity_tokens)
         settings = comparison.ReplaySettings(
             limits=limits,
@@ -129,6 +136,9 @@ def run(args) -> int:
             **({} if args.kv_bytes_per_token is None else {"kv_bytes_per_token": args.kv_bytes_per_token}),
         )
         settings.check()
+        fleet_settings = fleet.FleetSettings(args.servers, args.router or router.ALL_ROUTERS)
+        fleet_settings.check()
+        one_instance = fleet_settings.num_servers == 1
         if not args.no_plots:
             check_out_dir(args.out_dir)
         profile = resolve_profile(args.profile)
@@ -144,20 +154,26 @@ def run(args) -> int:
     random_inputs = window.is_random or settings.error_noise > 0
     seeds = args.seeds if random_inputs else args.seeds[:1]
     show_progress = sys.stderr.isatty() if args.progress is None else args.progress
-    comparisons = []
+    replays = []  # one Comparison (one instance) or FleetComparison per seed
     try:
         for seed in seeds:
             prepared = workload.prepare(requests, window, seed)
-            comparisons.append(comparison.run(prepared, profile, trainer, settings, seed, show_progress))
+            if one_instance:
+                replays.append(comparison.run(prepared, profile, trainer, settings, seed, show_progress))
+            else:
+                replays.append(fleet.run(prepared, profile, trainer, settings, fleet_settings, seed, show_progress))
     except (ValueError, ProfileError) as exc:
         return _fail(str(exc))
 
     written: list[str] = []
     trace_label = str(trace_path)
+    output = report if one_instance else fleet_report
     try:
-        if not args.no_plots:
-            written = plots.write_all(comparisons[0], profile, settings.target_tpot_ms, args.out_dir)
-        data = report.as_dict(comparisons, profile, trainer, settings, window, trace_label, written)
+        if not args.no_plots and one_instance:
+            written = plots.write_all(replays[0], profile, settings.target_tpot_ms, args.out_dir)
+        elif not args.no_plots:
+            written = plots.write_fleet(replays[0], trainer, settings.target_tpot_ms, args.out_dir)
+        data = output.as_dict(replays, profile, trainer, settings, window, trace_label, written)
         if not random_inputs and len(args.seeds) > 1:
             data["note"] = "seeds ignored: no rate scaling or noise, so every seed replays the same thing"
         if not args.no_plots:
@@ -167,8 +183,9 @@ def run(args) -> int:
     if args.json:
         print(json.dumps(data))
     else:
-        print(report.text(comparisons, profile, trainer, settings, window, trace_label, written))
+        print(output.text(replays, profile, trainer, settings, window, trace_label, written))
         if "note" in data:
             print(data["note"])
-    ran = [r for r in comparisons[0].results.values() if r.refused is None]
-    return 0 if ran else 1
+    first = replays[0]
+    results = first.results if one_instance else next(iter(first.routers.values())).results
+    return 0 if any(r.refused is None for r in results.values()) else 1

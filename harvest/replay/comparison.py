@@ -117,28 +117,44 @@ class Comparison:
         }
 
 
-def run(
+@dataclasses.dataclass
+class Simulated:
+    """Every requested policy's decode run over one decode instance's requests, before
+    the summary (which needs the horizon: the latest end of every instance replayed)."""
+
+    num_requests: int
+    built: dict[str, policy_mod.BasePolicy]
+    runs: dict[str, DecodeRun]
+    refused: dict[str, PolicyResult]
+    wall_s: dict[str, float]
+
+    @property
+    def end_s(self) -> float:
+        return max((r.end_s for r in self.runs.values()), default=0.0)
+
+
+def simulate_policies(
     requests: Sequence[TraceRequest],
     profile: ReplayProfile,
     trainer: TrainerModel,
     settings: ReplaySettings,
     seed: int = 0,
     show_progress: bool = False,
-) -> Comparison:
-    """Replay ``requests`` through ``settings.policies``; refused policies are reported
+) -> Simulated:
+    """Simulate ``requests`` under ``settings.policies``; refused policies are recorded
     as such and the others still run."""
     settings.check()
     check_tp(profile, settings.tp_size)
     check_largest_step(profile, settings.limits)
     built: dict[str, policy_mod.BasePolicy] = {}
-    results: dict[str, PolicyResult] = {}
+    refused: dict[str, PolicyResult] = {}
     for name in settings.policies:
         try:
             built[name] = policy_mod.make_policy(
                 name, profile, trainer, LatencyErrors(settings.error_scale, settings.error_noise, seed), settings.scheduler_config()
             )
         except PolicyRefused as exc:
-            results[name] = PolicyResult(name, policy_mod.num_gpus(name, profile.tp_size), "", None, refused=str(exc))
+            refused[name] = PolicyResult(name, policy_mod.num_gpus(name, profile.tp_size), "", None, refused=str(exc))
 
     runs: dict[str, DecodeRun] = {}
     wall: dict[str, float] = {}
@@ -150,15 +166,37 @@ def run(
         start = time.perf_counter()
         runs[name] = _simulate(requests, policy, settings.limits, show_progress)
         wall[name] = time.perf_counter() - start
+    return Simulated(len(requests), built, runs, refused, wall)
 
-    horizon = max((r.end_s for r in runs.values()), default=0.0)
-    for name, policy in built.items():
+
+def summarise_policies(
+    simulated: Simulated, horizon_s: float, profile: ReplayProfile, settings: ReplaySettings, seed: int = 0
+) -> Comparison:
+    """Every policy's metrics over ``horizon_s`` (at least ``simulated.end_s``), with gains."""
+    results = dict(simulated.refused)
+    wall = dict(simulated.wall_s)
+    for name, policy in simulated.built.items():
         start = time.perf_counter()
-        results[name] = summarise(policy, runs[name], horizon, settings.target_tpot_ms, profile, settings.kv_bytes_per_token)
+        results[name] = summarise(policy, simulated.runs[name], horizon_s, settings.target_tpot_ms, profile, settings.kv_bytes_per_token)
         wall[name] += time.perf_counter() - start
     ordered = {name: results[name] for name in settings.policies}
     add_gains(ordered)
-    return Comparison(seed, len(requests), horizon, ordered, wall)
+    return Comparison(seed, simulated.num_requests, horizon_s, ordered, wall)
+
+
+def run(
+    requests: Sequence[TraceRequest],
+    profile: ReplayProfile,
+    trainer: TrainerModel,
+    settings: ReplaySettings,
+    seed: int = 0,
+    show_progress: bool = False,
+) -> Comparison:
+    """Replay ``requests`` through ``settings.policies`` on one decode instance, all
+    summarised over the latest policy's end; refused policies are reported as such and
+    the others still run."""
+    simulated = simulate_policies(requests, profile, trainer, settings, seed, show_progress)
+    return summarise_policies(simulated, simulated.end_s, profile, settings, seed)
 
 
 def _simulate(requests, policy, limits: DecodeLimits, show_progress: bool) -> DecodeRun:

@@ -1,5 +1,5 @@
 """The replay's PNG plots: batch size over time, TPOT CDF against the target, and the SM
-split over time. matplotlib's object API with the Agg canvas (no pyplot, no display, no
+split over time; for a fleet (``--servers N``), finetune throughput and TPOT p99 per server. matplotlib's object API with the Agg canvas (no pyplot, no display, no
 global state), so plotting works headless and from any thread.
 
 Time series are binned (about 400 bins over the horizon, at least 1 s each) and
@@ -13,11 +13,14 @@ from pathlib import Path
 import numpy as np
 
 from harvest.replay.comparison import Comparison
-from harvest.replay.policies import DECODE_ONLY, SEPARATE
+from harvest.replay.fleet import FleetComparison
+from harvest.replay.policies import ALL_POLICIES, DECODE_ONLY, SEPARATE
 from harvest.replay.profile_source import ReplayProfile
+from harvest.replay.trainer_model import TrainerModel
 
 NUM_BINS = 400
 CDF_POINTS = 2000
+MAX_BAR_SERVERS = 16  # a fleet plot draws bars per server up to this many servers, lines beyond
 
 
 def _figure(width: float = 9.0, height: float = 4.5):
@@ -128,3 +131,51 @@ def write_all(comparison: Comparison, profile: ReplayProfile, target_ms: float, 
     latency_cdf_plot(comparison, target_ms, paths[1])
     sm_split_plot(comparison, profile, paths[2])
     return [str(p) for p in paths]
+
+
+def fleet_plot(fleet: FleetComparison, trainer: TrainerModel, target_ms: float, path: Path) -> None:
+    """One column per router: finetune throughput per server (a bar or line per policy;
+    decode-only's is 0) over TPOT p99 per server against the target (separate decodes as
+    decode-only does: drawn once)."""
+    routers = list(fleet.routers.values())
+    figure = _figure(max(9.0, 2.0 + 5.0 * len(routers)), 7.0)
+    axes = figure.subplots(2, len(routers), sharex=True, sharey="row", squeeze=False)
+    servers = np.arange(fleet.num_servers)
+    scale = trainer.tokens_per_gpu_s or 1.0
+    color = {name: f"C{i}" for i, name in enumerate(ALL_POLICIES)}  # one colour per policy in both rows
+    for column, routed in enumerate(routers):
+        top, bottom = axes[0][column], axes[1][column]
+        ran = {name: result for name, result in routed.results.items() if result.refused is None}
+        training = [name for name in ran if name != DECODE_ONLY]
+        width = 0.8 / max(1, len(training))
+        for i, name in enumerate(training):
+            values = np.array([m["finetune_gpu_equivalents"] for m in ran[name].server_metrics]) * scale
+            if fleet.num_servers <= MAX_BAR_SERVERS:
+                top.bar(servers + (i - (len(training) - 1) / 2) * width, values, width, label=name, color=color[name])
+            else:  # bars thinner than a pixel alias into stripes
+                top.plot(servers, values, marker="o", ms=2, lw=1, label=name, color=color[name])
+        for name, result in ran.items():
+            if name == SEPARATE and DECODE_ONLY in ran:
+                continue
+            label = "decode-only (= separate's decode GPU)" if name == DECODE_ONLY and SEPARATE in ran else name
+            p99 = [m["tpot_p99_ms"] for m in result.server_metrics]
+            bottom.plot(servers, p99, marker="o", ms=3, lw=1, label=label, color=color[name])
+        bottom.axhline(target_ms, color="black", ls="--", lw=1, label=f"target {target_ms:g} ms")
+        top.set_title(f"{routed.router}: {fleet.num_servers} servers")
+        bottom.set_xlabel("server")
+        for ax in (top, bottom):
+            ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel(f"finetune per server ({trainer.unit})")
+    axes[1][0].set_ylabel("TPOT p99 per server (ms)")
+    figure.subplots_adjust(right=0.75)
+    for row in axes:
+        row[-1].legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.02, 1.0))
+    figure.savefig(path)
+
+
+def write_fleet(fleet: FleetComparison, trainer: TrainerModel, target_ms: float, out_dir: Path) -> list[str]:
+    """Write the fleet's PNG into ``out_dir`` (created); returns its path."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "fleet.png"
+    fleet_plot(fleet, trainer, target_ms, path)
+    return [str(path)]

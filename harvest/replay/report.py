@@ -30,7 +30,7 @@ def normalisation(tp_size: int) -> str:
     )
 
 
-def _fmt(value: float | None, spec: str, scale: float = 1.0, suffix: str = "") -> str:
+def fmt(value: float | None, spec: str, scale: float = 1.0, suffix: str = "") -> str:
     if value is None or (isinstance(value, float) and not math.isfinite(value)):
         return "-"
     return f"{value * scale:{spec}}{suffix}"
@@ -48,22 +48,12 @@ def headline(comparison: Comparison) -> dict[str, float | None]:
     }
 
 
-def text(
-    comparisons: Sequence[Comparison],
-    profile: ReplayProfile,
-    trainer: TrainerModel,
-    settings: ReplaySettings,
-    window: TraceWindow,
-    trace_label: str,
-    plots: Sequence[str] = (),
-) -> str:
-    first = comparisons[0]
+def setup_lines(profile: ReplayProfile, trainer: TrainerModel, settings: ReplaySettings) -> list[str]:
+    """The report's lines on the profile, the decode instance and the trainer model."""
     limits = settings.limits
     kv_gib = limits.kv_capacity_tokens * settings.kv_bytes_per_token / 2**30
     tp = f"tp={profile.tp_size} ({profile.tp_size} GPUs), " if profile.tp_size > 1 else ""
-    lines = [
-        f"harvest replay: {first.num_requests} requests from {trace_label} ({window.describe()}); "
-        f"{first.horizon_s:.1f} s simulated; seed {first.seed}",
+    return [
         f"profile: {profile.label}: {profile.description}" + ("  [SYNTHETIC, not measured]" if profile.synthetic else ""),
         f"  ladder: {profile.ladder.describe()}; stage 2: " + ("present" if profile.has_stage2 else f"MISSING ({profile.stage2_missing})"),
         f"decode instance: {tp}max batch {limits.max_batch_size}, KV capacity {limits.kv_capacity_tokens} tokens "
@@ -77,6 +67,23 @@ def text(
         f"  solo rate: {trainer.rate_source}",
         f"  profile: {trainer.profile_note}",
         f"predictor error injected: co-located steps x{settings.error_scale:g}, noise {100 * settings.error_noise:g} % per step",
+    ]
+
+
+def text(
+    comparisons: Sequence[Comparison],
+    profile: ReplayProfile,
+    trainer: TrainerModel,
+    settings: ReplaySettings,
+    window: TraceWindow,
+    trace_label: str,
+    plots: Sequence[str] = (),
+) -> str:
+    first = comparisons[0]
+    lines = [
+        f"harvest replay: {first.num_requests} requests from {trace_label} ({window.describe()}); "
+        f"{first.horizon_s:.1f} s simulated; seed {first.seed}",
+        *setup_lines(profile, trainer, settings),
         "",
         f"{'policy':<12}{'GPUs':>5}{'finetune/GPU':>14}{'vs separate':>13}{'vs static':>11}"
         f"{'TPOT p50':>10}{'p99 ms':>8}{'viol %':>8}{'KV peak':>9}{'queue p99':>11}",
@@ -88,11 +95,11 @@ def text(
         m = result.metrics
         ft = m["finetune_per_gpu"] if trainer.tokens_per_gpu_s is None else m["finetune_tokens_per_s_per_gpu"]
         lines.append(
-            f"{name:<12}{result.num_gpus:>5}{_fmt(ft, '.4g'):>14}"
-            + "".join(f"{_fmt(result.gain_vs.get(b), '+.1f', 100, '%'):>{w}}" for b, w in zip(BASELINES, (13, 11)))
-            + f"{_fmt(m['tpot_p50_ms'], '.1f'):>10}{_fmt(m['tpot_p99_ms'], '.1f'):>8}"
-            f"{_fmt(m['violation_rate'], '.2f', 100):>8}{m['kv_held_peak_tokens'] / m['kv_capacity_tokens']:>8.0%} "
-            f"{_fmt(m['queue_delay_p99_s'], '.3f', 1, ' s'):>10}"
+            f"{name:<12}{result.num_gpus:>5}{fmt(ft, '.4g'):>14}"
+            + "".join(f"{fmt(result.gain_vs.get(b), '+.1f', 100, '%'):>{w}}" for b, w in zip(BASELINES, (13, 11)))
+            + f"{fmt(m['tpot_p50_ms'], '.1f'):>10}{fmt(m['tpot_p99_ms'], '.1f'):>8}"
+            f"{fmt(m['violation_rate'], '.2f', 100):>8}{m['kv_held_peak_tokens'] / m['kv_capacity_tokens']:>8.0%} "
+            f"{fmt(m['queue_delay_p99_s'], '.3f', 1, ' s'):>10}"
         )
     lines += ["", f"finetune/GPU unit: {trainer.unit}; {normalisation(profile.tp_size)}."]
     lines.append("TPOT and violations are per output token (viol %: tokens from steps over the target); KV peak: most KV held / the policy's KV capacity.")
@@ -133,6 +140,42 @@ def _across(comparisons: Sequence[Comparison]) -> dict[str, list[float]]:
     return out
 
 
+def setup_dict(
+    profile: ReplayProfile, trainer: TrainerModel, settings: ReplaySettings, window: TraceWindow, trace_label: str
+) -> dict[str, Any]:
+    """The JSON form's keys on the input, the profile, the decode instance and the trainer model."""
+    limits = settings.limits
+    return {
+        "trace": trace_label,
+        "window": window.describe(),
+        "tp_size": profile.tp_size,  # the decode instance's ranks, one GPU each (the profile's)
+        "profile": {
+            "label": profile.label,
+            "description": profile.description,
+            "synthetic": profile.synthetic,
+            "device_kind": profile.device_kind,
+            "ladder": profile.ladder.to_dict(),
+            "stage2_missing": profile.stage2_missing,
+            "corun_trainer_units": [
+                {"level": r.level, "points": r.num_points, "units": r.trainer_units, "units_per_s": r.units_per_s}
+                for r in profile.trainer_records
+            ],
+        },
+        "settings": {
+            "target_tpot_ms": settings.target_tpot_ms,
+            "max_batch_size": limits.max_batch_size,
+            "kv_capacity_tokens": limits.kv_capacity_tokens,
+            "kv_bytes_per_token": settings.kv_bytes_per_token,
+            "error_scale": settings.error_scale,
+            "error_noise": settings.error_noise,
+            "scheduler_overrides": dict(settings.scheduler_overrides),
+            "policies": list(settings.policies),
+        },
+        "trainer_model": trainer.to_dict(),
+        "normalisation": normalisation(profile.tp_size),
+    }
+
+
 def as_dict(
     comparisons: Sequence[Comparison],
     profile: ReplayProfile,
@@ -142,40 +185,13 @@ def as_dict(
     trace_label: str,
     plots: Sequence[str] = (),
 ) -> dict[str, Any]:
-    limits = settings.limits
     summary = {
         key: {"mean": statistics.fmean(v), "min": min(v), "max": max(v)} if v else None
         for key, v in _across(comparisons).items()
     }
     return jsonable(
         {
-            "trace": trace_label,
-            "window": window.describe(),
-            "tp_size": profile.tp_size,  # the decode instance's ranks, one GPU each (the profile's)
-            "profile": {
-                "label": profile.label,
-                "description": profile.description,
-                "synthetic": profile.synthetic,
-                "device_kind": profile.device_kind,
-                "ladder": profile.ladder.to_dict(),
-                "stage2_missing": profile.stage2_missing,
-                "corun_trainer_units": [
-                    {"level": r.level, "points": r.num_points, "units": r.trainer_units, "units_per_s": r.units_per_s}
-                    for r in profile.trainer_records
-                ],
-            },
-            "settings": {
-                "target_tpot_ms": settings.target_tpot_ms,
-                "max_batch_size": limits.max_batch_size,
-                "kv_capacity_tokens": limits.kv_capacity_tokens,
-                "kv_bytes_per_token": settings.kv_bytes_per_token,
-                "error_scale": settings.error_scale,
-                "error_noise": settings.error_noise,
-                "scheduler_overrides": dict(settings.scheduler_overrides),
-                "policies": list(settings.policies),
-            },
-            "trainer_model": trainer.to_dict(),
-            "normalisation": normalisation(profile.tp_size),
+            **setup_dict(profile, trainer, settings, window, trace_label),
             "headline": headline(comparisons[0]),
             "across_seeds": summary,
             "runs": [c.to_dict() for c in comparisons],

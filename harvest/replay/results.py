@@ -151,7 +151,8 @@ def summarise(
 
 
 def add_gains(results: Mapping[str, PolicyResult]) -> None:
-    """Fill every result's ``gain_vs`` for the baselines that ran."""
+    """Fill every result's ``gain_vs`` for the baselines that ran (one instance's
+    PolicyResults, or a fleet's FleetPolicyResults: the same fields)."""
     for result in results.values():
         if result.refused is not None:
             continue

@@ -9,16 +9,29 @@ time and thinned or multiplied in rate.
   request is kept ``floor(r)`` times plus once more with probability ``r − floor(r)``
   (seeded); extra copies arrive at uniformly drawn times before the next trace request,
   so the load curve keeps its shape. 0.5 thins the trace to about half; 2.0 doubles it.
+  The extra copies repeat the request they copy. With ``resample_sizes`` they take the
+  context and output lengths of a request drawn uniformly from those arriving within
+  RESAMPLE_WINDOW_S of it (the trace's size mix of the moment, as a larger population's
+  traffic would have), and the request's own arrival is drawn in its gap like theirs. A
+  fleet needs that: at rate N the copies of a request arrive back to back, so a
+  round-robin router over N servers hands every server one copy of every request (the
+  original, at its trace time, always to the same one): the same load on all, a balance
+  no router gets from real traffic.
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import math
 import random
 from typing import Sequence
 
 from harvest.replay.trace import TraceRequest
+
+# The Azure conversation trace's size mix drifts over its hour; a minute either side holds
+# about 650 of its requests: the mix of the moment, and far more than one request's copies.
+RESAMPLE_WINDOW_S = 60.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,6 +41,7 @@ class TraceWindow:
     max_requests: int | None = None
     time_scale: float = 1.0
     rate_scale: float = 1.0
+    resample_sizes: bool = False  # extra copies' sizes drawn from requests near them (module doc)
 
     def __post_init__(self) -> None:
         _check(self.start_s, "--start-s", "seconds into the trace, >= 0", low=0.0)
@@ -37,6 +51,8 @@ class TraceWindow:
             raise ValueError(f"--max-requests={self.max_requests!r}: must be an integer >= 1")
         _check(self.time_scale, "--time-scale", "a factor on arrival times, > 0 (2 = half the rate)", low=0.0, open_low=True)
         _check(self.rate_scale, "--rate-scale", "a factor on the number of requests, > 0 (2 = twice the rate)", low=0.0, open_low=True)
+        if not isinstance(self.resample_sizes, bool):
+            raise ValueError(f"--rate-scale-sizes: resample_sizes={self.resample_sizes!r} must be True or False")
 
     @property
     def is_random(self) -> bool:
@@ -51,7 +67,7 @@ class TraceWindow:
         if self.time_scale != 1.0:
             parts.append(f"time x{self.time_scale:g}")
         if self.rate_scale != 1.0:
-            parts.append(f"rate x{self.rate_scale:g}")
+            parts.append(f"rate x{self.rate_scale:g}" + (", extra requests' sizes resampled" if self.resample_sizes and self.rate_scale > 1 else ""))
         return ", ".join(parts)
 
 
@@ -71,23 +87,32 @@ def prepare(requests: Sequence[TraceRequest], window: TraceWindow, seed: int = 0
     if not chosen:
         last = requests[-1].arrival_s if requests else 0.0
         raise ValueError(f"{window.describe()}: no request arrives in it (the trace spans 0 .. {last:g} s); move or widen the window")
-    scaled = _rate_scaled(chosen, window.rate_scale, random.Random(seed))
+    scaled = _rate_scaled(chosen, window.rate_scale, window.resample_sizes, random.Random(seed))
     return [
         TraceRequest((r.arrival_s - window.start_s) * window.time_scale, r.context_tokens, r.generated_tokens) for r in scaled
     ]
 
 
-def _rate_scaled(requests: list[TraceRequest], rate: float, rng: random.Random) -> list[TraceRequest]:
+def _rate_scaled(requests: list[TraceRequest], rate: float, resample_sizes: bool, rng: random.Random) -> list[TraceRequest]:
     if rate == 1.0:
         return list(requests)
     whole, fraction = int(rate), rate - int(rate)
+    arrivals = [r.arrival_s for r in requests]
     out: list[TraceRequest] = []
     for index, request in enumerate(requests):
         copies = whole + (1 if rng.random() < fraction else 0)
         if copies == 0:
             continue
-        out.append(request)
         gap = requests[index + 1].arrival_s - request.arrival_s if index + 1 < len(requests) else 0.0
+        if resample_sizes and copies > 1:
+            out.append(dataclasses.replace(request, arrival_s=request.arrival_s + rng.random() * gap))
+            low = bisect.bisect_left(arrivals, request.arrival_s - RESAMPLE_WINDOW_S)
+            high = bisect.bisect_right(arrivals, request.arrival_s + RESAMPLE_WINDOW_S)
+            for _ in range(copies - 1):
+                source = requests[rng.randrange(low, high)]
+                out.append(dataclasses.replace(source, arrival_s=request.arrival_s + rng.random() * gap))
+            continue
+        out.append(request)
         for _ in range(copies - 1):
             out.append(dataclasses.replace(request, arrival_s=request.arrival_s + rng.random() * gap))
     out.sort(key=lambda r: r.arrival_s)
