@@ -297,6 +297,10 @@ class LayerSplitTrainer:
         with self._unit_lock, torch.no_grad():
             self._settle_device()
             unflatten_into(result + (flatten(self.trainable_params) - snapshot), self.trainable_params)
+            if self.device.type == "cuda":
+                # The copies ran on this (the sync) thread's stream; the next unit runs on the
+                # trainer's: done before the unit lock is let go.
+                torch.cuda.current_stream(self.device).synchronize()
 
     def fleet_checkpoint(self, fleet_state: dict, final: bool) -> Path | None:
         """The fleet's checkpoint (this member wrote the round's weights first): named by
