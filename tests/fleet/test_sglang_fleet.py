@@ -37,6 +37,7 @@ import pytest
 from harvest import colocation_config
 from harvest.sglang import server
 from tests.colocate.test_sglang_colocation import RETRACTION
+from tests.metrics.test_prometheus import _wait_for  # tolerates a server not answering yet
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -77,19 +78,6 @@ def _job(status):
 def _fleet(port):
     job = _job(_status(port))
     return (job or {}).get("fleet")
-
-
-def _wait_for(predicate, timeout_s, interval_s=0.5):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            value = predicate()
-        except (urllib.error.URLError, OSError, KeyError, TypeError, ValueError):
-            value = None
-        if value:
-            return value
-        time.sleep(interval_s)
-    return None
 
 
 def _metrics(port):
