@@ -23,7 +23,7 @@ import torch
 from harvest.train.data import IGNORE_INDEX, StepBatches
 from harvest.train.evaluation import EvalSettings, Evaluation
 from harvest.train.errors import JobError
-from harvest.train.job import HARVEST_SECTION, HarvestOptions, TrainJob, import_llamafactory
+from harvest.train.job import HARVEST_SECTION, HarvestOptions, TrainJob, check_fleet_job, import_llamafactory
 from harvest.train.microbatch import choose_micro_batch_size
 from harvest.train.split_model import SplitCausalLM
 from harvest.train.trainer import LayerSplitTrainer
@@ -124,7 +124,7 @@ def build_trainer(job: TrainJob, *, weight_source: BaseWeightSource | None = Non
         check_tensor_parallel_job(job)
     fleet = job.harvest.fleet if job.harvest.fleet.enabled else None
     if fleet is not None:
-        check_fleet_job(job, tp)
+        check_fleet_job(job, tp.size if tp is not None else 1)
     model_args = copy.copy(job.model_args)
     model_args.device_map = {"": "cpu"}  # frozen weights belong in host memory; the trainer places the rest
     data = prepare_data(job)  # what `harvest train --check` accepted
@@ -189,23 +189,6 @@ def job_identity_name(job: TrainJob) -> str:
     if job.source.endswith((".yaml", ".yml")):
         return job_identity(job.source).name
     raise JobError("harvest.fleet.job_id: a job that is not read from a file needs a job_id (or harvest.name)")
-
-
-def check_fleet_job(job: TrainJob, tp) -> None:
-    """JobError for what a fleet member cannot run (named with the key to change)."""
-    args = job.training_args
-    if tp is not None and tp.size > 1:
-        raise JobError("harvest.fleet: a fleet job on a tensor-parallel server is not supported; train it on "
-                       "tp = 1 servers")
-    if str(getattr(args.eval_strategy, "value", args.eval_strategy)) != "no" or args.do_eval:
-        raise JobError("eval_strategy: evaluation during a fleet job is not supported; evaluate the finished adapter")
-    if args.overwrite_output_dir:
-        raise JobError("overwrite_output_dir: a fleet's members share output_dir and resume from the fleet's "
-                       "checkpoints; remove the directory yourself to start the fleet over")
-    scheduler = str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type))
-    if job.harvest.fleet.sync == "periodic" and scheduler == "reduce_lr_on_plateau":
-        raise JobError("lr_scheduler_type: reduce_lr_on_plateau depends on one process's evaluation history; a "
-                       "periodic fleet sets each step's rate from its global step")
 
 
 def check_tensor_parallel_job(job: TrainJob) -> None:

@@ -140,6 +140,23 @@ class TrainJob:
         return {key: _jsonable(self.llamafactory_args.get(key)) for key in keys}
 
 
+def check_fleet_job(job: TrainJob, tp_size: int = 1) -> None:
+    """JobError for what a fleet member cannot run (named with the key to change)."""
+    args = job.training_args
+    if tp_size > 1:
+        raise JobError("harvest.fleet: a fleet job on a tensor-parallel server is not supported; train it on "
+                       "tp = 1 servers")
+    if str(getattr(args.eval_strategy, "value", args.eval_strategy)) != "no" or args.do_eval:
+        raise JobError("eval_strategy: evaluation during a fleet job is not supported; evaluate the finished adapter")
+    if args.overwrite_output_dir:
+        raise JobError("overwrite_output_dir: a fleet's members share output_dir and resume from the fleet's "
+                       "checkpoints; remove the directory yourself to start the fleet over")
+    scheduler = str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type))
+    if job.harvest.fleet.sync == "periodic" and scheduler == "reduce_lr_on_plateau":
+        raise JobError("lr_scheduler_type: reduce_lr_on_plateau depends on one process's evaluation history; a "
+                       "periodic fleet sets each step's rate from its global step")
+
+
 def load_job(source: str | os.PathLike | Mapping[str, Any], *, in_server: bool = False) -> TrainJob:
     """Read and validate a job from a YAML file or a mapping. Raises `JobError`; for a
     file, the message starts with the file (a server may run several). ``in_server``: the

@@ -132,9 +132,9 @@ def check_job(job: TrainJob) -> JobPlan:
 
 def _check_job(job: TrainJob) -> JobPlan:
     if job.harvest.fleet.enabled:
-        from harvest.train.build import check_fleet_job
+        from harvest.train.job import check_fleet_job
 
-        check_fleet_job(job, None)  # before the data: what a fleet member cannot run, by key
+        check_fleet_job(job)  # before the data: what a fleet member cannot run, by key
     data = _prepare_data(job)
     steps_per_epoch = math.ceil(len(data.train_dataset) / job.samples_per_step)
     args = job.training_args
