@@ -43,6 +43,7 @@ RECLAIM_BUCKETS_S = (0.0001, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1,
 
 # A finetune job's states, as harvest.colocate.trainer_host reports them per job.
 JOB_STATES = ("queued", "building", "running", "paused", "starved", "finished", "stopped", "cancelled", "failed")
+ENDED_JOB_STATES = ("finished", "stopped", "cancelled", "failed")  # the job trains no more (nor syncs, in a fleet)
 BUILD_INFO_LABELS = ("version", "sglang_version", "torch_version", "device")
 # Label names harvest's own series use; a constant label must not reuse one.
 OWN_LABEL_NAMES = frozenset({"state", "job_name", "le", "quantile", *BUILD_INFO_LABELS})
@@ -64,8 +65,6 @@ _FLEET_COUNTERS = (("tokens_contributed", "fleet_tokens_contributed_total"), ("r
                    ("rounds_failed", "fleet_rounds_failed_total"))
 _FLEET_GAUGES = (("members", "fleet_members"), ("round", "fleet_round"), ("staleness_s", "fleet_staleness_seconds"),
                  ("committed_steps", "fleet_committed_steps"))
-# States in which a job's member no longer takes part in rounds: its staleness means nothing.
-_ENDED_STATES = frozenset({"finished", "stopped", "cancelled", "failed"})
 
 
 class _GaugeWhenSet:
@@ -320,7 +319,7 @@ class HarvestMetrics:
             # for a job that is not a fleet job; staleness also once the job has ended.
             joined = fleet is not None and bool(fleet.get("joined"))
             for source, attribute in _FLEET_GAUGES:
-                known = joined and not (source == "staleness_s" and state in _ENDED_STATES)
+                known = joined and not (source == "staleness_s" and state in ENDED_JOB_STATES)
                 self._put(attribute, (name,), _known(fleet.get(source)) if known else None)
         for attribute, labels in [series for series in self._job_series if series[1][0] not in latest]:
             self._put(attribute, labels, None)

@@ -25,6 +25,7 @@ import urllib.request
 from dataclasses import dataclass
 
 from harvest import config_env
+from harvest.metrics.registry import ENDED_JOB_STATES
 
 HELP = "live view of harvest servers: TPOT vs target, SM level, lent KV, finetune jobs"
 DEFAULT_URL = "http://127.0.0.1:18400"
@@ -300,9 +301,6 @@ def _adapter(job: dict):
     return text.append(f" ({adapter['state']})", style="dim") if adapter.get("state") else text
 
 
-ENDED_STATES = ("finished", "stopped", "cancelled", "failed")
-
-
 def _fleet(job: dict):
     """A fleet job's view from this server, compactly: ``r12 3 members 4s ago`` (the
     fleet's round, members in this server's last round, time since it); ``joining``
@@ -318,7 +316,7 @@ def _fleet(job: dict):
     text = Text(f"r{'?' if number is None else int(number)} {'?' if members is None else int(members)} "
                 f"member{'' if members == 1 else 's'}")
     stale = _number(fleet.get("staleness_s"))
-    if stale is not None and job.get("state") not in ENDED_STATES:
+    if stale is not None and job.get("state") not in ENDED_JOB_STATES:
         text.append(f" {duration(stale)} ago", style="dim")
     failed = _number(fleet.get("rounds_failed"))
     if failed:
