@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import secrets
 import socket
@@ -232,6 +233,7 @@ class FleetMember:
         rank = store.add(f"r{number}/arrived", 1) - 1
         fresh = not self.joined.is_set()
         size = None
+        live, live_read_at = 0, -math.inf
         while size is None:
             if self._stop.is_set():
                 return
@@ -242,7 +244,11 @@ class FleetMember:
                 self._stats["rounds_missed"] += 1
                 return  # it ended without this member (closed before it arrived, or failed)
             arrived = store.add(f"r{number}/arrived", 0)
-            if arrived >= max(options.min_members, len(self.live_members(store))):
+            if time.monotonic() - live_read_at >= options.heartbeat_s:
+                # A store read per member: at most once a heartbeat (liveness changes no
+                # faster), not every poll of every waiting member.
+                live, live_read_at = len(self.live_members(store)), time.monotonic()
+            if arrived >= max(options.min_members, live):
                 size = int(store.compare_set(f"r{number}/size", "", str(arrived)))
             else:
                 time.sleep(POLL_S)
