@@ -93,7 +93,14 @@ def wait_for(predicate, timeout_s=30.0):
 
 
 def job(host, name):
-    return next(j for j in host.status().jobs if j["name"] == name)
+    return jobs(host, name)[0]
+
+
+def jobs(host, *names):
+    """The named jobs' lines from ONE status read: values compared across jobs (shares that
+    sum to 1, trainer time) must come from the same moment, as the trainer keeps running."""
+    lines = {j["name"]: j for j in host.status().jobs}
+    return [lines[name] for name in names]
 
 
 def test_two_jobs_share_the_trainer_by_weight_one_unit_at_a_time():
@@ -103,7 +110,7 @@ def test_two_jobs_share_the_trainer_by_weight_one_unit_at_a_time():
     try:
         assert wait_for(lambda: all(j["state"] == "running" for j in host.status().jobs))
         time.sleep(5.0)
-        a, b = job(host, "a"), job(host, "b")
+        a, b = jobs(host, "a", "b")
         # Wall time per unit on a shared CI machine: scripts/bench_job_queue.py holds the 10 % target.
         assert b["trainer_s"] / (a["trainer_s"] + b["trainer_s"]) == pytest.approx(0.75, abs=0.12)
         assert units.most == 1, "two jobs ran units at once"
@@ -126,7 +133,7 @@ def test_a_late_submission_starts_without_a_restart_and_takes_its_share():
         assert run.state == "building" or run.state == "running"
         assert wait_for(lambda: job(host, "late")["global_step"] > 50)
         time.sleep(2.0)
-        a, late = job(host, "a"), job(host, "late")
+        a, late = jobs(host, "a", "late")
         # Joined at the others' virtual time: no back-pay for the time before it existed.
         assert late["share"] == pytest.approx(a["share"], abs=0.25)
         assert units.most == 1
