@@ -46,6 +46,7 @@ from typing import Callable
 
 from harvest import config_env
 from harvest.logs import get_logger
+from harvest.metrics.registry import ENDED_JOB_STATES
 from harvest.schedule import TrainerState
 from harvest.schedule.fair_share import DEFAULT_QUANTUM_S, DEFAULT_STARVATION_S, FairShare
 from harvest.train import trainer_cpu
@@ -56,7 +57,6 @@ logger = get_logger(__name__)
 
 CO_LOCATED_SWITCH_INTERVAL_S = 0.0005
 DEFAULT_MAX_RUNNING = 4
-ENDED = ("finished", "stopped", "cancelled", "failed")
 
 
 class JobRefused(ValueError):
@@ -160,7 +160,7 @@ class JobRun:
 
     @property
     def ended(self) -> bool:
-        return self.state in ENDED
+        return self.state in ENDED_JOB_STATES
 
     def report(self, *, active: bool, host_paused: bool, starved: bool, share: float, deficit_s: float) -> dict:
         """The job's line of ``/harvest/status`` (and the metrics' ``set_jobs``)."""
