@@ -128,7 +128,7 @@ def test_outputs_identical_reclaim_progress_and_metrics(tiny_llama_path, tmp_pat
         light_out = _generate_all(srv, light, 8)
         step_between = _wait_for(lambda: (s := _status(port))["trainer"]["stats"]["global_step"] > status["trainer"]["stats"]["global_step"] and s)
         assert step_between, "the trainer made no progress between bursts"
-        lent_before_burst = _wait_for(lambda: _status(port)["kv"]["chunks_lent"] >= lent_before and _status(port)["kv"]["chunks_lent"])
+        lent_before_burst = _wait_for(lambda: (n := _status(port)["kv"]["chunks_lent"]) >= lent_before and n)
         burst_out = _generate_all(srv, burst, BURST)
         after = _status_since(port, time.time())  # metrics come from the same (or a later) snapshot
         samples, types = _metrics(port)

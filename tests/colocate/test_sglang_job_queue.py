@@ -77,8 +77,7 @@ def test_jobs_share_by_weight_and_ctl_and_top_operate_a_live_server(tiny_llama_p
                                 "2")
         chunks_total = _status(port)["kv"]["chunks_total"]
         lowered = _harvest("ctl", "--server", endpoint, "set", "--max-lend-fraction", "0.1")
-        lent_after = _wait_for(lambda: _status(port)["kv"]["chunks_lent"] <= int(0.1 * chunks_total) and
-                               _status(port)["kv"]["chunks_lent"] + 1, 30)
+        lent_after = _wait_for(lambda: (n := _status(port)["kv"]["chunks_lent"]) <= int(0.1 * chunks_total) and n + 1, 30)
         top = _harvest("top", "--once", f"http://{endpoint}", timeout=60)
 
         cancelled = _harvest("ctl", "--server", endpoint, "cancel", "late")
