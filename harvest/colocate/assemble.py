@@ -277,7 +277,7 @@ def job_file_builder(allocator, device: str, budget=None, weight_source_for: Cal
 def job_specs(paths) -> list:
     """The queue's view of harvest.yaml's job files (their name, weight, served name):
     two with one name or one output folder are refused here, at start-up."""
-    from harvest.colocate.trainer_host import JobRefused, JobSpec
+    from harvest.colocate.trainer_host import JobRefused, JobSpec, spec_clash
     from harvest.train.job import job_identity
 
     specs = []
@@ -285,8 +285,7 @@ def job_specs(paths) -> list:
         identity = job_identity(path)
         spec = JobSpec(identity.path, identity.name, identity.weight, identity.serve_as, identity.output_dir)
         for other in specs:
-            if other.name == spec.name or (spec.output_dir is not None and other.output_dir == spec.output_dir):
-                clash = "name" if other.name == spec.name else f"output_dir {spec.output_dir}"
+            if (clash := spec_clash(spec, other)) is not None:
                 raise JobRefused(f"jobs[{index}] ({path}) has the {clash} of {other.path}: give each job its own "
                                  "(harvest: {name: ...}, output_dir)")
         specs.append(spec)

@@ -337,12 +337,12 @@ class TrainerHost:
         for other in self.runs:
             if other.ended:
                 continue
-            if other.name == spec.name:
+            clash = spec_clash(spec, other.spec)
+            if clash == "name":
                 raise JobRefused(f"a job named {spec.name!r} is already {other.state}; cancel it first or name this "
                                  "one differently (harvest: {name: ...})")
-            if spec.output_dir is not None and other.spec.output_dir is not None \
-                    and Path(spec.output_dir).resolve() == Path(other.spec.output_dir).resolve():
-                raise JobRefused(f"job {spec.name!r}: output_dir {spec.output_dir} is the output_dir of job "
+            if clash is not None:
+                raise JobRefused(f"job {spec.name!r}: {clash} is the output_dir of job "
                                  f"{other.name!r} ({other.state}); two jobs would overwrite each other's checkpoints")
         run = JobRun(next(self._instances), spec)
         self.runs.append(run)
@@ -606,6 +606,18 @@ class TrainerHost:
         running = [run for run in self.runs if run.state == "running"]
         total = sum(run.trainer_s for run in running)
         return {run.instance: (run.trainer_s / total if total > 0 else 0.0) for run in running}
+
+
+def spec_clash(spec: JobSpec, other: JobSpec) -> str | None:
+    """What two jobs that live at once must not share, as a message names it: ``"name"``
+    (status, ctl and metrics address a job by it) or ``"output_dir <path>"`` (each would
+    overwrite the other's checkpoints); None when they share neither."""
+    if spec.name == other.name:
+        return "name"
+    if spec.output_dir is not None and other.output_dir is not None \
+            and Path(spec.output_dir).resolve() == Path(other.output_dir).resolve():
+        return f"output_dir {spec.output_dir}"
+    return None
 
 
 def _spec_of_path(path) -> JobSpec:

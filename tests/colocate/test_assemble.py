@@ -139,3 +139,26 @@ def test_the_composition_root_registers_the_kv_fence_streams_on_the_allocator(ti
         colocation.close(trainer_timeout_s=5.0)
         colocation.partitioner.close()
         alloc.close()
+
+
+def _job_file(path: Path, **keys) -> Path:
+    import yaml
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump({"output_dir": "adapter", **keys}))
+    return path
+
+
+def test_start_up_refuses_two_jobs_with_one_name_or_one_output_folder(tmp_path):
+    from harvest.colocate.assemble import job_specs
+    from harvest.colocate.trainer_host import JobRefused
+
+    a = _job_file(tmp_path / "a.yaml", output_dir="out/a")
+    same_name = _job_file(tmp_path / "other" / "x.yaml", output_dir="b", harvest={"name": "a"})
+    with pytest.raises(JobRefused, match=r"jobs\[1\] .* has the name of"):
+        job_specs([a, same_name])
+    # The same folder spelled another way (relative to another job file, through ..) is the same folder.
+    same_folder = _job_file(tmp_path / "sub" / "b.yaml", output_dir="../out/x/../a")
+    with pytest.raises(JobRefused, match=rf"jobs\[1\] .* has the output_dir {tmp_path}/sub/\.\./out/x/\.\./a of"):
+        job_specs([a, same_folder])
+    assert [spec.name for spec in job_specs([a, _job_file(tmp_path / "c.yaml", output_dir="out/c")])] == ["a", "c"]
