@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from harvest.train.errors import CheckpointError, JobError
-from harvest.train.job import TrainJob, import_llamafactory
+from harvest.train.job import TrainJob, check_fleet_job, import_llamafactory
 
 
 @dataclasses.dataclass
@@ -132,8 +132,6 @@ def check_job(job: TrainJob) -> JobPlan:
 
 def _check_job(job: TrainJob) -> JobPlan:
     if job.harvest.fleet.enabled:
-        from harvest.train.job import check_fleet_job
-
         check_fleet_job(job)  # before the data: what a fleet member cannot run, by key
     data = _prepare_data(job)
     steps_per_epoch = math.ceil(len(data.train_dataset) / job.samples_per_step)
