@@ -20,6 +20,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from harvest.train.computed_buffers import check_computed_buffers
 from harvest.train.data import IGNORE_INDEX, StepBatches
 from harvest.train.evaluation import EvalSettings, Evaluation
 from harvest.train.errors import JobError
@@ -241,6 +242,7 @@ def assemble_trainer(peft_model, dataset: Sequence[dict[str, Any]], collate: Cal
     ``make_log(total_steps, steps_per_epoch)`` its TrainLog (default: none); ``eval_sets``
     (metric prefix -> dataset) are evaluated as ``settings.evaluation`` says."""
     device = resolve_device(str(device))
+    check_computed_buffers(peft_model)  # before anything trains on a garbage rotary table
     split = SplitCausalLM(peft_model)
     sharded = None
     if tp is not None and tp.size > 1:

@@ -100,6 +100,7 @@ class LayerSplitTrainer:
         self._last_saved_step: int | None = None
         self._last_saved_eval: int | None = None
         self._in_optimizer_update = False
+        self._updates_run = 0  # optimizer updates this trainer made (none yet: a NaN is not the rate's)
         self._last_stream = None  # the CUDA stream the previous unit ran on
         self._pass_stages = split.pass_stages()
         self._unit_lock = threading.Lock()  # held while a unit runs; window changes take it too
@@ -297,6 +298,7 @@ class LayerSplitTrainer:
         with self._unit_lock, torch.no_grad():
             self._settle_device()
             unflatten_into(result + (flatten(self.trainable_params) - snapshot), self.trainable_params)
+            self._updates_run += 1  # the fleet's update: weights no longer as loaded
             if self.device.type == "cuda":
                 # The copies ran on this (the sync) thread's stream; the next unit runs on the
                 # trainer's: done before the unit lock is let go.
@@ -577,6 +579,12 @@ class LayerSplitTrainer:
         if not math.isfinite(loss):
             # Before the update: the weights stay those of the last good step, which is what
             # run() checkpoints on the way out.
+            if self._updates_run == 0:
+                raise TrainingDiverged(
+                    f"model_name_or_path: step {step.step + 1} has a non-finite loss ({loss}) before this run "
+                    f"updated any weight, so not because of learning_rate: the model as loaded"
+                    f"{' and resumed' if step.step else ''} gives it on this data (check the base model's "
+                    f"weights and dtype, the adapter, and the data); nothing was updated")
             raise TrainingDiverged(
                 f"learning_rate: step {step.step + 1} has a non-finite loss ({loss}); training stopped before "
                 f"the update, the checkpoint keeps step {step.step} (lower learning_rate, or check the data)")
@@ -595,6 +603,7 @@ class LayerSplitTrainer:
                 step.grad_norm = float(torch.nn.utils.clip_grad_norm_(self.trainable_params, self.max_grad_norm))
         self._last_lr = float(self.scheduler.get_last_lr()[0])
         self.optimizer.step()
+        self._updates_run += 1
         if not self._fleet_periodic:  # a fleet member sets the claimed step's rate itself
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)

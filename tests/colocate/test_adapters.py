@@ -278,33 +278,61 @@ def test_empty_name_is_refused_before_any_call(tmp_path):
 # -- a real SGLang server on CPU -----------------------------------------------------------------
 
 # SGLang 0.5.23's LoRA layers and backends allocate pinned host tensors unconditionally
-# (pin_memory=True in sglang/srt/lora/layers.py, backend/torch_backend.py, lora.py); a
-# CPU-only torch build has no pinned allocator, so without this the server dies at
-# start-up: "RuntimeError: pin_memory=True requires a CUDA or other accelerator backend".
-# Pinning only speeds host-to-device copies, so on a CPU device it can be a no-op. Given to
-# the server's processes only (sitecustomize on their PYTHONPATH), once sglang is imported.
+# (pin_memory=True in sglang/srt/lora/layers.py and backend/torch_backend.py, .pin_memory()
+# in lora.py and torch_backend.py); a CPU-only torch build has no pinned allocator, so
+# without this the server dies at start-up: "RuntimeError: pin_memory=True requires a CUDA
+# or other accelerator backend". Pinning only speeds host-to-device copies, so on a CPU
+# device it can be a no-op. Given to the server's processes only (sitecustomize on their
+# PYTHONPATH).
+#
+# Only those two modules see factories without pinning (their ``torch`` global is swapped
+# for a view of torch), never ``torch.*`` itself: torch's device contexts (``with
+# torch.device("meta")``, which transformers builds models under) find factories by
+# identity, so replacing ``torch.arange`` and the like made them allocate real, unset
+# memory there; the trainer in the same process then loaded its model with uninitialised
+# rotary frequencies (garbage RoPE, sometimes a NaN loss at step 1).
 _PIN_MEMORY_SHIM = '''
-import functools, sys
+import importlib.abc, importlib.machinery, sys
 
-def _pinning_off():
-    import torch
-    if torch.cuda.is_available():
-        return
-    torch.Tensor.pin_memory = lambda self, *args, **kwargs: self
-    for name in ("tensor", "empty", "zeros", "ones", "arange", "full", "empty_strided", "as_tensor"):
-        def without_pinning(*args, _factory=getattr(torch, name), **kwargs):
-            kwargs.pop("pin_memory", None)
-            return _factory(*args, **kwargs)
-        setattr(torch, name, functools.wraps(getattr(torch, name))(without_pinning))
+_UNPINNED_MODULES = ("sglang.srt.lora.layers", "sglang.srt.lora.backend.torch_backend")
 
-class _OnSGLangImport:
+
+class _TorchWithoutPinning:
+    """torch, except that its factories ignore ``pin_memory``."""
+
+    def __init__(self, torch):
+        self._torch = torch
+
+    def __getattr__(self, name):
+        value = getattr(self._torch, name)
+        if name in ("tensor", "empty", "zeros", "ones", "full", "arange", "empty_strided", "as_tensor"):
+            def without_pinning(*args, **kwargs):
+                kwargs.pop("pin_memory", None)
+                return value(*args, **kwargs)
+            return without_pinning
+        return value
+
+
+class _Unpinning(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
-        if name == "sglang":
-            sys.meta_path.remove(self)
-            _pinning_off()
-        return None
+        if name not in _UNPINNED_MODULES:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is not None and spec.loader is not None:
+            exec_module = spec.loader.exec_module
 
-sys.meta_path.insert(0, _OnSGLangImport())
+            def exec_unpinned(module):
+                exec_module(module)
+                import torch
+                if not torch.cuda.is_available():
+                    module.torch = _TorchWithoutPinning(torch)
+                    torch.Tensor.pin_memory = lambda self, *args, **kwargs: self
+
+            spec.loader.exec_module = exec_unpinned
+        return spec
+
+
+sys.meta_path.insert(0, _Unpinning())
 '''
 
 def lora_cpu_server_env(tmp_path):

@@ -146,7 +146,7 @@ def test_a_finished_job_is_served_by_the_same_server(tiny_llama_path, tmp_path):
 
     port = server.free_port()
     config = colocation_config.write(tmp_path, tiny_llama_path, metrics_port=port, max_steps=8, save_steps=4,
-                                     jobs={"done": {"serve_as": "support-bot"}})
+                                     jobs={"done": {"serve_as": "support-bot"}}, job_keys={"logging_steps": 1})
     running = colocation_config.write_job(tmp_path, tiny_llama_path, "long", max_steps=100_000, save_steps=4)
     endpoint = f"127.0.0.1:{port}"
     args = server.cpu_server_args(tiny_llama_path, max_total_tokens=16384) + [
@@ -194,3 +194,25 @@ def test_a_finished_job_is_served_by_the_same_server(tiny_llama_path, tmp_path):
     expected = _peft_greedy(tiny_llama_path, snapshot["path"], prompts, 10)
     assert [tokens[:6] for tokens in with_snapshot] == [tokens[:6] for tokens in expected]
     assert unpublished.returncode == 1 and "no job named 'nobody'" in unpublished.stderr
+    # The server trained what `harvest train` trains: every step's loss equals an offline run
+    # of the job. (A process-wide shim here once wrapped torch's factories, and the server's
+    # trainer loaded its model with an unset rotary table: step losses ~0.1 off, sometimes
+    # a NaN at step 1.)
+    served_losses = [entry["loss"] for entry in map(json.loads, (tmp_path / "adapter-done" / "trainer_log.jsonl")
+                                                    .read_text().splitlines()) if "loss" in entry]
+    assert served_losses == pytest.approx(_offline_losses(tmp_path / "job-done.yaml", tmp_path / "offline"), abs=1e-4)
+
+
+def _offline_losses(job_path, output_dir):
+    from harvest.train.build import build_trainer
+    from harvest.train.gate import Gate
+    from harvest.train.job import load_job
+
+    raw = yaml.safe_load(job_path.read_text())
+    raw["output_dir"] = str(output_dir)
+    offline = build_trainer(load_job(raw))
+    losses = []
+    offline.step_callbacks.append(lambda entry: losses.append(entry["loss"]))
+    assert offline.run(Gate()) == "finished"
+    offline.close()
+    return losses

@@ -98,6 +98,15 @@ def test_non_finite_loss_stops_before_the_update_keeping_the_last_good_step(tiny
     assert all(math.isfinite(line["loss"]) for line in log_lines(out))
 
 
+def test_a_non_finite_loss_before_any_update_names_the_model_not_the_learning_rate(tiny_llama_path, tmp_path):
+    trainer = build(tiny_llama_path, tmp_path / "out", max_steps=4, save_steps=100, harvest={"window_stages": "all"})
+    trainer.window.source.tensor("model.norm.weight").fill_(float("nan"))  # the frozen weights the window copies in
+    with pytest.raises(TrainingDiverged, match=r"^model_name_or_path: step 1 has a non-finite loss \(nan\) before "
+                                               r"this run updated any weight, so not because of learning_rate"):
+        trainer.run(Gate())
+    assert trainer.global_step == 0 and not (tmp_path / "out" / "checkpoint-1").exists()
+
+
 def test_harvest_train_exits_nonzero_on_divergence(tiny_llama_path, tmp_path, capsys):
     import yaml
 

@@ -1,0 +1,75 @@
+"""The tensors a model computes when it loads, checked before a trainer uses them.
+
+A checkpoint holds the weights; a few tensors are not in it and are computed while the
+model is built: non-persistent buffers, chiefly the rotary embedding's ``inv_freq``.
+Transformers builds models under a device context (``with torch.device("meta")``) and
+then fills those buffers in place. In a process it shares with a serving engine, global
+torch state can break that without any error: torch's device contexts find factory
+functions by identity, so a ``torch.arange`` replaced by a wrapper (a ``sitecustomize``, a
+plugin) escapes the context, and the buffer kept the uninitialised memory it was given.
+The trainer then trains with garbage positions: finite garbage silently, NaN as a
+divergence at step 1. This was seen in the SGLang server (harvest's own tests wrapped
+torch's factories); the check turns it into a JobError that says what happened.
+
+Checked: every floating buffer is finite, and every rotary embedding's frequencies equal
+what its config gives (recomputed the way transformers' ``_init_weights`` computes them).
+Cheap: buffers are small (a rotary table is head_dim / 2 numbers).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from harvest.train.errors import JobError
+
+_PROCESS_HINT = ("it was computed at load, not read from the checkpoint: something in this process changed torch's "
+                 "factory functions or default device while the model loaded (a sitecustomize or plugin that wraps "
+                 "torch.*?)")
+
+
+def check_computed_buffers(model: torch.nn.Module) -> None:
+    """JobError naming the first buffer that is not finite, or the first rotary embedding
+    whose frequencies differ from its config's."""
+    for name, buffer in model.named_buffers():
+        if buffer.is_floating_point() and buffer.device.type != "meta" and not bool(torch.isfinite(buffer).all()):
+            raise JobError(f"model_name_or_path: the loaded model's {name} holds non-finite values; {_PROCESS_HINT}")
+    for module_name, module in model.named_modules():
+        expected = _rope_frequencies(module)
+        if expected is None:
+            continue
+        actual = module.inv_freq.detach().to("cpu", torch.float32)
+        if actual.shape != expected.shape or not torch.allclose(actual, expected, rtol=1e-5, atol=0.0):
+            raise JobError(f"model_name_or_path: the loaded model's {module_name}.inv_freq is "
+                           f"{_head(actual)}, its config gives {_head(expected)}; {_PROCESS_HINT}")
+
+
+def _rope_frequencies(module: torch.nn.Module) -> torch.Tensor | None:
+    """What transformers' ``_init_weights`` writes into a rotary embedding's ``inv_freq``,
+    or None for a module that is not one (or whose rope type it cannot compute here)."""
+    if "RotaryEmbedding" not in type(module).__name__ or not hasattr(module, "original_inv_freq"):
+        return None
+    if not isinstance(getattr(module, "inv_freq", None), torch.Tensor) or module.inv_freq.device.type == "meta":
+        return None
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rope_type = getattr(module, "rope_type", None)
+    if not isinstance(rope_type, str) or getattr(module, "config", None) is None:
+        return None
+    compute = {"axial": getattr(module, "compute_axial_rope_parameters", None),
+               "default": getattr(module, "compute_default_rope_parameters", None),
+               **ROPE_INIT_FUNCTIONS}.get(rope_type)
+    if compute is None:
+        return None
+    try:
+        with torch.device("cpu"):
+            frequencies, _ = compute(module.config)
+    except (AttributeError, KeyError, TypeError, ValueError):  # a variant transformers computes otherwise
+        return None
+    if not isinstance(frequencies, torch.Tensor):
+        return None
+    return frequencies.detach().to("cpu", torch.float32)
+
+
+def _head(values: torch.Tensor) -> str:
+    shown = ", ".join(f"{v:.4g}" for v in values.flatten()[:4].tolist())
+    return f"[{shown}{', ...' if values.numel() > 4 else ''}]"
