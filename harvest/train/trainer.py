@@ -100,7 +100,7 @@ class LayerSplitTrainer:
         self._last_saved_step: int | None = None
         self._last_saved_eval: int | None = None
         self._in_optimizer_update = False
-        self._updates_run = 0  # optimizer updates this trainer made (none yet: a NaN is not the rate's)
+        self._updates_run = 0  # updates this trainer made (optimizer steps, fleet rounds)
         self._last_stream = None  # the CUDA stream the previous unit ran on
         self._pass_stages = split.pass_stages()
         self._unit_lock = threading.Lock()  # held while a unit runs; window changes take it too
@@ -579,12 +579,13 @@ class LayerSplitTrainer:
         if not math.isfinite(loss):
             # Before the update: the weights stay those of the last good step, which is what
             # run() checkpoints on the way out.
-            if self._updates_run == 0:
+            if step.step == 0 and self._updates_run == 0:
+                # No update ever: the rate cannot be the cause. (After a resume the last
+                # run's update may be, so that case keeps the learning_rate message.)
                 raise TrainingDiverged(
-                    f"model_name_or_path: step {step.step + 1} has a non-finite loss ({loss}) before this run "
-                    f"updated any weight, so not because of learning_rate: the model as loaded"
-                    f"{' and resumed' if step.step else ''} gives it on this data (check the base model's "
-                    f"weights and dtype, the adapter, and the data); nothing was updated")
+                    f"model_name_or_path: step 1 has a non-finite loss ({loss}) before any weight was updated, so "
+                    f"not because of learning_rate: the model as loaded gives it on this data (check the base "
+                    f"model's weights and dtype, the adapter it starts from, and the data)")
             raise TrainingDiverged(
                 f"learning_rate: step {step.step + 1} has a non-finite loss ({loss}); training stopped before "
                 f"the update, the checkpoint keeps step {step.step} (lower learning_rate, or check the data)")

@@ -102,7 +102,7 @@ def test_a_non_finite_loss_before_any_update_names_the_model_not_the_learning_ra
     trainer = build(tiny_llama_path, tmp_path / "out", max_steps=4, save_steps=100, harvest={"window_stages": "all"})
     trainer.window.source.tensor("model.norm.weight").fill_(float("nan"))  # the frozen weights the window copies in
     with pytest.raises(TrainingDiverged, match=r"^model_name_or_path: step 1 has a non-finite loss \(nan\) before "
-                                               r"this run updated any weight, so not because of learning_rate"):
+                                               r"any weight was updated, so not because of learning_rate"):
         trainer.run(Gate())
     assert trainer.global_step == 0 and not (tmp_path / "out" / "checkpoint-1").exists()
 
