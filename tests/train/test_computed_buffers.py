@@ -14,15 +14,17 @@ from harvest.train.computed_buffers import check_computed_buffers
 from harvest.train.errors import JobError
 
 
-def _model(path):
+def _model(path, dtype=torch.float32):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
 
 
 @pytest.mark.parametrize("which", ["llama", "qwen2"])
-def test_a_model_loaded_as_transformers_loads_it_passes(which, tiny_llama_path, tiny_qwen2_path):
-    check_computed_buffers(_model(tiny_llama_path if which == "llama" else tiny_qwen2_path))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_a_model_loaded_as_transformers_loads_it_passes(which, dtype, tiny_llama_path, tiny_qwen2_path):
+    """In bf16/fp16 the float32 table holds values rounded to that dtype ([1, 0.3164, ...])."""
+    check_computed_buffers(_model(tiny_llama_path if which == "llama" else tiny_qwen2_path, dtype))
 
 
 def test_finite_garbage_in_the_rotary_table_is_named(tiny_llama_path):
