@@ -25,6 +25,7 @@ from harvest.train.data import IGNORE_INDEX, StepBatches
 from harvest.train.evaluation import EvalSettings, Evaluation
 from harvest.train.errors import JobError
 from harvest.train.job import HARVEST_SECTION, HarvestOptions, TrainJob, check_fleet_job, import_llamafactory
+from harvest.train.llamafactory_env import LOADING_LOCK
 from harvest.train.microbatch import choose_micro_batch_size
 from harvest.train.split_model import SplitCausalLM
 from harvest.train.trainer import LayerSplitTrainer
@@ -133,7 +134,8 @@ def build_trainer(job: TrainJob, *, weight_source: BaseWeightSource | None = Non
     eval_sets = ({f"eval_{name}": d for name, d in data.eval_dataset.items()} if isinstance(data.eval_dataset, dict)
                  else {"eval": data.eval_dataset} if data.eval_dataset is not None else None)
     try:
-        model = load_model(tokenizer_module["tokenizer"], model_args, job.finetuning_args, is_trainable=True)
+        with LOADING_LOCK:  # from_pretrained changes process-global state while it runs
+            model = load_model(tokenizer_module["tokenizer"], model_args, job.finetuning_args, is_trainable=True)
     except ValueError as exc:
         if "Target modules" in str(exc) or "target_modules" in str(exc):
             raise JobError(f"lora_target: {job.llamafactory_args.get('lora_target')!r} matches no module of the "

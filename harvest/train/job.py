@@ -43,7 +43,7 @@ from harvest.fleet.options import FleetOptions
 from harvest.setting_kinds import NAME_EXPECTED, NAME_PATTERN
 from harvest.settings import Integer, Number, SettingError, Text, from_mapping, section, setting, validate
 from harvest.train.errors import JobError
-from harvest.train.llamafactory_env import import_llamafactory  # noqa: F401  (its home for most callers)
+from harvest.train.llamafactory_env import LOADING_LOCK, import_llamafactory  # noqa: F401  (its home for most callers)
 
 logger = logging.getLogger(__name__)
 HARVEST_SECTION = "harvest"
@@ -466,11 +466,12 @@ def _parse_with_llamafactory(args: dict[str, Any]):
     import_llamafactory()
     from llamafactory.hparams import get_train_args
 
-    try:
-        model_args, data_args, training_args, finetuning_args, _ = get_train_args(dict(args))
-    except ValueError as exc:
-        raise JobError(f"LlamaFactory rejected the job: {exc}") from None
-    _quiet_transformers()
+    with LOADING_LOCK:
+        try:
+            model_args, data_args, training_args, finetuning_args, _ = get_train_args(dict(args))
+        except ValueError as exc:
+            raise JobError(f"LlamaFactory rejected the job: {exc}") from None
+        _quiet_transformers()
     return model_args, data_args, training_args, finetuning_args
 
 

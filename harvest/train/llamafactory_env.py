@@ -1,8 +1,20 @@
-"""Importing LlamaFactory the way harvest needs it: the environment it wants, its logs on stderr."""
+"""Importing LlamaFactory the way harvest needs it: the environment it wants, its logs on
+stderr, and one job at a time through its parser and transformers' loading."""
 
 from __future__ import annotations
 
 import os
+import threading
+
+# LlamaFactory's argument parsing and transformers' model loading change process-global
+# state while they run: HfArgumentParser rewrites the type of TrainingArguments' shared
+# dataclass fields, from_pretrained sets torch's default dtype and swaps out
+# PreTrainedModel.tie_weights, restoring each on the way out. Two jobs built at once on
+# two threads (a server's job queue starts several) interleave those changes: seen as
+# "LlamaFactory rejected the job: Only `Union[X, NoneType]` is allowed ... field 'debug'",
+# and a swap restored in the wrong order would stay for the process's life. Every such
+# section runs under this lock (reentrant: a build parses, prepares data and loads).
+LOADING_LOCK = threading.RLock()
 
 
 def import_llamafactory():

@@ -20,6 +20,7 @@ from typing import Any
 
 from harvest.train.errors import CheckpointError, JobError
 from harvest.train.job import TrainJob, check_fleet_job, import_llamafactory
+from harvest.train.llamafactory_env import LOADING_LOCK
 
 
 @dataclasses.dataclass
@@ -82,7 +83,7 @@ def prepare_data(job: TrainJob) -> PreparedData:
     """Tokenizer, template and preprocessed datasets, through LlamaFactory, as
     ``llamafactory-cli train`` prepares them. `JobError` names the job file and the key on
     any problem."""
-    with _naming_the_job_file(job):
+    with _naming_the_job_file(job), LOADING_LOCK:  # LlamaFactory's loaders and HF datasets' caches: one job at a time
         return _prepare_data(job)
 
 
