@@ -17,6 +17,7 @@ from harvest.fleet.options import FleetOptions
 from harvest.fleet.store import FleetError
 from harvest.fleet.work import StepQueue, as_ranges, expand_ranges
 from harvest.settings import SettingError
+from tests.threads import on_threads
 
 
 @pytest.fixture()
@@ -66,21 +67,12 @@ def test_a_member_of_another_job_is_refused(store):
 
 def _ranks(store, size, work):
     """Run ``work(group, rank)`` on ``size`` gloo ranks, a thread each; their results."""
-    results, errors = [None] * size, []
-
     def one(rank):
-        try:
-            group = dist.ProcessGroupGloo(dist.PrefixStore("pg/", _client(store, "")), rank, size,
-                                          datetime.timedelta(seconds=20))
-            results[rank] = work(group, rank)
-        except Exception as error:  # noqa: BLE001 - reported below
-            errors.append(error)
+        group = dist.ProcessGroupGloo(dist.PrefixStore("pg/", _client(store, "")), rank, size,
+                                      datetime.timedelta(seconds=20))
+        return work(group, rank)
 
-    threads = [threading.Thread(target=one, args=(rank,)) for rank in range(size)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(60)
+    results, errors = on_threads(one, size, timeout_s=60)
     assert not errors, errors
     return results
 

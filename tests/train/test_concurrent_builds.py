@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from tests.threads import on_threads
 from tests.train.trainer_helpers import job_dict
 
 
@@ -35,23 +36,6 @@ class _Overlap:
                 self.inside -= 1
 
 
-def _on_threads(work, count=3):
-    errors, results = [], []
-
-    def run(index):
-        try:
-            results.append(work(index))
-        except BaseException as exc:  # noqa: BLE001 - reported by the assertion below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(count)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(300)
-    return results, errors
-
-
 def test_jobs_parsed_on_several_threads_go_through_llamafactory_one_at_a_time(tiny_llama_path, tmp_path,
                                                                              monkeypatch):
     import llamafactory.hparams
@@ -61,8 +45,8 @@ def test_jobs_parsed_on_several_threads_go_through_llamafactory_one_at_a_time(ti
     import_llamafactory()
     overlap = _Overlap(llamafactory.hparams.get_train_args)
     monkeypatch.setattr(llamafactory.hparams, "get_train_args", overlap)
-    jobs, errors = _on_threads(lambda i: load_job(job_dict(tiny_llama_path, tmp_path / f"out{i}")))
-    assert not errors and len(jobs) == 3, errors
+    jobs, errors = on_threads(lambda i: load_job(job_dict(tiny_llama_path, tmp_path / f"out{i}")), 3, timeout_s=300)
+    assert not errors and None not in jobs, errors
     assert overlap.most == 1
 
 
@@ -75,9 +59,9 @@ def test_trainers_built_on_several_threads_load_their_models_one_at_a_time(tiny_
 
     overlap = _Overlap(llamafactory.model.load_model)
     monkeypatch.setattr(llamafactory.model, "load_model", overlap)  # build_trainer imports it at call time
-    trainers, errors = _on_threads(lambda i: build_trainer(load_job(job_dict(tiny_llama_path, tmp_path / f"out{i}"))),
-                                   count=2)
-    assert not errors and len(trainers) == 2, errors
+    trainers, errors = on_threads(lambda i: build_trainer(load_job(job_dict(tiny_llama_path, tmp_path / f"out{i}"))),
+                                  2, timeout_s=300)
+    assert not errors and None not in trainers, errors
     assert overlap.most == 1
     tables = [t.split.causal_lm.model.rotary_emb.inv_freq for t in trainers]
     assert bool((tables[0] == tables[1]).all())
