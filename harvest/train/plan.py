@@ -83,11 +83,17 @@ def prepare_data(job: TrainJob) -> PreparedData:
     """Tokenizer, template and preprocessed datasets, through LlamaFactory, as
     ``llamafactory-cli train`` prepares them. `JobError` names the job file and the key on
     any problem."""
-    with _naming_the_job_file(job), LOADING_LOCK:  # LlamaFactory's loaders and HF datasets' caches: one job at a time
+    with _naming_the_job_file(job):
         return _prepare_data(job)
 
 
 def _prepare_data(job: TrainJob) -> PreparedData:
+    """Both ways in (a build's prepare_data and check_job) take the loading lock here."""
+    with LOADING_LOCK:  # LlamaFactory's loaders and HF datasets' caches: one job at a time
+        return _load_data(job)
+
+
+def _load_data(job: TrainJob) -> PreparedData:
     import copy
 
     import_llamafactory()
