@@ -18,6 +18,7 @@ import yaml
 from harvest import colocation_config
 from harvest.sglang import server
 from tests.colocate.test_sglang_colocation import _wait_for
+from tests.train.trainer_helpers import log_lines, offline_losses
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -198,21 +199,5 @@ def test_a_finished_job_is_served_by_the_same_server(tiny_llama_path, tmp_path):
     # of the job. (A process-wide shim here once wrapped torch's factories, and the server's
     # trainer loaded its model with an unset rotary table: step losses ~0.1 off, sometimes
     # a NaN at step 1.)
-    served_losses = [entry["loss"] for entry in map(json.loads, (tmp_path / "adapter-done" / "trainer_log.jsonl")
-                                                    .read_text().splitlines()) if "loss" in entry]
-    assert served_losses == pytest.approx(_offline_losses(tmp_path / "job-done.yaml", tmp_path / "offline"), abs=1e-4)
-
-
-def _offline_losses(job_path, output_dir):
-    from harvest.train.build import build_trainer
-    from harvest.train.gate import Gate
-    from harvest.train.job import load_job
-
-    raw = yaml.safe_load(job_path.read_text())
-    raw["output_dir"] = str(output_dir)
-    offline = build_trainer(load_job(raw))
-    losses = []
-    offline.step_callbacks.append(lambda entry: losses.append(entry["loss"]))
-    assert offline.run(Gate()) == "finished"
-    offline.close()
-    return losses
+    served_losses = [entry["loss"] for entry in log_lines(tmp_path / "adapter-done") if "loss" in entry]
+    assert served_losses == pytest.approx(offline_losses(tmp_path / "job-done.yaml", tmp_path / "offline"), abs=1e-4)

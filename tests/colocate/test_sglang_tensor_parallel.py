@@ -107,12 +107,10 @@ def test_the_two_ranks_train_the_job_one_rank_trains(tiny_llama_path, tmp_path):
     epsilon, where the update amplifies float32 rounding of the shards' different
     summation order (2.5e-5 on this job, docs/tensor-parallel.md); AdamW parity is
     checked offline with B randomized (tests/train/test_tensor_parallel.py)."""
-    import json
     from safetensors.torch import load_file
 
-    from harvest.train.build import build_trainer
-    from harvest.train.gate import Gate
     from harvest.train.job import load_job
+    from tests.train.trainer_helpers import log_lines, offline_losses
 
     port = server.free_port()
     steps = 6
@@ -129,19 +127,11 @@ def test_the_two_ranks_train_the_job_one_rank_trains(tiny_llama_path, tmp_path):
     job = load_job(tmp_path / "harvest" / "job.yaml")
     served = load_file(str(job.output_dir / "adapter_model.safetensors"))
     offline_dir = tmp_path / "offline"
-    import yaml
-
-    raw = yaml.safe_load((tmp_path / "harvest" / "job.yaml").read_text())
-    raw["output_dir"] = str(offline_dir)
-    offline = build_trainer(load_job(raw))
-    offline_losses = []
-    offline.step_callbacks.append(lambda entry: offline_losses.append(entry["loss"]))
-    offline.run(Gate())
+    offline = offline_losses(tmp_path / "harvest" / "job.yaml", offline_dir)
     reference = load_file(str(offline_dir / "adapter_model.safetensors"))
-    served_losses = [entry["loss"] for entry in map(json.loads, (job.output_dir / "trainer_log.jsonl").read_text().splitlines())
-                     if "loss" in entry]
-    assert len(served_losses) == len(offline_losses) == steps
-    assert max(abs(a - b) for a, b in zip(served_losses, offline_losses)) <= 1e-5, (served_losses, offline_losses)
+    served_losses = [entry["loss"] for entry in log_lines(job.output_dir) if "loss" in entry]
+    assert len(served_losses) == len(offline) == steps
+    assert max(abs(a - b) for a, b in zip(served_losses, offline)) <= 1e-5, (served_losses, offline)
     assert sorted(served) == sorted(reference)
     assert max(float(reference[k].abs().max()) for k in reference if "lora_B" in k) > 1e-3  # it learned something
     diff = max(float((served[k] - reference[k]).abs().max()) for k in reference)

@@ -12,14 +12,10 @@ import pytest
 
 from harvest.train.errors import CheckpointError, JobError, TrainingDiverged
 from harvest.train.gate import Gate
-from tests.train.trainer_helpers import build, job_dict, stop_after_units
+from tests.train.trainer_helpers import build, job_dict, log_lines, stop_after_units
 
 LLAMAFACTORY_LOG_KEYS = {"current_steps", "total_steps", "loss", "lr", "epoch", "percentage", "elapsed_time",
                          "remaining_time"}
-
-
-def log_lines(output_dir) -> list[dict]:
-    return [json.loads(line) for line in (output_dir / "trainer_log.jsonl").read_text().splitlines()]
 
 
 def test_log_and_state_in_llamafactory_format(tiny_llama_path, tmp_path):

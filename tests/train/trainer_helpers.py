@@ -4,6 +4,7 @@ plain PEFT reference they are compared with."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
@@ -27,6 +28,30 @@ def build(model_path, output_dir, **overrides):
     from harvest.train.job import load_job
 
     return build_trainer(load_job(job_dict(model_path, output_dir, **overrides)))
+
+
+def log_lines(output_dir) -> list[dict]:
+    """The entries of a job's trainer_log.jsonl (LlamaFactory's format)."""
+    return [json.loads(line) for line in (Path(output_dir) / "trainer_log.jsonl").read_text().splitlines()]
+
+
+def offline_losses(job_path, output_dir) -> list[float]:
+    """Every step's loss of a job file trained here, in this process (``harvest train``'s
+    way), into ``output_dir`` instead of the file's: what a server's run is compared with."""
+    import yaml
+
+    from harvest.train.build import build_trainer
+    from harvest.train.gate import Gate
+    from harvest.train.job import load_job
+
+    raw = yaml.safe_load(Path(job_path).read_text())
+    raw["output_dir"] = str(output_dir)
+    offline = build_trainer(load_job(raw))
+    losses = []
+    offline.step_callbacks.append(lambda entry: losses.append(entry["loss"]))
+    assert offline.run(Gate()) == "finished"
+    offline.close()
+    return losses
 
 
 def randomize_lora_b(trainer, seed: int = 1) -> None:
