@@ -23,6 +23,13 @@ build a gloo group on the store (``r<N>/pg``), take a snapshot of their LoRA wei
 between two units, all-reduce, and put the result back as ``result + (now − snapshot)``:
 what the trainer trained during the collective is kept. A failed collective (a member
 died in it) changes nothing and the next round goes on without that member.
+
+The end (periodic): a round's members decide whether it finished the job only once every
+one of them has synced its steps (``r<N>/synced``), so all of them decide alike. Each of
+them then holds the finished weights; one, elected by compare-set on ``final/writer``,
+writes the final adapter and sets ``final/written``. No member is ``done`` before that
+key exists; a holder takes over the writing when the elected one is gone. After the job
+is finished no round runs: averaging would mix the finished weights with stale ones.
 """
 
 from __future__ import annotations
@@ -40,7 +47,8 @@ from typing import Any, Protocol
 from harvest.fleet import averaging
 from harvest.fleet.options import FleetOptions
 from harvest.fleet.store import FleetError, job_store, open_store
-from harvest.fleet.work import CHECKPOINTED, ROUND, StepQueue, as_ranges
+from harvest.fleet.work import (CHECKPOINTED, FINAL_HOLDERS, FINAL_WRITER, FINAL_WRITTEN, ROUND, StepQueue,
+                                as_ranges)
 
 logger = logging.getLogger(__name__)
 POLL_S = 0.02
@@ -75,7 +83,11 @@ class FleetMember:
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
         self.joined = threading.Event()  # periodic: this member has the fleet's weights
-        self.done = False  # periodic: every step of the job is in the fleet's weights (read by the decode thread)
+        self.done = False  # periodic: the final adapter is written (read by the decode thread)
+        self._error: FleetError | None = None  # periodic: the job cannot finish; the trainer's next claim raises it
+        self._final_state: dict | None = None  # periodic: this member holds the finished weights (their checkpoint state)
+        self._final_checked_at = -math.inf
+        self._orphaned_since: float | None = None  # no live member holds the finished weights since then
         self.outer = (averaging.OuterNesterov(options.outer_lr, options.outer_momentum)
                       if options.outer_optimizer == "nesterov" else None)
         self._liveness: dict[str, tuple[int, float]] = {}  # member -> (beat seen, when it last changed)
@@ -149,6 +161,8 @@ class FleetMember:
     # -- periodic: the trainer's side -----------------------------------------------------
     def claim(self) -> int | None:
         """The next global step to train, or None (not joined yet, or nothing left to claim)."""
+        if self._error is not None:
+            raise self._error
         if not self.joined.is_set():
             return None
         with self._lock:
@@ -215,10 +229,10 @@ class FleetMember:
         next_round = time.monotonic()  # the first round at once: it brings the fleet's weights
         while not self._stop.is_set():
             try:
-                if self.queue.finished and self.joined.is_set():
-                    self.done = True
-                    return
-                if time.monotonic() >= next_round or (self.joined.is_set() and self.queue.all_claimed):
+                if self.queue.finished and (self.joined.is_set() or store.check([FINAL_WRITTEN])):
+                    if self._await_final_adapter(store):
+                        return
+                elif time.monotonic() >= next_round or (self.joined.is_set() and self.queue.all_claimed):
                     self._round(store)
                     next_round = time.monotonic() + self.options.sync_interval_s
             except Exception as error:  # noqa: BLE001 - a round's failure must not end the member
@@ -240,7 +254,7 @@ class FleetMember:
             if store.check([f"r{number}/size"]):
                 size = int(store.get(f"r{number}/size"))
                 break
-            if int(store.get(ROUND)) != number:
+            if int(store.get(ROUND)) != number or self.queue.finished:
                 self._stats["rounds_missed"] += 1
                 return  # it ended without this member (closed before it arrived, or failed)
             arrived = store.add(f"r{number}/arrived", 0)
@@ -283,6 +297,7 @@ class FleetMember:
         self.trainer.fleet_apply(result, snapshot)
         with self._lock:
             self.queue.synced(steps)
+        store.add(f"r{number}/synced", 1)
         store.compare_set(ROUND, str(number), str(number + 1))
         if not self.joined.is_set():
             self._joined_pace = (time.monotonic(), self.queue.committed)
@@ -294,25 +309,90 @@ class FleetMember:
         self._stats.update(rounds=self._stats["rounds"] + 1, round=number + 1, members=size, last_round_at=now,
                            last_round_tokens=total, tokens_contributed=self._stats["tokens_contributed"] + tokens)
         self._last_round_mono = time.monotonic()
-        committed = self._committed_seen = self.queue.committed
+        committed = self._committed_seen = self._committed_once_synced(store, number, size)
         logger.info("fleet job %s: round %d: %d member(s), %d token(s) (%d of them this member's), %d/%d step(s) "
                     "committed", self.job_id, number, size, total, tokens, committed, self.total_steps)
-        final = committed >= self.total_steps
-        if rank == 0 and self._checkpoint_due(store, committed, final):
-            state = dict(round=number + 1, committed_steps=as_ranges(self.queue.committed_steps()),
-                         members=size, job_id=self.job_id)
-            self.trainer.fleet_checkpoint(state, final)
+        if committed >= self.total_steps:
+            self._final_state = self._checkpoint_state(number, size)
+            store.append(FINAL_HOLDERS, f"{self.member_id},")
+            self._write_final_if_elected(store, expected_writer="")
+        elif rank == 0 and self._checkpoint_due(store, committed):
+            self.trainer.fleet_checkpoint(self._checkpoint_state(number, size), False)
             store.set(CHECKPOINTED, str(committed))
-        if final:
-            self.done = True
 
-    def _checkpoint_due(self, store, committed: int, final: bool) -> bool:
-        """The job's last round, or the committed steps passed a multiple of save_steps
-        since the fleet's last checkpoint (whichever member wrote it)."""
-        if final:
-            return True
+    def _committed_once_synced(self, store, number: int, size: int) -> int:
+        """The fleet's committed steps after every member of round ``number`` synced its
+        steps, so its members all decide alike whether the round finished the job. Waits at
+        most ``collective_timeout_s``: a member that died since the collective never syncs
+        (its steps are re-queued when it is dropped, and a later round finishes the job)."""
+        deadline = time.monotonic() + self.options.collective_timeout_s
+        while store.add(f"r{number}/synced", 0) < size and time.monotonic() < deadline and not self._stop.is_set():
+            time.sleep(POLL_S)
+        return self.queue.committed
+
+    def _checkpoint_state(self, number: int, size: int) -> dict:
+        return dict(round=number + 1, committed_steps=as_ranges(self.queue.committed_steps()), members=size,
+                    job_id=self.job_id)
+
+    def _checkpoint_due(self, store, committed: int) -> bool:
+        """The committed steps passed a multiple of save_steps since the fleet's last
+        checkpoint (whichever member wrote it)."""
         last = int(store.get(CHECKPOINTED)) if store.check([CHECKPOINTED]) else 0
         return bool(self.save_steps) and committed // self.save_steps > last // self.save_steps
+
+    # -- periodic: the end ----------------------------------------------------------------
+    def _write_final_if_elected(self, store, expected_writer: str) -> bool:
+        """Write the final adapter if this member wins ``final/writer`` (it held
+        ``expected_writer``); True once written. A failed write gives the election back,
+        so another holder can write, and fails this member's job."""
+        if store.compare_set(FINAL_WRITER, expected_writer, self.member_id).decode() != self.member_id:
+            return False
+        try:
+            self.trainer.fleet_checkpoint(self._final_state, True)
+        except Exception as error:
+            store.compare_set(FINAL_WRITER, self.member_id, "")
+            self._error = FleetError(f"fleet job {self.job_id!r}: writing the final adapter failed: {error}")
+            raise
+        committed = sum(last - first + 1 for first, last in self._final_state["committed_steps"])
+        store.set(CHECKPOINTED, str(committed))
+        store.set(FINAL_WRITTEN, self.member_id)
+        self.done = True
+        return True
+
+    def _await_final_adapter(self, store) -> bool:
+        """Every step is committed: wait until the final adapter is written (True), writing
+        it if this member holds the finished weights and the elected writer is gone. True
+        also when nobody left can write it (the job fails with an error saying so)."""
+        if self._error is not None:
+            return True  # this member's job has failed (its trainer raises it)
+        if store.check([FINAL_WRITTEN]):
+            self.done = True
+            return True
+        now = time.monotonic()
+        if now - self._final_checked_at < self.options.heartbeat_s:
+            return False  # liveness changes no faster than a heartbeat
+        self._final_checked_at = now
+        live = set(self.live_members(store))
+        if self._final_state is not None:
+            writer = store.get(FINAL_WRITER).decode() if store.check([FINAL_WRITER]) else ""
+            if writer in live:
+                return False
+            if writer:
+                logger.warning("fleet job %s: member %s, elected to write the final adapter, is gone; this member "
+                               "writes it", self.job_id, writer)
+            return self._write_final_if_elected(store, expected_writer=writer)
+        holders = store.get(FINAL_HOLDERS).decode().split(",") if store.check([FINAL_HOLDERS]) else []
+        if any(holder in live for holder in holders if holder):
+            self._orphaned_since = None
+            return False
+        self._orphaned_since = self._orphaned_since if self._orphaned_since is not None else now
+        if now - self._orphaned_since < self.options.dead_after_s + self.options.collective_timeout_s:
+            return False
+        self._error = FleetError(
+            f"fleet job {self.job_id!r}: every step is committed but every member that held the finished weights "
+            "is gone before the final adapter was written; the fleet's last checkpoint holds what it recorded. "
+            "Restart the fleet (its store too) to train the rest from there")
+        return True
 
     # -- every_step -----------------------------------------------------------------------
     def _form_group(self) -> None:

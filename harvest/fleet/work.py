@@ -25,6 +25,9 @@ COMMITTED = "committed"
 COMMITTED_STEPS = "committed_steps"
 CHECKPOINTED = "checkpointed"  # the committed steps at the fleet's last checkpoint
 ROUND = "round"
+FINAL_HOLDERS = "final/holders"  # members that hold the finished job's weights ("a,b,")
+FINAL_WRITER = "final/writer"  # the one of them that writes the final adapter (compare-set)
+FINAL_WRITTEN = "final/written"  # set once the final adapter is on disk: members may finish
 
 
 class StepQueue:

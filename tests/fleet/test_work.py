@@ -194,6 +194,105 @@ def test_members_average_a_joiner_gets_the_weights_and_a_dead_members_steps_are_
     first.leave()
 
 
+class EndOfJobTrainer(StandInTrainer):
+    """A stand-in whose round of rank > 0 puts its weights back (and syncs its steps) only
+    after the round's rank 0 is through (or 3 s): the ordering in which the fleet once
+    finished with no adapter on disk, rank 0 deciding from the committed count before the
+    others' steps were in it. ``on_final`` runs in place of writing the final adapter."""
+
+    def __init__(self, value, rank0_through, finals, on_final=None):
+        super().__init__(value)
+        self.rank, self.snapshot_steps = None, []
+        self.rank0_through, self.finals, self.on_final = rank0_through, finals, on_final
+
+    def fleet_snapshot(self):
+        weights, tokens, steps = super().fleet_snapshot()
+        self.snapshot_steps = steps
+        return weights, tokens, steps
+
+    def fleet_apply(self, result, snapshot):
+        if self.snapshot_steps and self.rank != 0:
+            self.rank0_through.wait(3.0)
+        super().fleet_apply(result, snapshot)
+
+    def fleet_checkpoint(self, state, final):
+        if final:
+            self.finals.append(self)
+            if self.on_final is not None:
+                self.on_final(self)
+        super().fleet_checkpoint(state, final)
+
+
+def _two_members_finish_together(store, on_final=None):
+    """Two members, each trains one of the job's two steps, one round commits both.
+    ``on_final(trainer, pairs)`` runs where the final adapter would be written."""
+    rank0_through, finals, pairs = threading.Event(), [], []
+    for value in (0.0, 100.0):
+        hook = (lambda trainer: on_final(trainer, pairs)) if on_final is not None else None
+        member, trainer = _member(store.port, min_members=2), EndOfJobTrainer(value, rank0_through, finals, hook)
+        member.total_steps = 2
+        original = member._run_round
+
+        def run_round(store_, number, rank, size, fresh, _original=original, _trainer=trainer):
+            _trainer.rank = rank
+            try:
+                _original(store_, number, rank, size, fresh)
+            finally:
+                if rank == 0 and _trainer.snapshot_steps:
+                    rank0_through.set()
+
+        member._run_round = run_round
+        member.start(trainer, None)
+        pairs.append((member, trainer))
+    for member, _ in pairs:
+        _until(member.joined.is_set)
+    # Both steps are trained before any round can take a snapshot: the round that takes
+    # one holds both members and finishes the job.
+    with pairs[0][1].lock, pairs[1][1].lock:
+        for member, trainer in pairs:
+            step = member.claim()
+            trainer.weights += 1.0
+            trainer.tokens += 10
+            trainer.steps.append(step)
+    return pairs, finals
+
+
+def test_the_final_adapter_is_written_before_any_member_is_done_whichever_syncs_last(store):
+    seen_done: list[list[bool]] = []
+    pairs, finals = _two_members_finish_together(
+        store, on_final=lambda trainer, pairs: seen_done.append([member.done for member, _ in pairs]))
+    for member, _ in pairs:
+        _until(lambda: member.done)
+    assert len(finals) == 1 and seen_done == [[False, False]]  # one writer, and nobody was done before it wrote
+    state, final = finals[0].checkpoints[-1]
+    assert final and expand_ranges(state["committed_steps"]) == {0, 1}
+    assert float(pairs[0][1].weights) == pytest.approx(float(pairs[1][1].weights))
+    for member, _ in pairs:
+        member.leave()
+
+
+def test_a_holder_writes_the_final_adapter_when_the_elected_writer_dies(store):
+    released = threading.Event()
+
+    def die(trainer, pairs):  # the elected writer's process dies before its adapter is on disk
+        if len(trainer.finals) == 1:
+            next(member for member, t in pairs if t is trainer)._stop.set()  # its heartbeat stops
+            released.wait(60)
+            raise RuntimeError("killed")
+
+    pairs, finals = _two_members_finish_together(store, on_final=die)
+    try:
+        _until(lambda: len(finals) == 2, timeout_s=60)
+        survivor = next(member for member, trainer in pairs if trainer is finals[1])
+        _until(lambda: survivor.done)
+        assert finals[0] is not finals[1] and finals[1].checkpoints[-1][1] is True
+        assert not next(member for member, trainer in pairs if trainer is finals[0]).done
+    finally:
+        released.set()
+    for member, _ in pairs:
+        member.leave()
+
+
 def test_fleet_options_are_checked():
     with pytest.raises(SettingError, match="max_members"):
         FleetOptions(rendezvous="h:1", min_members=3, max_members=2)
