@@ -28,14 +28,14 @@ _PROCESS_HINT = ("it was computed at load, not read from the checkpoint: somethi
 
 
 def check_computed_buffers(model: torch.nn.Module) -> None:
-    """JobError naming the first buffer that is not finite, or the first rotary embedding
-    whose frequencies differ from its config's."""
-    for name, buffer in model.named_buffers():
-        if buffer.is_floating_point() and buffer.device.type != "meta" and not bool(torch.isfinite(buffer).all()):
-            raise JobError(f"model_name_or_path: the loaded model's {name} holds non-finite values; {_PROCESS_HINT}")
+    """JobError naming every rotary embedding whose frequencies differ from its config's,
+    then every other floating buffer that is not finite: all of them, in the model's
+    order, so what is named does not depend on what the unset memory held."""
+    problems: list[str] = []
+    named: set[str] = set()
     # A model loaded in bf16 or fp16 keeps a float32 table holding values rounded to that
     # dtype (transformers computes it under the load's default dtype): equal to the config's
-    # within that dtype's precision. Garbage is nowhere near (zeros, 1e-41, 1e14).
+    # within that dtype's precision. Garbage is nowhere near (zeros, 1e-41, 1e14, NaN).
     rtol = max([1e-5] + [torch.finfo(p.dtype).eps for p in model.parameters() if p.is_floating_point()])
     for module_name, module in model.named_modules():
         expected = _rope_frequencies(module)
@@ -43,8 +43,16 @@ def check_computed_buffers(model: torch.nn.Module) -> None:
             continue
         actual = module.inv_freq.detach().to("cpu", torch.float32)
         if actual.shape != expected.shape or not torch.allclose(actual, expected, rtol=rtol, atol=0.0):
-            raise JobError(f"model_name_or_path: the loaded model's {module_name}.inv_freq is "
-                           f"{_head(actual)}, its config gives {_head(expected)}; {_PROCESS_HINT}")
+            name = f"{module_name}.inv_freq" if module_name else "inv_freq"
+            problems.append(f"{name} is {_head(actual)}, its config gives {_head(expected)}")
+            named.add(name)
+    for name, buffer in model.named_buffers():
+        if name in named or not buffer.is_floating_point() or buffer.device.type == "meta":
+            continue
+        if not bool(torch.isfinite(buffer).all()):
+            problems.append(f"{name} holds non-finite values")
+    if problems:
+        raise JobError(f"model_name_or_path: the loaded model's {'; '.join(problems)}; {_PROCESS_HINT}")
 
 
 def _rope_frequencies(module: torch.nn.Module) -> torch.Tensor | None:

@@ -37,10 +37,17 @@ def test_finite_garbage_in_the_rotary_table_is_named(tiny_llama_path):
     assert "not read from the checkpoint" in str(refused.value)
 
 
-def test_a_non_finite_buffer_is_named(tiny_llama_path):
+def test_every_wrong_buffer_is_named_rotary_table_first(tiny_llama_path):
     model = _model(tiny_llama_path)
     model.model.register_buffer("scratch", torch.tensor([0.0, float("nan")]), persistent=False)
-    with pytest.raises(JobError, match=r"model.scratch holds non-finite values"):
+    with pytest.raises(JobError, match=r"the loaded model's model.scratch holds non-finite values; "):
+        check_computed_buffers(model)
+    with torch.no_grad():
+        model.model.rotary_emb.original_inv_freq.fill_(float("nan"))
+        model.model.rotary_emb.inv_freq.fill_(float("nan"))
+    with pytest.raises(JobError, match=r"the loaded model's model.rotary_emb.inv_freq is \[nan, nan, nan, nan, \.\.\.\], "
+                                       r"its config gives .*; model.scratch holds non-finite values; "
+                                       r"model.rotary_emb.original_inv_freq holds non-finite values; "):
         check_computed_buffers(model)
 
 
@@ -64,8 +71,12 @@ def test_a_process_whose_torch_factories_are_wrapped_is_refused_at_build(tiny_ll
 
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump(job_dict(tiny_llama_path, tmp_path / "out", max_steps=1)))
+    # Unset memory is filled with NaN (torch's deterministic mode), not left as whatever
+    # the allocator held: garbage that happened to look right would pass the build.
     script = textwrap.dedent(f"""
         import functools, torch
+        torch.use_deterministic_algorithms(True)
+        torch.utils.deterministic.fill_uninitialized_memory = True
         for name in ("tensor", "empty", "zeros", "ones", "arange", "full", "empty_strided", "as_tensor"):
             def without_pinning(*args, _factory=getattr(torch, name), **kwargs):
                 kwargs.pop("pin_memory", None)
@@ -84,4 +95,5 @@ def test_a_process_whose_torch_factories_are_wrapped_is_refused_at_build(tiny_ll
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
                          cwd=str(tmp_path))
     assert "REFUSED model_name_or_path: the loaded model's" in out.stdout, (out.stdout, out.stderr[-3000:])
-    assert "rotary_emb.inv_freq" in out.stdout
+    assert "model.rotary_emb.inv_freq is [nan, nan, nan, nan, ...], its config gives [1, 0.3162" in out.stdout
+    assert "model.rotary_emb.original_inv_freq holds non-finite values" in out.stdout
