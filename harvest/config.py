@@ -47,7 +47,7 @@ from harvest.predict.online import OnlineSettings
 from harvest.schedule.config import SchedulerConfig
 from harvest.schedule.fair_share import JobQueueConfig
 from harvest.setting_kinds import LabelSet
-from harvest.settings import (Boolean, FilePath, Integer, ListOf, Number, SettingError, Text, from_mapping, invalid,
+from harvest.settings import (Boolean, FilePath, Host, Integer, ListOf, Number, Port, SettingError, from_mapping, invalid,
                               json_schema, section, setting, validate)
 from harvest.train.trainer_cpu import TrainerConfig
 
@@ -90,10 +90,10 @@ class MetricsConfig:
     # dcgm-exporter, often on the same GPU servers, has 9400), SGLang's 30000 and the
     # ports SGLang derives from its own, and the kernel's ephemeral range (32768-).
     port: int = setting(DEFAULT_METRICS_PORT, "port of harvest's /metrics and control endpoints (0: off); per "
-                        "instance: --harvest-metrics-port or HARVEST_METRICS_PORT", Integer(minimum=0, maximum=65535))
+                        "instance: --harvest-metrics-port or HARVEST_METRICS_PORT", Port(zero="off"))
     host: str | None = setting(None, "address harvest's endpoints listen on (0.0.0.0: every interface); null: SGLang's "
                                "--host; per instance: --harvest-metrics-host or HARVEST_METRICS_HOST",
-                               Text(r"[^\s/]+", "a host name or IP address"), nullable=True)
+                               Host(), nullable=True)
     publish_interval_s: float = setting(0.5, "least time between two metric updates while idle, in seconds",
                                         Number(minimum=0.0))
     # SGLang's metrics carry model_name (and --tokenizer-metrics-custom-labels for its own

@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from harvest import addresses
+
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -115,23 +117,26 @@ METRICS_HOST_VAR = "HARVEST_METRICS_HOST"
 
 
 def metrics_port() -> int | None:
-    """HARVEST_METRICS_PORT: 0..65535 (0: endpoint off), or None when unset."""
+    """HARVEST_METRICS_PORT: 1..65535 or 0 (endpoint off), or None when unset."""
     value = os.environ.get(METRICS_PORT_VAR)
     if not value:
         return None
-    if not value.isdigit() or int(value) > 65535:
-        raise ValueError(f"{METRICS_PORT_VAR}={value!r} must be a port number, 0 to 65535 (0: off)")
-    return int(value)
+    try:
+        return addresses.parse_port(value, zero="off")
+    except addresses.AddressError as error:
+        raise ValueError(addresses.named(METRICS_PORT_VAR, error)) from None
 
 
 def metrics_host() -> str | None:
-    """HARVEST_METRICS_HOST: the address harvest's endpoint listens on, or None when unset."""
+    """HARVEST_METRICS_HOST: the address harvest's endpoint listens on (an IPv6 one without
+    brackets), or None when unset."""
     value = os.environ.get(METRICS_HOST_VAR)
     if value is None or not value.strip():
         return None
-    if any(ch.isspace() or ch == "/" for ch in value):
-        raise ValueError(f"{METRICS_HOST_VAR}={value!r} is not a host name or IP address")
-    return value
+    try:
+        return addresses.parse_host(value)
+    except addresses.AddressError as error:
+        raise ValueError(addresses.named(METRICS_HOST_VAR, error)) from None
 
 
 CLIENT_API_KEY_VAR = "HARVEST_API_KEY"

@@ -2,7 +2,8 @@
 or one given in Python; an already converted value passes unchanged), says what it
 accepts in words for error messages, and gives its JSON Schema.
 
-Standard library only (see :mod:`harvest.settings`).
+Standard library only (see :mod:`harvest.settings`); addresses are parsed by
+:mod:`harvest.addresses`, standard library only too.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import re
 from collections import abc
 from pathlib import Path
 from typing import Any, Protocol
+
+from harvest import addresses
 
 
 class Kind(Protocol):
@@ -148,6 +151,80 @@ class Text:
 
     def schema(self) -> dict:
         return {"type": "string", "pattern": f"^(?:{self.pattern})$"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Endpoint:
+    """A ``HOST:PORT`` or ``[IPv6]:PORT`` string (harvest.addresses), kept as written."""
+
+    expected = f"HOST:PORT or [IPv6]:PORT, {addresses.port_rule()}"
+
+    def convert(self, value: Any, base_dir: Path | None) -> str:
+        try:
+            addresses.parse_address(value)
+        except addresses.AddressError as error:
+            raise Mismatch(f"HOST:PORT ({error.reason})") from None
+        return value
+
+    def parse_text(self, text: str) -> str:
+        return text
+
+    def schema(self) -> dict:
+        host = rf"{addresses.NAME_PATTERN}|\[[0-9A-Fa-f:.]*:[0-9A-Fa-f:.]*(%[A-Za-z0-9_.-]+)?\]"
+        return {"type": "string", "pattern": f"^(?:{host}):{PORT_PATTERN}$"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Host:
+    """A host name, IPv4 or IPv6 address (harvest.addresses.parse_host); an IPv6 address
+    given in brackets is kept without them."""
+
+    expected = "a host name or IP address"
+
+    def convert(self, value: Any, base_dir: Path | None) -> str:
+        try:
+            return addresses.parse_host(value)
+        except addresses.AddressError as error:
+            raise Mismatch(f"{self.expected} ({error.reason})") from None
+
+    def parse_text(self, text: str) -> str:
+        return text
+
+    def schema(self) -> dict:
+        ipv6 = r"[0-9A-Fa-f:.]*:[0-9A-Fa-f:.]*(%[A-Za-z0-9_.-]+)?"
+        return {"type": "string", "pattern": f"^(?:{addresses.NAME_PATTERN}|{ipv6}|\\[{ipv6}\\])$"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Port:
+    """A TCP port, 1-65535; 0 too when ``zero`` says what it means (``"off"``)."""
+
+    zero: str | None = None
+
+    @property
+    def expected(self) -> str:
+        return f"a port ({addresses.port_rule(self.zero)})"
+
+    def convert(self, value: Any, base_dir: Path | None) -> int:
+        if isinstance(value, str):  # as Integer: YAML writes a port as a number, not "18400"
+            raise Mismatch()
+        try:
+            return addresses.parse_port(value, zero=self.zero)
+        except addresses.AddressError:
+            raise Mismatch() from None
+
+    def parse_text(self, text: str) -> int:
+        try:
+            return addresses.parse_port(text, zero=self.zero)
+        except addresses.AddressError as error:
+            raise ValueError(str(error)) from None
+
+    def schema(self) -> dict:
+        return {"type": "integer", "minimum": 0 if self.zero else 1, "maximum": addresses.MAX_PORT}
+
+
+# 1-65535 without leading zeros: what addresses.parse_port accepts, for JSON Schema.
+PORT_PATTERN = r"(?:6553[0-5]|655[0-2][0-9]|65[0-4][0-9]{2}|6[0-4][0-9]{3}|[1-5][0-9]{4}|[1-9][0-9]{0,3})"
 
 
 @dataclasses.dataclass(frozen=True)

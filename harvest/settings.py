@@ -1,7 +1,8 @@
 """Declared settings: each setting is one frozen-dataclass field carrying its own metadata.
 
 A field made with :func:`setting` says what values it takes (a *kind*: :class:`Number`,
-:class:`Integer`, :class:`Boolean`, :class:`Text`, :class:`FilePath`, :class:`ListOf`),
+:class:`Integer`, :class:`Boolean`, :class:`Text`, :class:`FilePath`, :class:`ListOf`,
+:class:`Endpoint`, :class:`Host`, :class:`Port`),
 which YAML words stand for a value (``auto`` for ``None``), whether ``null`` is allowed,
 and one line saying what it is. From that one declaration come:
 
@@ -31,9 +32,9 @@ from collections import abc
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
-from harvest.setting_kinds import Boolean, FilePath, Integer, Kind, ListOf, Mismatch, Number, Text
+from harvest.setting_kinds import Boolean, Endpoint, FilePath, Host, Integer, Kind, ListOf, Mismatch, Number, Port, Text
 
-__all__ = ["Boolean", "FilePath", "Integer", "ListOf", "Number", "Text", "SettingError", "argument", "from_mapping",
+__all__ = ["Boolean", "Endpoint", "FilePath", "Host", "Integer", "ListOf", "Number", "Port", "Text", "SettingError", "argument", "from_mapping",
            "invalid", "json_schema", "section", "setting", "setting_of", "setting_paths", "to_mapping", "validate"]
 
 JSON_SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"

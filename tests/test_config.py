@@ -67,8 +67,11 @@ def test_full_document_and_relative_paths(tmp_path):
         ({"memory": {"max_lend_fraction": 1.5}}, r"memory\.max_lend_fraction=1\.5: expected a finite number in \[0\.0, 1\.0\]"),
         ({"memory": {"hysteresis_chunks": 1.5}}, r"memory\.hysteresis_chunks=1\.5: expected an integer >= 0"),
         ({"memory": {"lend_interval_s": -0.1}}, r"memory\.lend_interval_s=-0\.1: expected a finite number >= 0\.0; "),
-        ({"metrics": {"port": 70000}}, r"metrics\.port=70000: expected an integer in \[0, 65535\]"),
-        ({"metrics": {"port": True}}, r"metrics\.port=True: expected an integer in \[0, 65535\]"),
+        ({"metrics": {"port": 70000}}, r"metrics\.port=70000: expected a port \(port must be 1-65535, or 0: off\)"),
+        ({"metrics": {"port": True}}, r"metrics\.port=True: expected a port \(port must be 1-65535, or 0: off\)"),
+        ({"metrics": {"port": "18400"}}, r"metrics\.port='18400': expected a port"),
+        ({"metrics": {"host": "gpu1:80"}}, r"metrics\.host='gpu1:80': expected a host name or IP address \(a host "
+                                           r"alone, without ':PORT'\)"),
         ({"metrics": {"publish_interval_s": "often"}}, r"metrics\.publish_interval_s='often': expected a finite number >= 0\.0"),
         ({"online": {"window": 4}}, r"online\.window=4: expected an integer >= 8; observations kept per level and stage"),
         ({"online": {"online_share": 1.0}}, r"online\.online_share=1\.0: expected a finite number in \(0\.0, 1\.0\)"),

@@ -306,9 +306,9 @@ def test_the_instance_port_on_the_command_line_is_the_one_checked(tiny_llama_pat
     _edit_yaml(config, metrics={"port": free})
     rc, err, _ = _harvest_launch(monkeypatch, capsys, [*argv, "--harvest-metrics-port", str(busy_port)])
     assert rc == 2 and "(HARVEST_METRICS_PORT / --harvest-metrics-port)" in err and f":{busy_port}: " in err, err
-    # A value that is no port is refused, naming the variable.
+    # A value that is no port is refused, naming the flag.
     rc, err, _ = _harvest_launch(monkeypatch, capsys, [*argv, "--harvest-metrics-port", "http"])
-    assert rc == 2 and "HARVEST_METRICS_PORT='http' must be a port number" in err, err
+    assert rc == 2 and "--harvest-metrics-port: 'http' is not a port (port must be 1-65535, or 0: off)" in err, err
 
 
 def test_the_endpoint_host_defaults_to_sglangs(tiny_llama_path, setup_dir, monkeypatch, capsys, no_metrics_overrides):

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 
-from harvest.settings import Integer, Number, Text, invalid, setting, validate
+from harvest import addresses
+from harvest.settings import Endpoint, Integer, Number, Text, invalid, setting, validate
 from harvest.setting_kinds import NAME_EXPECTED, NAME_PATTERN
 
 SYNC_RULES = ("periodic", "every_step")
 OUTER_OPTIMIZERS = ("average", "nesterov")
-ENDPOINT_PATTERN = r"[A-Za-z0-9_.-]+:[0-9]{1,5}|\[[0-9A-Fa-f:]+\]:[0-9]{1,5}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,7 +19,7 @@ class FleetOptions:
     trains it together with the others."""
 
     rendezvous: str | None = setting(None, "HOST:PORT of the fleet's c10d TCPStore (membership, rounds and the shared "
-                                     "work queue); null: not a fleet job", Text(ENDPOINT_PATTERN, "HOST:PORT"),
+                                     "work queue); null: not a fleet job", Endpoint(),
                                      nullable=True)
     job_id: str | None = setting(None, "the fleet job's id in the store (null: the job's name); members of one job "
                                  "must agree", Text(NAME_PATTERN, NAME_EXPECTED), nullable=True)
@@ -59,5 +59,5 @@ class FleetOptions:
 
     @property
     def host_port(self) -> tuple[str, int]:
-        host, _, port = self.rendezvous.rpartition(":")
-        return host.strip("[]"), int(port)
+        address = addresses.parse_address(self.rendezvous)  # valid: checked in __post_init__
+        return address.host, address.port

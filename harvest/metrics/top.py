@@ -20,11 +20,10 @@ import os
 import threading
 import time
 import urllib.error
-import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 
-from harvest import config_env
+from harvest import addresses, config_env
 from harvest.metrics.registry import ENDED_JOB_STATES
 
 HELP = "live view of harvest servers: TPOT vs target, SM level, lent KV, finetune jobs"
@@ -46,18 +45,13 @@ class ServerResult:
 
 def server_url(text: str) -> str:
     """``host``, ``host:port`` or ``http(s)://host[:port][/harvest/status]`` -> the base URL
-    (port 18400 when none is given)."""
-    raw = text.strip()
-    parts = urllib.parse.urlsplit(raw if "://" in raw else f"http://{raw}")
+    (port 18400 when none is given); an IPv6 host in brackets. argparse's type for URL."""
     try:
-        port = parts.port
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: the port must be a number from 0 to 65535") from None
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected host:port or http://host:port, e.g. {DEFAULT_URL}")
-    path = parts.path.rstrip("/").removesuffix(STATUS_PATH)
-    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
-    return f"{parts.scheme}://{host}:{port or DEFAULT_PORT}{path}"
+        address = addresses.parse_address(text.strip(), url=True, default_port=DEFAULT_PORT)
+    except addresses.AddressError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    path = address.path.rstrip("/").removesuffix(STATUS_PATH)  # a reverse proxy's prefix stays
+    return f"{address.scheme or 'http'}://{address.netloc}{path}"
 
 
 def _positive_seconds(text: str) -> float:
@@ -434,7 +428,8 @@ def render(results: list[ServerResult]):
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("urls", nargs="*", type=server_url, metavar="URL",
-                        help=f"control endpoints: host:port or http://host:port (default {DEFAULT_URL})")
+                        help=f"control endpoints: [http(s)://]HOST[:PORT], an IPv6 HOST in brackets (port {DEFAULT_PORT} when "
+                             f"none is given; default {DEFAULT_URL})")
     parser.add_argument("--interval", type=_positive_seconds, default=1.0, metavar="SECONDS",
                         help="seconds between polls (default 1.0)")
     parser.add_argument("--timeout", type=_positive_seconds, default=1.0, metavar="SECONDS",

@@ -23,10 +23,11 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
-from harvest import config_env
+from harvest import addresses, config_env
 
 HELP = "change a running harvest server: its job queue, adapters served, QoS target, lend fraction, weights"
-DEFAULT_SERVER = "http://127.0.0.1:18400"
+DEFAULT_PORT = 18400  # metrics.port's default (harvest.config imports more than ctl needs)
+DEFAULT_SERVER = f"http://127.0.0.1:{DEFAULT_PORT}"
 # A submission waits for the server's job check (LlamaFactory's imports, the dataset's
 # preprocessing): minutes on a busy server.
 SUBMIT_TIMEOUT_S = 660.0
@@ -34,8 +35,9 @@ TIMEOUT_S = 30.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--server", default=DEFAULT_SERVER,
-                        help=f"the server's harvest endpoint, http://HOST:PORT or HOST:PORT (default {DEFAULT_SERVER})")
+    parser.add_argument("--server", default=DEFAULT_SERVER, type=server_url,
+                        help=f"the server's harvest endpoint, [http(s)://]HOST[:PORT], an IPv6 HOST in brackets "
+                             f"(port {DEFAULT_PORT} when none is given; default {DEFAULT_SERVER})")
     parser.add_argument("--api-key", default=config_env.client_api_key(),
                         help=f"SGLang's admin (or API) key when the server has one (default: ${config_env.CLIENT_API_KEY_VAR})")
     parser.add_argument("--json", action="store_true", help="print the server's JSON reply")
@@ -63,8 +65,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
+    base = args.server  # server_url, as argparse's type
     try:
-        base = server_url(args.server)
         method, path, body, timeout_s = request_of(args)
     except ValueError as exc:
         print(f"harvest ctl: error: {exc}", file=sys.stderr)
@@ -82,12 +84,13 @@ def run(args) -> int:
 
 
 def server_url(text: str) -> str:
-    if "://" not in text:
-        text = "http://" + text
-    parts = urllib.parse.urlsplit(text)
-    if parts.scheme not in ("http", "https") or not parts.hostname or parts.port is None and ":" in parts.netloc:
-        raise ValueError(f"--server must be http://HOST:PORT, got {text!r}")
-    return f"{parts.scheme}://{parts.netloc}"
+    """``--server``'s type: the base URL ``http(s)://host:port`` (a path given is dropped:
+    the routes are absolute). A bad value: argparse.ArgumentTypeError (exit 2)."""
+    try:
+        address = addresses.parse_address(text, url=True, default_port=DEFAULT_PORT)
+    except addresses.AddressError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return f"{address.scheme or 'http'}://{address.netloc}"
 
 
 def request_of(args) -> tuple[str, str, dict | None, float]:

@@ -71,13 +71,19 @@ def run(args) -> int:
         command = build_command(args.config, args.sglang_args)
         flags = sglang_flags(args.sglang_args)
         # The per-instance endpoint flags as the plugin will apply them (the command line
-        # over the environment); the exec'd launcher inherits the same values.
-        from harvest import config_env
+        # over the environment); the exec'd launcher inherits the same values. Checked
+        # here as the plugin's parser checks them, so that the error names the flag.
+        from harvest import addresses, config_env
 
-        for var, value in ((config_env.METRICS_PORT_VAR, flags.harvest_metrics_port),
-                           (config_env.METRICS_HOST_VAR, flags.harvest_metrics_host)):
+        for flag, var, value, parse in (
+                ("--harvest-metrics-port", config_env.METRICS_PORT_VAR, flags.harvest_metrics_port,
+                 lambda text: addresses.parse_port(text, zero="off")),
+                ("--harvest-metrics-host", config_env.METRICS_HOST_VAR, flags.harvest_metrics_host, addresses.parse_host)):
             if value is not None:
-                os.environ[var] = value
+                try:
+                    os.environ[var] = str(parse(value))
+                except addresses.AddressError as error:
+                    raise ValueError(addresses.named(flag, error)) from None
         check(args.config, model_path=flags.model_path, sglang_host=flags.host or SGLANG_DEFAULT_HOST,
               tp_size=flags.tp_size)
     except (PreflightError, ValueError) as exc:

@@ -33,7 +33,7 @@ import os
 import pkgutil
 from pathlib import Path
 
-from harvest import config_env
+from harvest import addresses, config_env
 from harvest.logs import get_logger
 from harvest.sglang import SUPPORTED_SGLANG_VERSION
 
@@ -73,10 +73,10 @@ def _add_cli_args(result, parser):
     group = parser.add_argument_group("harvest (LoRA finetuning in idle decode capacity)")
     group.add_argument("--enable-harvest", action="store_true", help="co-locate the finetune job(s) of --harvest-config")
     group.add_argument("--harvest-config", type=str, default=None, help="path of harvest.yaml (default: built-in defaults)")
-    group.add_argument("--harvest-metrics-port", type=int, default=None,
+    group.add_argument("--harvest-metrics-port", type=addresses.port_type(zero="off"), default=None,
                        help="this instance's port for harvest's /metrics and control endpoints, over metrics.port of "
-                            "harvest.yaml (0: off)")
-    group.add_argument("--harvest-metrics-host", type=str, default=None,
+                            "harvest.yaml (1-65535; 0: off)")
+    group.add_argument("--harvest-metrics-host", type=addresses.host_type(), default=None,
                        help="the address they listen on, over metrics.host of harvest.yaml (default: --host)")
     return result
 

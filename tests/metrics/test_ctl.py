@@ -55,7 +55,9 @@ def test_bad_command_lines_exit_2_with_the_reason(argv, message, capsys):
 def test_server_urls():
     assert ctl.server_url("127.0.0.1:18400") == "http://127.0.0.1:18400"
     assert ctl.server_url("https://h:1/x") == "https://h:1"
-    with pytest.raises(ValueError, match="--server"):
+    assert ctl.server_url("gpu1") == "http://gpu1:18400" and ctl.server_url("[::1]:5") == "http://[::1]:5"
+    assert parse("jobs").server == ctl.DEFAULT_SERVER
+    with pytest.raises(argparse.ArgumentTypeError, match="the scheme must be http or https"):
         ctl.server_url("ftp://h:1")
 
 

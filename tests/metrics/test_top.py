@@ -201,14 +201,15 @@ def test_duration(seconds, expected):
 @pytest.mark.parametrize("text, expected", [
     ("127.0.0.1:9000", "http://127.0.0.1:9000"), ("gpu1", "http://gpu1:18400"),
     ("http://gpu1:1/harvest/status", "http://gpu1:1"), ("https://gpu1:443/", "https://gpu1:443"),
-    ("[::1]:9000", "http://[::1]:9000")])
+    ("[::1]:9000", "http://[::1]:9000"), ("https://gpu1/proxy/harvest/status", "https://gpu1:18400/proxy")])
 def test_server_url(text, expected):
     assert top.server_url(text) == expected
 
 
 @pytest.mark.parametrize("argv, message", [
     (["--interval", "0"], "--interval"), (["--interval", "abc"], "--interval"), (["--interval", "nan"], "--interval"),
-    (["--timeout", "-1"], "--timeout"), (["gpu1:notaport"], "port"), (["ftp://gpu1:1"], "host:port")])
+    (["--timeout", "-1"], "--timeout"), (["gpu1:notaport"], "port must be 1-65535"),
+    (["ftp://gpu1:1"], "'ftp://gpu1:1' is not [http(s)://]HOST[:PORT] (the scheme must be http or https)")])
 def test_bad_arguments_are_argparse_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
         cli.main(["top", *argv])
