@@ -172,6 +172,7 @@ def _report(results, first, final, steps, target_ms) -> dict:
         "kv_lends_total": final["kv"]["lends_total"],
         "kv_reclaims_total": final["kv"]["reclaims_total"],
         "decisions_by_level": final["qos"]["decisions_by_level"],
+        "ladder": final["level"].get("ladder"),  # absent from a server older than the field
         "decisions_by_reason": {k: v for k, v in final["qos"]["decisions_by_reason"].items() if v},
         "sm_partitioning": final["level"]["partitioner"],
     }
@@ -188,10 +189,28 @@ def _print_report(report: dict, png: Path | None, json_path: Path) -> None:
     print(f"  trainer              {report['trainer_steps']} steps, {report['trainer_tokens']} tokens during the replay"
           f" ({report['trainer_tokens_per_s'] or 0:.0f} tokens/s while running), loss {'n/a' if loss is None else f'{loss:.4g}'}")
     print(f"  KV memory            {report['kv_lends_total']} chunks lent, {report['kv_reclaims_total']} reclaimed, {report['kv_chunks_lent_now']} lent now")
-    print(f"  decisions by level   {report['decisions_by_level']}  (-1 = trainer paused, decode has the device)")
+    legend = level_legend(report.get("ladder"))
+    print(f"  decisions by level   {report['decisions_by_level']}" + (f"  ({legend})" if legend else ""))
     print(f"  decisions by reason  {report['decisions_by_reason']}")
     print(f"  SM partitioning      {report['sm_partitioning']}")
     print(f"  report               {json_path}" + (f"; timeline {png}" if png else ""))
+
+
+def level_legend(ladder: dict | None) -> str | None:
+    """What each level index of ``decisions by level`` means, from the server's ladder (its
+    ``to_dict`` form); None when the server does not report one."""
+    from harvest.ladder import Ladder, LadderError
+
+    try:
+        parsed = Ladder.from_dict(ladder)
+    except LadderError:
+        return None
+    whole = parsed.whole_device_index
+    if not parsed.spatial:
+        return f"{whole} = decode and the trainer share the whole device; decisions that pause the trainer count there too"
+    splits = ", ".join(f"{index} = decode {level.decode_sms}/trainer {level.trainer_sms} SMs"
+                       for index, level in enumerate(parsed.levels) if index != whole)
+    return f"{splits}; {whole} = decode has the whole device, trainer paused"
 
 
 def _plot(steps, timeline, target_ms, path: Path) -> Path | None:

@@ -94,7 +94,8 @@ class StatusReporter:
         return {
             "trainer": dataclasses.asdict(host.status()) if host is not None else None,
             "level": {"index": colo.partitioner.current_index, "decode_sms": control.level.decode_sms,
-                      "trainer_sms": control.level.trainer_sms, "partitioner": colo.partitioner.description},
+                      "trainer_sms": control.level.trainer_sms, "partitioner": colo.partitioner.description,
+                      "ladder": colo.partitioner.ladder.to_dict()},  # what each level index is
             "kv": {**colo.lending.stats(), "integrity_error": colo.integrity_error},
             "qos": {"target_tpot_ms": control.qos.config.target_tpot_ms, **control.qos.stats().to_dict()},
             "tpot_ms": recent_tpot(control.recent_steps),

@@ -12,6 +12,7 @@ from harvest.colocate.colocation import Colocation
 from harvest.colocate.status import StatusReporter
 from harvest.colocate.step_profiler import HARVEST_PARTS
 from harvest.colocate.step_timer import CpuStepTimer
+from harvest.ladder import Ladder
 
 # Busy-waits of clearly different lengths (a CPU-time clock counts them too; a sleep it
 # would not). The engine takes longer than all of them together: it must not be counted.
@@ -64,7 +65,8 @@ class _Lending:
 def _colocation(every: int = 1) -> Colocation:
     config = types.SimpleNamespace(qos=types.SimpleNamespace(target_tpot_ms=40.0),
                                    trainer=types.SimpleNamespace(cpu_threads=1, nice=2))
-    colocation = Colocation(config=config, partitioner=types.SimpleNamespace(description="cpu", current_index=0),
+    partitioner = types.SimpleNamespace(description="cpu", current_index=0, ladder=Ladder.whole_device(1, "CPU device"))
+    colocation = Colocation(config=config, partitioner=partitioner,
                             control=_Control(), trainer_host=None, lending=_Lending(), timer=CpuStepTimer(), metrics=None,
                             refiner=None)
     colocation.profiler.every = every  # account every step (7 on a server)

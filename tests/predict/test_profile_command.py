@@ -114,6 +114,11 @@ def test_partial_run_with_other_settings_is_refused_before_loading_models(tmp_pa
         (["--graphs", "sometimes"], "invalid choice: 'sometimes'"),
         (["--tp", "2", "--engine", "transformers"],
          "--tp 2: the transformers engine decodes in one process and cannot shard the model; use --engine sglang"),
+        (["--levels", "0"], "harvest profile: --levels=0: ask for 2 to 8 levels (one is always the whole device)\n"),
+        (["--levels", "1"], "--levels=1: ask for 2 to 8 levels"),
+        (["--levels", "9"], "--levels=9: ask for 2 to 8 levels"),
+        (["--levels", "-3"], "--levels=-3: ask for 2 to 8 levels"),
+        (["--levels", "many"], "argument --levels: invalid int value: 'many'"),
     ],
 )
 def test_bad_arguments_are_refused_with_the_flag_named(argv, message, capsys, tmp_path):
@@ -126,6 +131,21 @@ def test_bad_arguments_are_refused_with_the_flag_named(argv, message, capsys, tm
         code = exc.code
     assert code == 2
     assert message in capsys.readouterr().err
+
+
+def test_levels_the_device_cannot_have_are_said_plainly():
+    from harvest.compute.ladder import plan_ladder
+    from harvest.compute.partitioner import WholeDevicePartitioner
+    from harvest.predict.profiler.session import levels_note
+
+    cpu = WholeDevicePartitioner("cpu").ladder
+    assert levels_note(None, cpu) is None and levels_note(1, cpu) is None
+    assert levels_note(5, cpu) == ("--levels 5 does not apply to this device: no SM partitioning (CPU device); the "
+                                   "profile has one level, decode and the trainer sharing the whole device")
+    small = plan_ladder(10, (8, 0), levels=8)  # 10 SMs: decode 4 or 6 leave the trainer its 4, plus the whole device
+    assert small.num_levels == 3
+    assert levels_note(8, small).startswith("--levels 8: this device realises 3 distinct levels (green-context ladder")
+    assert levels_note(3, small) is None
 
 
 def test_more_ranks_than_cpu_cores_are_refused_before_any_model_loads(tmp_path, tiny_llama_path, capsys, monkeypatch):

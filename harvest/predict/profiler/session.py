@@ -47,6 +47,18 @@ def _device(requested: str) -> str:
     return requested
 
 
+def levels_note(requested: int | None, ladder) -> str | None:
+    """Why ``ladder`` does not have the ``--levels`` asked for; None when it does or none
+    were asked for. The run goes on: a device without SM partitioning still profiles."""
+    if requested is None or ladder.num_levels == requested:
+        return None
+    if not ladder.spatial:
+        why = f" ({ladder.note})" if ladder.note else ""
+        return (f"--levels {requested} does not apply to this device: no SM partitioning{why}; the profile has one "
+                "level, decode and the trainer sharing the whole device")
+    return f"--levels {requested}: this device realises {ladder.num_levels} distinct levels ({ladder.describe()})"
+
+
 def _workload_identity(args, finetune_model: str) -> dict:
     if args.finetune_job:
         return {"workload": "harvest-trainer", "job": str(Path(args.finetune_job).resolve()), "cpu_threads": args.trainer_cpu_threads,
@@ -142,6 +154,9 @@ def profile(args, model_path: str, measure: MeasureConfig) -> int:
 
     partitioner = create_partitioner(device, **({} if args.levels is None else {"levels": args.levels}))
     ladder = partitioner.ladder  # its levels carry the streams each grid point runs on
+    note = levels_note(args.levels, ladder)
+    if note is not None:
+        print(f"harvest profile: {note}", file=sys.stderr)
     try:
         workload_identity = _workload_identity(args, finetune_model)
         identity = {
