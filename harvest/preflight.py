@@ -22,9 +22,11 @@ the file and the field, instead of a scheduler traceback once the model has load
   checkpoint is a local directory (:func:`harvest.predict.compat.model_mismatch`);
 - :func:`check_job_files`: every ``jobs[]`` file as ``harvest train --check`` checks it
   (:func:`harvest.train.plan.check_job`: every key's fate, LlamaFactory's argument parser,
-  model, tokenizer, template against the vocabulary, datasets, the checkpoint a run
-  would resume). The scheduler loads each job again when it builds the co-location
-  (harvest.colocate.assemble).
+  then :func:`harvest.train.plan.ready_job`, the function the build itself runs before it
+  loads the model: device, tensor-parallel and fleet keys at the server's ``--tp-size``,
+  tokenizer, template against the vocabulary, datasets, the checkpoint a run would resume
+  against the job's fingerprint). The scheduler loads each job again when it builds the
+  co-location (harvest.colocate.assemble).
 
 Every message starts with the harvest.yaml file (:func:`harvest.config.where`), then the
 field (``profile``, ``jobs[1]``), then the file that field names and what is wrong in it.
@@ -105,8 +107,9 @@ def check_profile(inputs: LaunchInputs) -> None:
 
 
 def check_job_files(inputs: LaunchInputs) -> None:
-    """Each job as `harvest train --check` checks it (tokenizer, template, datasets, steps,
-    the checkpoint it would resume), with the server's caps, before the model loads."""
+    """Each job as `harvest train --check` checks it (harvest.train.plan.ready_job: what the
+    build would refuse), with the server's caps and tensor-parallel degree, before the
+    model loads."""
     from harvest.train.errors import CheckpointError, JobError
     from harvest.train.job import load_job
     from harvest.train.plan import check_job
@@ -114,11 +117,9 @@ def check_job_files(inputs: LaunchInputs) -> None:
     config = inputs.config
     for index, path in enumerate(config.jobs):
         try:
-            check_job(load_job(path, in_server=True))
-        except JobError as exc:  # names the job file and the key
+            check_job(load_job(path, in_server=True), tp_size=inputs.tp_size or 1)
+        except (JobError, CheckpointError) as exc:  # names the job file, then the key or the checkpoint
             raise PreflightError(f"{where(config.source)}jobs[{index}]: {exc}") from None
-        except CheckpointError as exc:  # names the checkpoint
-            raise PreflightError(f"{where(config.source)}jobs[{index}] ({path}): {exc}") from None
 
 
 def check_metrics_endpoint(inputs: LaunchInputs) -> None:
@@ -198,20 +199,19 @@ def check_in_child(config_path: str | os.PathLike | None, *, model_path: str | N
 _REPORT_KEY = "preflight_error"
 
 
-def check_job_file(path: str | os.PathLike) -> None:
+def check_job_file(path: str | os.PathLike, *, tp_size: int = 1) -> None:
     """One job file as a server checks it before it runs (a run-time submission): its
-    name and harvest section, then `harvest train --check`'s checks with the server's caps."""
+    name and harvest section, then `harvest train --check`'s checks with the server's caps
+    and its tensor-parallel degree ``tp_size``."""
     from harvest.train.errors import CheckpointError, JobError
     from harvest.train.job import job_identity, load_job
     from harvest.train.plan import check_job
 
     try:
         job_identity(path)
-        check_job(load_job(path, in_server=True))
-    except JobError as exc:  # names the job file and the key
+        check_job(load_job(path, in_server=True), tp_size=tp_size)
+    except (JobError, CheckpointError) as exc:  # names the job file, then the key or the checkpoint
         raise PreflightError(str(exc)) from None
-    except CheckpointError as exc:
-        raise PreflightError(f"job file {str(path)!r}: {exc}") from None
 
 
 def reported_error(stdout: str) -> str | None:
@@ -232,12 +232,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", default=None, help="harvest.yaml (default: built-in defaults)")
     parser.add_argument("--model-path", default=None, help="the served checkpoint")
     parser.add_argument("--sglang-host", default=None, help="SGLang's --host")
-    parser.add_argument("--tp-size", type=int, default=None, help="SGLang's --tp-size")
+    parser.add_argument("--tp-size", type=int, default=None, help="SGLang's --tp-size (with --job: the server's)")
     parser.add_argument("--job", default=None, help="check this one job file instead (a run-time submission)")
     args = parser.parse_args(argv)
     try:
         if args.job is not None:
-            check_job_file(args.job)
+            check_job_file(args.job, tp_size=args.tp_size or 1)
         else:
             check(args.config, model_path=args.model_path, sglang_host=args.sglang_host, tp_size=args.tp_size)
     except PreflightError as exc:

@@ -58,6 +58,15 @@ def _job_with_an_empty_data_file(directory: Path, config: Path) -> None:
     _edit_yaml(directory / "job.yaml", dataset="empty", dataset_dir=str(directory / "empty"))
 
 
+def _job_on_a_device_this_machine_lacks(directory: Path, config: Path) -> None:
+    job = yaml.safe_load((directory / "job.yaml").read_text())
+    _edit_yaml(directory / "job.yaml", harvest={**job["harvest"], "device": "cuda:99"})  # what the build refuses
+
+
+def _job_with_a_torn_checkpoint(directory: Path, config: Path) -> None:
+    (directory / "adapter" / "checkpoint-3").mkdir(parents=True)  # the run would resume it: refused
+
+
 def _missing_job(directory: Path, config: Path) -> None:
     _edit_yaml(config, jobs=["job.yaml", "gone.yaml"])
 
@@ -86,6 +95,12 @@ BAD_INPUTS = {
     "job with an empty data file": (
         _job_with_an_empty_data_file,
         "jobs[0]: job file '{dir}/job.yaml': dataset: 'empty' has no samples: '{dir}/empty/empty.json' is empty"),
+    "job on a device this machine lacks": (
+        _job_on_a_device_this_machine_lacks,
+        "jobs[0]: job file '{dir}/job.yaml': harvest.device: 'cuda:99' requested but "),
+    "job with a torn checkpoint": (
+        _job_with_a_torn_checkpoint,
+        "jobs[0]: job file '{dir}/job.yaml': checkpoint '{dir}/adapter/checkpoint-3' has no harvest_state.json"),
     "missing job": (_missing_job, "jobs[1]='gone.yaml': expected an existing file; not found: {dir}/gone.yaml; "),
     "directory as job": (_directory_as_job, "jobs[0]: job file '{dir}/jobs' is not a file"),
     "second of two jobs bad": (_second_of_two_jobs_bad,
@@ -209,6 +224,21 @@ def test_a_profile_of_another_tp_degree_is_refused_unless_allowed(tiny_llama_pat
     preflight.check(config, model_path=str(tiny_llama_path))  # the degree unknown: not compared
     _edit_yaml(config, allow_profile_mismatch=True)
     assert _plugin_hook(config, tiny_llama_path, tp_size=1) != []
+
+
+def test_jobs_are_checked_at_the_servers_tensor_parallel_degree(tiny_llama_path, setup_dir):
+    """What a tp = 2 server's trainer would refuse is refused at launch and by ctl submit's check."""
+    from harvest.sglang.control import check_job_in_child
+
+    config = colocation_config.write(setup_dir, tiny_llama_path)
+    _edit_yaml(setup_dir / "job.yaml", optim="adafactor")
+    job = setup_dir / "job.yaml"
+    message = f"job file '{job}': optim: 'adafactor' does not update a shard as it would the whole tensor"
+    preflight.check(config, model_path=str(tiny_llama_path), tp_size=1)
+    with pytest.raises(PreflightError, match=rf"^harvest config {config}: jobs\[0\]: {message}"):
+        preflight.check(config, model_path=str(tiny_llama_path), tp_size=2)
+    assert check_job_in_child(str(job)) is None
+    assert check_job_in_child(str(job), tp_size=2).startswith(message)
 
 
 def test_a_bad_harvest_yaml_field_names_the_file(tmp_path, monkeypatch, capsys):

@@ -99,7 +99,7 @@ def assemble(config, engine: EngineAdapter, *, partitioner=None):
         # trainer thread.
         from harvest.preflight import LaunchInputs, check_job_files
 
-        check_job_files(LaunchInputs(config))
+        check_job_files(LaunchInputs(config, tp_size=engine.tp_size))
     if partitioner is not None:
         return _assemble(config, engine, partitioner, jobs)
     partitioner = build_partitioner(config, engine.device)

@@ -263,7 +263,7 @@ class EndpointServer(HTTPServer):
 
 
 def make_handler(snapshot: Snapshot, commands: CommandChannel, auth, api_key: str | None, admin_api_key: str | None,
-                 idle_timeout_s: float):
+                 idle_timeout_s: float, tp_size: int = 1):
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"  # keep-alive for scrapers; idle connections end after timeout
         timeout = idle_timeout_s
@@ -363,7 +363,7 @@ def make_handler(snapshot: Snapshot, commands: CommandChannel, auth, api_key: st
                 return
             args = {**given, **args}
             if action == "submit":
-                problem = check_job_in_child(args.get("path"))
+                problem = check_job_in_child(args.get("path"), tp_size)
                 if problem is not None:
                     self._json(400, {"error": problem})
                     return
@@ -390,9 +390,10 @@ def _int_param(query: dict, name: str) -> int | None:
     return int(value)
 
 
-def check_job_in_child(path) -> str | None:
+def check_job_in_child(path, tp_size: int = 1) -> str | None:
     """Why the job file ``path`` would not run in this server, or None: `harvest train
-    --check`'s checks with the server's caps (harvest.preflight --job), in a child process
+    --check`'s checks with the server's caps and tensor-parallel degree ``tp_size``
+    (harvest.preflight --job: what the build refuses before the model loads), in a child process
     (LlamaFactory's imports cost seconds and hundreds of MB, and must not happen in the
     engine process). The child runs at normal priority with nice 10, not at this
     process's idle priority, which a busy server's cores would never give it."""
@@ -400,7 +401,7 @@ def check_job_in_child(path) -> str | None:
         return f"'path' must be the job file's absolute path on the server, got {path!r}"
     if not os.path.isabs(path):
         return f"'path' must be absolute (the server's working directory is not yours): {path}"
-    command = [sys.executable, "-m", "harvest.preflight", "--job", path]
+    command = [sys.executable, "-m", "harvest.preflight", "--job", path, "--tp-size", str(tp_size)]
     try:
         out = subprocess.run(command, capture_output=True, text=True, timeout=JOB_CHECK_TIMEOUT_S,
                              preexec_fn=_normal_priority, check=False)
@@ -446,6 +447,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--poll-interval-s", type=float, required=True)
     parser.add_argument("--commands-fd", type=int, required=True)
     parser.add_argument("--auth-module", default=None)
+    parser.add_argument("--tp-size", type=int, default=1, help="the server's tensor-parallel degree (job checks)")
     args = parser.parse_args(argv)
     settings = EndpointSettings(args.host, args.port, args.backlog, args.workers, args.idle_timeout_s, args.nice)
     _lower_priority(settings.nice)
@@ -465,7 +467,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"cannot load SGLang's auth rule from {args.auth_module}: {exc}", flush=True)
         return 1
     handler = make_handler(snapshot, commands, auth, os.environ.get(API_KEY_VAR), os.environ.get(ADMIN_API_KEY_VAR),
-                           settings.idle_timeout_s)
+                           settings.idle_timeout_s, args.tp_size)
     try:
         server = EndpointServer(settings, handler)
     except OSError as exc:

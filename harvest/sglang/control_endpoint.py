@@ -71,7 +71,7 @@ class EndpointProcess:
 
     @classmethod
     def start(cls, settings: EndpointSettings, snapshot_path: Path, *, api_key: str | None, admin_api_key: str | None,
-              poll_interval_s: float, where: str, timeout_s: float = 60.0) -> "EndpointProcess":
+              poll_interval_s: float, where: str, timeout_s: float = 60.0, tp_size: int = 1) -> "EndpointProcess":
         """Start it and wait until it listens. ``where`` names the setting the address came
         from, for the error (``metrics.port in harvest.yaml``, ``--harvest-metrics-port``)."""
         engine_end, endpoint_end = socket.socketpair()
@@ -84,7 +84,7 @@ class EndpointProcess:
                    "--backlog", str(settings.backlog), "--workers", str(settings.workers),
                    "--idle-timeout-s", str(settings.idle_timeout_s), "--nice", str(settings.nice),
                    "--snapshot", str(snapshot_path), "--poll-interval-s", str(poll_interval_s),
-                   "--commands-fd", str(endpoint_end.fileno())]
+                   "--commands-fd", str(endpoint_end.fileno()), "--tp-size", str(tp_size)]
         auth_module = _sglang_auth_module_path()
         if auth_module is not None:
             command += ["--auth-module", str(auth_module)]

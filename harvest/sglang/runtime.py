@@ -115,7 +115,8 @@ class HarvestRuntime:
         interval_s = config.metrics.publish_interval_s
         self.endpoint = EndpointProcess.start(settings, snapshot_path, api_key=server_args.api_key,
                                               admin_api_key=getattr(server_args, "admin_api_key", None),
-                                              poll_interval_s=max(0.05, interval_s / 2), where=where)
+                                              poll_interval_s=max(0.05, interval_s / 2), where=where,
+                                              tp_size=server_args.tp_size)
         self.control = ControlLink(self.endpoint.commands, snapshot_path, self.colocation.command,
                                    self.colocation.request_attention)
         self.colocation.attention_handlers.append(self._serve_commands)

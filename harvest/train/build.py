@@ -24,7 +24,7 @@ from harvest.train.computed_buffers import check_computed_buffers
 from harvest.train.data import IGNORE_INDEX, StepBatches
 from harvest.train.evaluation import EvalSettings, Evaluation
 from harvest.train.errors import JobError
-from harvest.train.job import HARVEST_SECTION, HarvestOptions, TrainJob, check_fleet_job, import_llamafactory
+from harvest.train.job import HARVEST_SECTION, HarvestOptions, TrainJob, import_llamafactory
 from harvest.train.llamafactory_env import LOADING_LOCK
 from harvest.train.microbatch import choose_micro_batch_size
 from harvest.train.split_model import SplitCausalLM
@@ -67,8 +67,6 @@ class TrainerSettings:
     @classmethod
     def from_job(cls, job: TrainJob) -> "TrainerSettings":
         args = job.training_args
-        if args.fp16:
-            raise JobError("fp16: not supported by the layer-split trainer (it has no loss scaling); use bf16 or fp32")
         save_steps = None if str(getattr(args.save_strategy, "value", args.save_strategy)) == "no" else args.save_steps
         return cls(
             samples_per_step=job.samples_per_step, learning_rate=args.learning_rate,
@@ -92,17 +90,29 @@ def _eval_settings(args) -> EvalSettings:
                         batch_size=int(args.per_device_eval_batch_size))
 
 
+def check_device(name: str) -> None:
+    """`JobError` (harvest.device) for a device this machine lacks. Starts no CUDA context
+    (is_available and device_count ask NVML), so a check may call it before a server forks."""
+    device = torch.device("cpu" if name == "auto" else name)
+    if device.type != "cuda":
+        return
+    if not torch.cuda.is_available():
+        raise JobError(f"{HARVEST_SECTION}.device: {name!r} requested but CUDA is not available here")
+    count = torch.cuda.device_count()
+    if device.index is not None and device.index >= count:
+        raise JobError(f"{HARVEST_SECTION}.device: {name!r} requested but this process sees {count} CUDA "
+                       f"device(s) (cuda:0 to cuda:{count - 1}; CUDA_VISIBLE_DEVICES renumbers them)")
+
+
 def resolve_device(name: str) -> torch.device:
     """A torch device with an explicit index for CUDA (tensors report ``cuda:0``, and
     ``torch.device("cuda") != torch.device("cuda", 0)``)."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
+    check_device(name)
     device = torch.device(name)
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise JobError(f"{HARVEST_SECTION}.device: {name!r} requested but CUDA is not available here")
-        if device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     return device
 
 
@@ -112,24 +122,22 @@ def build_trainer(job: TrainJob, *, weight_source: BaseWeightSource | None = Non
     """A trainer for `job`, resumed from ``resume_from_checkpoint`` (which LlamaFactory sets
     to the newest ``checkpoint-N`` in output_dir unless ``overwrite_output_dir``).
     ``tp`` (harvest.train.tensor_parallel.TensorParallel): this rank's place in a
-    tensor-parallel trainer; every rank builds the same job and keeps its shard."""
+    tensor-parallel trainer; every rank builds the same job and keeps its shard.
+    Everything it refuses before the model loads, `plan.ready_job` refuses (first thing
+    here), which `harvest train --check` runs too, so the two cannot disagree."""
     import_llamafactory()
     from llamafactory.data import SFTDataCollatorWith4DAttentionMask
     from llamafactory.model import load_model
 
-    from harvest.train.plan import prepare_data
+    from harvest.train.plan import ready_job
 
+    _, data = ready_job(job, tp_size=tp.size if tp is not None else 1, resume=resume)
     device = resolve_device(job.harvest.device)
     settings = TrainerSettings.from_job(job)
     writer = tp is None or tp.rank == 0  # tensor-parallel: rank 0 writes the run's files
-    if tp is not None and tp.size > 1:
-        check_tensor_parallel_job(job)
     fleet = job.harvest.fleet if job.harvest.fleet.enabled else None
-    if fleet is not None:
-        check_fleet_job(job, tp.size if tp is not None else 1)
     model_args = copy.copy(job.model_args)
     model_args.device_map = {"": "cpu"}  # frozen weights belong in host memory; the trainer places the rest
-    data = prepare_data(job)  # what `harvest train --check` accepted
     tokenizer_module, template, dataset = data.tokenizer_module, data.template, data.train_dataset
     eval_sets = ({f"eval_{name}": d for name, d in data.eval_dataset.items()} if isinstance(data.eval_dataset, dict)
                  else {"eval": data.eval_dataset} if data.eval_dataset is not None else None)

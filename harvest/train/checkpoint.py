@@ -145,6 +145,26 @@ def read_checkpoint_state(path: Path) -> dict[str, Any]:
     return state
 
 
+def check_resumable(path: Path, *, total_steps: int, fingerprint: dict[str, Any]) -> dict[str, Any]:
+    """The verified state of a checkpoint a job of ``total_steps`` steps and this
+    `TrainJob.fingerprint` can resume; `CheckpointError` if it is torn, corrupt, beyond the
+    job's steps or written by a different job. Reads the state and checksums, no tensors:
+    `harvest train --check` and the build (before the model loads) decide with it."""
+    state = read_checkpoint_state(path)
+    if int(state["global_step"]) > total_steps:
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} is at step {state['global_step']}, beyond this job's {total_steps} "
+            "steps: it was written by another run; set overwrite_output_dir: true to start over (its "
+            "checkpoints are removed) or delete it")
+    mismatched = [key for key, value in state.get("job", {}).items() if fingerprint.get(key) != value]
+    if mismatched:
+        key = mismatched[0]
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} was written by a different job: {key} was {state['job'][key]!r}, "
+            f"the job says {fingerprint.get(key)!r}; refusing to resume")
+    return state
+
+
 def load_checkpoint_tensors(path: Path, peft_model, optimizer, scheduler) -> dict[str, Any]:
     """Load adapter, optimizer and scheduler state from a verified checkpoint; return its RNG state."""
     from peft import set_peft_model_state_dict

@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 import re
 from pathlib import Path
@@ -62,6 +63,9 @@ _LLAMAFACTORY_DEFAULTS = {
 # The Hugging Face Trainer's optimizers that are plain torch optimizers (one step() per
 # optimizer step, no closure, no train/eval mode, no extra package): what the layer-split
 # trainer's optimizer unit can drive.
+# The largest learning_rate a job may set: LoRA finetunes train at 1e-5 to 1e-3 (SGD up to
+# about 0.5); above 1.0 the first updates overflow the weights.
+MAX_LEARNING_RATE = 1.0
 SUPPORTED_OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "adafactor", "sgd", "adagrad", "rmsprop")
 # Inside a decode server preprocessing runs on the trainer thread: datasets' worker
 # processes would fork a process that holds the serving engine's CUDA context.
@@ -250,6 +254,8 @@ def _trains_on_cpu(device: str) -> bool:
 
 def _check_parsed(model_args, data_args, training_args, finetuning_args) -> None:
     """Checks on values LlamaFactory has parsed (enums, derived fields)."""
+    if training_args.fp16:
+        raise JobError("fp16: not supported by the layer-split trainer (it has no loss scaling); use bf16 or fp32")
     optim = str(getattr(training_args.optim, "value", training_args.optim))
     custom = finetuning_args.loraplus_lr_ratio is not None or finetuning_args.use_muon or finetuning_args.use_adam_mini
     if optim not in SUPPORTED_OPTIMIZERS and not (custom and optim in ("adamw_torch", "adamw_torch_fused")):
@@ -381,8 +387,8 @@ def _check_llamafactory_args(args: Mapping[str, Any]) -> None:
     for field in ("cutoff_len", "per_device_train_batch_size", "gradient_accumulation_steps", "lora_rank"):
         if field in args and not (_is_int(args[field]) and args[field] > 0):
             raise JobError(f"{field}: must be an integer > 0, got {args[field]!r}")
-    if "learning_rate" in args and not (_as_number(args["learning_rate"]) or 0) > 0:
-        raise JobError(f"learning_rate: must be a number > 0, got {args['learning_rate']!r}")
+    if "learning_rate" in args:
+        _check_learning_rate(args["learning_rate"])
     max_steps = args.get("max_steps", -1)
     epochs = args.get("num_train_epochs", 3.0)
     if not _is_int(max_steps) or max_steps == 0 or max_steps < -1:
@@ -410,6 +416,20 @@ def _check_llamafactory_args(args: Mapping[str, Any]) -> None:
         if plugin != "BasePlugin":
             raise JobError(f"template: {template!r} is a multimodal template ({plugin}); the layer-split trainer "
                            "trains text-only decoders")
+
+
+def _check_learning_rate(value: Any) -> None:
+    """A rate above MAX_LEARNING_RATE overflows the weights within a step or two (1e30 gave
+    a non-finite loss at step 2, after the model had loaded): refused before anything runs."""
+    rate = _as_number(value)
+    if rate is not None and not math.isfinite(rate):
+        raise JobError(f"learning_rate: must be a finite number, got {value!r}")
+    if rate is None or not rate > 0:
+        raise JobError(f"learning_rate: must be a number > 0, got {value!r}")
+    if rate > MAX_LEARNING_RATE:
+        raise JobError(f"learning_rate: {value!r} is above {MAX_LEARNING_RATE}, beyond any rate a LoRA finetune "
+                       "trains at (LlamaFactory's examples use 1e-5 to 1e-4): the first updates would overflow the "
+                       "weights; lower it")
 
 
 def _check_output_dir(output_dir: str) -> None:

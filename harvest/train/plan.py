@@ -1,11 +1,15 @@
 """Checking a job before anything starts: what it will train on, for how long, and where.
 
-`check_job` does everything `build_trainer` does before the weights load: LlamaFactory's
-tokenizer, the template (and whether it fits the model's vocabulary), the datasets
-(loaded and preprocessed, so an empty or broken data file is named here), the step count
-and the checkpoint a run would resume from. ``harvest train --check JOB``, ``harvest
-launch`` and the plugin's start-up check run it; `build_trainer` shares `prepare_data`, so
-what the check accepted is what trains.
+`ready_job` decides everything the build refuses before the model loads: the device, what
+a tensor-parallel or fleet trainer cannot run, LlamaFactory's tokenizer, the template
+against the model's vocabulary, the datasets (loaded and preprocessed, so an empty or
+broken data file is named here), the model's split over tensor-parallel ranks, the step
+count and the checkpoint a run would resume from (against the job's fingerprint).
+`check_job` (``harvest train --check``, ``harvest launch``, the plugin's pre-flight,
+``harvest ctl submit``) and `build_trainer` both call it, so what the check accepted is
+what the build accepts, on the same prepared data. Value checks of single keys are
+`load_job`'s, which every caller runs first. What only the loaded model can tell (LoRA
+targets, computed buffers, the memory budget, the architecture) the build checks after it.
 """
 
 from __future__ import annotations
@@ -70,25 +74,19 @@ class JobPlan:
 
 @contextlib.contextmanager
 def _naming_the_job_file(job: TrainJob):
-    """A `JobError` from a job read from a file starts with the file, as load_job's do."""
+    """A `JobError` or `CheckpointError` from a job read from a file starts with the file,
+    as load_job's do (one that names a job file already is left as it is)."""
     try:
         yield
-    except JobError as exc:
-        if job.source == "<dict>":
+    except (JobError, CheckpointError) as exc:
+        if job.source == "<dict>" or str(exc).startswith("job file "):
             raise
-        raise JobError(f"job file {job.source!r}: {exc}") from None
-
-
-def prepare_data(job: TrainJob) -> PreparedData:
-    """Tokenizer, template and preprocessed datasets, through LlamaFactory, as
-    ``llamafactory-cli train`` prepares them. `JobError` names the job file and the key on
-    any problem."""
-    with _naming_the_job_file(job):
-        return _prepare_data(job)
+        raise type(exc)(f"job file {job.source!r}: {exc}") from None
 
 
 def _prepare_data(job: TrainJob) -> PreparedData:
-    """Both ways in (a build's prepare_data and check_job) take the loading lock here."""
+    """Tokenizer, template and preprocessed datasets, through LlamaFactory, as
+    ``llamafactory-cli train`` prepares them; `JobError` naming the key on any problem."""
     with LOADING_LOCK:  # LlamaFactory's loaders and HF datasets' caches: one job at a time
         return _load_data(job)
 
@@ -130,35 +128,55 @@ def _load_data(job: TrainJob) -> PreparedData:
     return PreparedData(tokenizer_module, template, train, dataset_module.get("eval_dataset"))
 
 
-def check_job(job: TrainJob) -> JobPlan:
-    """Everything up to loading the weights; `JobError` or `CheckpointError` naming the key,
-    file or checkpoint on any problem. Writes nothing."""
+def check_job(job: TrainJob, *, tp_size: int = 1) -> JobPlan:
+    """What ``harvest train --check`` prints: `ready_job`'s plan. Writes nothing."""
+    return ready_job(job, tp_size=tp_size)[0]
+
+
+def ready_job(job: TrainJob, *, tp_size: int = 1, resume: bool = True) -> tuple[JobPlan, PreparedData]:
+    """Everything the build refuses before it loads the model, decided once: `JobError` or
+    `CheckpointError` naming the job file and the key or checkpoint. ``tp_size``: the
+    tensor-parallel ranks that will train it; ``resume``: False when the build will not
+    resume (then no checkpoint is read). Loads no weights and writes nothing."""
     with _naming_the_job_file(job):
-        return _check_job(job)
+        return _ready_job(job, tp_size, resume)
 
 
-def _check_job(job: TrainJob) -> JobPlan:
-    if job.harvest.fleet.enabled:
-        check_fleet_job(job)  # before the data: what a fleet member cannot run, by key
+def _ready_job(job: TrainJob, tp_size: int, resume: bool) -> tuple[JobPlan, PreparedData]:
+    from harvest.train.build import check_device, check_tensor_parallel_job, job_identity_name
+
+    check_device(job.harvest.device)
+    if tp_size > 1:
+        check_tensor_parallel_job(job)
+    fleet = job.harvest.fleet
+    if fleet.enabled:
+        check_fleet_job(job, tp_size)  # before the data: what a fleet member cannot run, by key
+        if not fleet.job_id:
+            job_identity_name(job)  # the fleet's id for the job: its name, or its file's
     data = _prepare_data(job)
+    config = _model_config(job)
+    if tp_size > 1:
+        from harvest.train.tensor_parallel import check_shardable
+
+        check_shardable(config, tp_size)
     steps_per_epoch = math.ceil(len(data.train_dataset) / job.samples_per_step)
     args = job.training_args
     total_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * steps_per_epoch)
     eval_set = data.eval_dataset
     num_eval = (sum(len(d) for d in eval_set.values()) if isinstance(eval_set, dict)
                 else len(eval_set) if eval_set is not None else 0)
-    config = _model_config(job)
-    return JobPlan(
+    plan = JobPlan(
         source=job.source, model_path=str(job.model_args.model_name_or_path),
         model_type=str(getattr(config, "model_type", "?")), vocab_size=int(getattr(config, "vocab_size", 0)),
         template=str(job.data_args.template), datasets=tuple(job.data_args.dataset or ()),
         num_train_samples=len(data.train_dataset), num_eval_samples=num_eval, samples_per_step=job.samples_per_step,
         steps_per_epoch=steps_per_epoch, total_steps=total_steps, output_dir=str(job.output_dir),
-        start=_start(job, total_steps), notes=job.notes)
+        start=_start(job, total_steps, resume), notes=job.notes)
+    return plan, data
 
 
-def _start(job: TrainJob, total_steps: int) -> str:
-    from harvest.train.checkpoint import list_checkpoints, read_checkpoint_state
+def _start(job: TrainJob, total_steps: int, resume: bool) -> str:
+    from harvest.train.checkpoint import check_resumable, list_checkpoints
 
     if job.training_args.overwrite_output_dir:
         stale = list_checkpoints(job.output_dir)
@@ -166,15 +184,11 @@ def _start(job: TrainJob, total_steps: int) -> str:
             f"; removes {len(stale)} checkpoint(s) of an earlier run: {', '.join(p.name for p in stale)})"
             if stale else ")")
     checkpoint = job.training_args.resume_from_checkpoint
-    if not checkpoint:
+    if not checkpoint or not resume:
         return "fresh"
-    state = read_checkpoint_state(Path(checkpoint))  # CheckpointError names it
-    step = int(state["global_step"])
-    if step > total_steps:
-        raise CheckpointError(f"checkpoint {str(checkpoint)!r} is at step {step}, beyond this job's {total_steps} "
-                              "steps: it was written by another run; set overwrite_output_dir: true to start over "
-                              "(its checkpoints are removed) or delete it")
-    return f"resumes from {checkpoint} at step {step}"
+    # What the trainer's resume_from decides again once the model is loaded (same function).
+    state = check_resumable(Path(checkpoint), total_steps=total_steps, fingerprint=job.fingerprint())
+    return f"resumes from {checkpoint} at step {int(state['global_step'])}"
 
 
 def _check_vocabulary(job: TrainJob, tokenizer, size_before: int) -> None:

@@ -413,19 +413,9 @@ class LayerSplitTrainer:
         return path
 
     def resume_from(self, path: Path) -> dict[str, Any]:
-        """Load a checkpoint (verified first; `CheckpointError` if corrupt) into this trainer."""
-        state = checkpoint.read_checkpoint_state(path)
-        if int(state["global_step"]) > self.total_steps:
-            raise checkpoint.CheckpointError(
-                f"checkpoint {str(path)!r} is at step {state['global_step']}, beyond this job's {self.total_steps} "
-                "steps: it was written by another run; set overwrite_output_dir: true to start over (its "
-                "checkpoints are removed) or delete it")
-        mismatched = [key for key, value in state.get("job", {}).items() if self.fingerprint.get(key) != value]
-        if mismatched:
-            key = mismatched[0]
-            raise checkpoint.CheckpointError(
-                f"checkpoint {str(path)!r} was written by a different job: {key} was {state['job'][key]!r}, "
-                f"the job says {self.fingerprint.get(key)!r}; refusing to resume")
+        """Load a checkpoint (verified first by `checkpoint.check_resumable`, as build_trainer
+        already did before the model loaded) into this trainer."""
+        state = checkpoint.check_resumable(path, total_steps=self.total_steps, fingerprint=self.fingerprint)
         with self._whole(self.optimizer):  # a checkpoint holds whole tensors; each rank keeps its slice
             rng_state = checkpoint.load_checkpoint_tensors(path, self.split.peft_model, self.optimizer, self.scheduler)
         checkpoint.restore_rng_state(rng_state, self.device)

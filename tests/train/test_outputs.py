@@ -77,10 +77,19 @@ def test_resume_rolls_the_log_back_to_the_checkpoint(tiny_llama_path, tmp_path):
     assert [entry["step"] for entry in state["log_history"]] == [1, 2, 3, 4, 5, 6]
 
 
+def _diverging(trainer, rate: float = 1e30):
+    """``trainer`` with a learning rate no job may set (load_job refuses it), so that its
+    first updates overflow the weights: what a bad rate did before the check refused it."""
+    for group in trainer.optimizer.param_groups:
+        group["lr"] = rate
+    trainer.scheduler.base_lrs = [rate] * len(trainer.optimizer.param_groups)
+    return trainer
+
+
 def test_non_finite_loss_stops_before_the_update_keeping_the_last_good_step(tiny_llama_path, tmp_path):
     out = tmp_path / "out"
-    trainer = build(tiny_llama_path, out, max_steps=20, save_steps=100, learning_rate=1e30, max_grad_norm=0.0,
-                    harvest={"window_stages": "all"})
+    trainer = _diverging(build(tiny_llama_path, out, max_steps=20, save_steps=100, max_grad_norm=0.0,
+                               harvest={"window_stages": "all"}))
     with pytest.raises(TrainingDiverged, match=r"^learning_rate: step (\d+) has a non-finite loss") as diverged:
         trainer.run(Gate())
     bad_step = int(diverged.value.args[0].split("step ")[1].split(" ")[0])
@@ -103,12 +112,15 @@ def test_a_non_finite_loss_before_any_update_names_the_model_not_the_learning_ra
     assert trainer.global_step == 0 and not (tmp_path / "out" / "checkpoint-1").exists()
 
 
-def test_harvest_train_exits_nonzero_on_divergence(tiny_llama_path, tmp_path, capsys):
+def test_harvest_train_exits_nonzero_on_divergence(tiny_llama_path, tmp_path, capsys, monkeypatch):
     import yaml
 
     from harvest.cli import main
+    from harvest.train import build as build_module
 
-    job = job_dict(tiny_llama_path, tmp_path / "out", max_steps=20, learning_rate=1e30, max_grad_norm=0.0)
+    built = build_module.build_trainer
+    monkeypatch.setattr(build_module, "build_trainer", lambda job, **kwargs: _diverging(built(job, **kwargs)))
+    job = job_dict(tiny_llama_path, tmp_path / "out", max_steps=20, max_grad_norm=0.0)
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
     assert main(["train", "--no-progress", str(tmp_path / "job.yaml")]) == 3
     err = capsys.readouterr().err
