@@ -27,6 +27,7 @@ from harvest.train.errors import JobError
 from harvest.train.job import HARVEST_SECTION, HarvestOptions, TrainJob, import_llamafactory
 from harvest.train.llamafactory_env import LOADING_LOCK
 from harvest.train.microbatch import choose_micro_batch_size
+from harvest.train.plan import check_device, job_identity_name, ready_job
 from harvest.train.split_model import SplitCausalLM
 from harvest.train.trainer import LayerSplitTrainer
 from harvest.train.weights import BaseWeightSource, HostCopyWeightSource
@@ -90,20 +91,6 @@ def _eval_settings(args) -> EvalSettings:
                         batch_size=int(args.per_device_eval_batch_size))
 
 
-def check_device(name: str) -> None:
-    """`JobError` (harvest.device) for a device this machine lacks. Starts no CUDA context
-    (is_available and device_count ask NVML), so a check may call it before a server forks."""
-    device = torch.device("cpu" if name == "auto" else name)
-    if device.type != "cuda":
-        return
-    if not torch.cuda.is_available():
-        raise JobError(f"{HARVEST_SECTION}.device: {name!r} requested but CUDA is not available here")
-    count = torch.cuda.device_count()
-    if device.index is not None and device.index >= count:
-        raise JobError(f"{HARVEST_SECTION}.device: {name!r} requested but this process sees {count} CUDA "
-                       f"device(s) (cuda:0 to cuda:{count - 1}; CUDA_VISIBLE_DEVICES renumbers them)")
-
-
 def resolve_device(name: str) -> torch.device:
     """A torch device with an explicit index for CUDA (tensors report ``cuda:0``, and
     ``torch.device("cuda") != torch.device("cuda", 0)``)."""
@@ -128,8 +115,6 @@ def build_trainer(job: TrainJob, *, weight_source: BaseWeightSource | None = Non
     import_llamafactory()
     from llamafactory.data import SFTDataCollatorWith4DAttentionMask
     from llamafactory.model import load_model
-
-    from harvest.train.plan import ready_job
 
     _, data = ready_job(job, tp_size=tp.size if tp is not None else 1, resume=resume)
     device = resolve_device(job.harvest.device)
@@ -190,30 +175,6 @@ def _remove_earlier_run(output_dir: Path) -> None:
     if stale or files:
         logger.warning("overwrite_output_dir: removed an earlier run's %s from %s",
                        ", ".join(p.name for p in stale + files), output_dir)
-
-
-def job_identity_name(job: TrainJob) -> str:
-    from harvest.train.job import job_identity
-
-    if job.harvest.name:
-        return job.harvest.name
-    if job.source.endswith((".yaml", ".yml")):
-        return job_identity(job.source).name
-    raise JobError("harvest.fleet.job_id: a job that is not read from a file needs a job_id (or harvest.name)")
-
-
-def check_tensor_parallel_job(job: TrainJob) -> None:
-    """JobError for what a tensor-parallel trainer cannot run the way a tp = 1 one does."""
-    from harvest.train.tensor_parallel import ELEMENTWISE_OPTIMIZERS
-
-    args, finetuning = job.training_args, job.finetuning_args
-    optim = str(getattr(args.optim, "value", args.optim))
-    if optim not in ELEMENTWISE_OPTIMIZERS:
-        raise JobError(f"optim: {optim!r} does not update a shard as it would the whole tensor; with tensor "
-                       f"parallelism use one of {', '.join(ELEMENTWISE_OPTIMIZERS)}")
-    for key in ("use_muon", "use_adam_mini", "use_galore", "use_apollo", "use_badam", "use_dora"):
-        if getattr(finetuning, key, False):
-            raise JobError(f"{key}: not supported with tensor parallelism (it needs whole weight matrices)")
 
 
 def job_optimizer(job: TrainJob) -> Callable[[torch.nn.Module], torch.optim.Optimizer]:

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from harvest.train.errors import CheckpointError, JobError
-from harvest.train.job import TrainJob, check_fleet_job, import_llamafactory
+from harvest.train.job import HARVEST_SECTION, TrainJob, check_fleet_job, import_llamafactory, job_identity
 from harvest.train.llamafactory_env import LOADING_LOCK
 
 
@@ -143,7 +143,6 @@ def ready_job(job: TrainJob, *, tp_size: int = 1, resume: bool = True) -> tuple[
 
 
 def _ready_job(job: TrainJob, tp_size: int, resume: bool) -> tuple[JobPlan, PreparedData]:
-    from harvest.train.build import check_device, check_tensor_parallel_job, job_identity_name
 
     check_device(job.harvest.device)
     if tp_size > 1:
@@ -239,3 +238,41 @@ def _first_line(exc: BaseException) -> str:
     if cause is not None and str(cause).strip():  # datasets wraps the parser's own message
         text = f"{text.splitlines()[0]} ({str(cause).strip().splitlines()[0]})"
     return text.splitlines()[0]
+
+
+def check_device(name: str) -> None:
+    """`JobError` (harvest.device) for a device this machine lacks. Starts no CUDA context
+    (is_available and device_count ask NVML), so a check may call it before a server forks."""
+    import torch
+
+    device = torch.device("cpu" if name == "auto" else name)
+    if device.type != "cuda":
+        return
+    if not torch.cuda.is_available():
+        raise JobError(f"{HARVEST_SECTION}.device: {name!r} requested but CUDA is not available here")
+    count = torch.cuda.device_count()
+    if device.index is not None and device.index >= count:
+        raise JobError(f"{HARVEST_SECTION}.device: {name!r} requested but this process sees {count} CUDA "
+                       f"device(s) (cuda:0 to cuda:{count - 1}; CUDA_VISIBLE_DEVICES renumbers them)")
+
+
+def job_identity_name(job: TrainJob) -> str:
+    if job.harvest.name:
+        return job.harvest.name
+    if job.source.endswith((".yaml", ".yml")):
+        return job_identity(job.source).name
+    raise JobError("harvest.fleet.job_id: a job that is not read from a file needs a job_id (or harvest.name)")
+
+
+def check_tensor_parallel_job(job: TrainJob) -> None:
+    """JobError for what a tensor-parallel trainer cannot run the way a tp = 1 one does."""
+    from harvest.train.tensor_parallel import ELEMENTWISE_OPTIMIZERS
+
+    args, finetuning = job.training_args, job.finetuning_args
+    optim = str(getattr(args.optim, "value", args.optim))
+    if optim not in ELEMENTWISE_OPTIMIZERS:
+        raise JobError(f"optim: {optim!r} does not update a shard as it would the whole tensor; with tensor "
+                       f"parallelism use one of {', '.join(ELEMENTWISE_OPTIMIZERS)}")
+    for key in ("use_muon", "use_adam_mini", "use_galore", "use_apollo", "use_badam", "use_dora"):
+        if getattr(finetuning, key, False):
+            raise JobError(f"{key}: not supported with tensor parallelism (it needs whole weight matrices)")

@@ -96,7 +96,7 @@ def test_one_rank_needs_no_collectives():
 
 @pytest.mark.parametrize("optim", ["adafactor"])
 def test_a_tensor_parallel_job_refuses_optimizers_that_are_not_elementwise(optim, tiny_llama_path, tmp_path):
-    from harvest.train.build import check_tensor_parallel_job
+    from harvest.train.plan import check_tensor_parallel_job
     from harvest.train.job import load_job
     from tests.train.trainer_helpers import job_dict
 
