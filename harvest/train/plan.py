@@ -143,7 +143,6 @@ def ready_job(job: TrainJob, *, tp_size: int = 1, resume: bool = True) -> tuple[
 
 
 def _ready_job(job: TrainJob, tp_size: int, resume: bool) -> tuple[JobPlan, PreparedData]:
-
     check_device(job.harvest.device)
     if tp_size > 1:
         check_tensor_parallel_job(job)
