@@ -265,6 +265,10 @@ def test_holding_fences_also_holds_a_reclaim_until_they_pass(alloc):
     reclaimer = threading.Thread(target=lambda: (alloc.reclaim(7), done.set()))
     reclaimer.start()
     try:
+        deadline = time.monotonic() + 30
+        while alloc.chunk_table()[7].state != ChunkState.BUSY:  # the reclaimer got as far as the fence
+            assert time.monotonic() < deadline and not done.is_set(), alloc.chunk_table()[7].state
+            time.sleep(0.01)
         assert not done.wait(0.2)  # decode's queued work has not passed the reclaim's event
         assert alloc.chunk_table()[7].state == ChunkState.BUSY
     finally:
