@@ -200,7 +200,8 @@ def test_the_scheduler_pause_holds_every_job_and_resume_lets_the_active_one_run(
     try:
         assert wait_for(lambda: job(host, "b")["global_step"] > 10)
         host.apply(False)
-        time.sleep(0.1)  # at most one unit finishes after the pause
+        # Every job's thread parked at its gate: the unit in flight at the pause is done.
+        assert all(run.gate.wait_until_parked(30) for run in host.runs)
         steps = (trainers["a"].global_step, trainers["b"].global_step)
         time.sleep(0.3)
         assert (trainers["a"].global_step, trainers["b"].global_step) == steps
