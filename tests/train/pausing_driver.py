@@ -22,6 +22,10 @@ def main(job_path: str, step: int) -> None:
     def on_unit(record) -> None:
         if record.step == step and record.kind == UnitKind.BACKWARD and not gate.paused:
             gate.pause()
+            # LlamaFactory's LogCallback writes trainer_log.jsonl on a thread of its own:
+            # flushed here, so the log on disk at the kill holds every completed step.
+            if trainer.train_log is not None:
+                trainer.train_log.end()
             print(f"PARKED at step {record.step} after {record.kind.value} {record.stage_name}", flush=True)
 
     trainer.run(gate, on_unit=on_unit)  # blocks in the gate until the test kills the process
