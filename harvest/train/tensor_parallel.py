@@ -146,12 +146,16 @@ class TensorParallel:
     _SPIN_S = 0.002  # poll without sleeping this long (a unit's collectives take microseconds)
     _SLEEP_S = 0.0005
     _CALLBACK_S = 0.05
+    # A peer whose trainer faulted may close its connections (its process ends) before this
+    # rank is told: the pending operation then fails ("Connection closed by peer") a moment
+    # before the abort arrives. A failed operation waits this long for that word.
+    _ABORT_GRACE_S = 0.5
 
     def _wait(self, work, while_waiting: Callable[[], None] | None = None, poll: bool | None = None) -> None:
         if self.aborted.is_set():
             raise PeerTrainerFault(self.abort_reason)
         if not (self.poll if poll is None else poll):
-            work.wait()
+            self._finish(work)
             return
         started = last_callback = time.perf_counter()
         while not work.is_completed():
@@ -166,7 +170,17 @@ class TensorParallel:
                 while_waiting()
                 last_callback = now
             time.sleep(self._SLEEP_S)
-        work.wait()  # raises what the operation raised
+        self._finish(work)
+
+    def _finish(self, work) -> None:
+        """``work.wait()``, raising what the operation raised; but a failure that a peer's
+        fault explains (the abort comes within :attr:`_ABORT_GRACE_S`) is that fault."""
+        try:
+            work.wait()
+        except Exception as error:
+            if self.aborted.wait(self._ABORT_GRACE_S):
+                raise PeerTrainerFault(self.abort_reason) from error
+            raise
 
 
 # -- autograd through the collectives (Megatron's f and g) -------------------------------

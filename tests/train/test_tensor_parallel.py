@@ -4,7 +4,8 @@
   the final adapter rank 0 writes, to 1e-5 (LoRA B randomized so LoRA A learns too;
   gradient clipping on, so the norm over the ranks' shards is checked as well).
 - A trainer fault on rank 1 makes rank 0's trainer leave (PeerTrainerFault) instead of
-  waiting forever in a collective.
+  waiting forever in a collective; also when the faulted rank's connections close before
+  rank 0 is told (the collective fails first, the abort follows within a grace).
 - The vocabulary is split as SGLang splits it; what cannot be split is refused by name.
 """
 
@@ -92,6 +93,35 @@ def test_one_rank_needs_no_collectives():
     t = torch.ones(3)
     assert tp.all_reduce(t) is t
     assert tp.all_gather(t, 0) is t
+
+
+class _FailedWork:
+    """A collective that gloo completed with an error (a peer closed its connections)."""
+
+    def is_completed(self):
+        return True
+
+    def wait(self):
+        raise RuntimeError("[gloo/transport/tcp/pair.cc] Connection closed by peer")
+
+
+@pytest.mark.parametrize("poll", [True, False])
+def test_a_failed_collective_that_a_peers_fault_explains_is_that_fault(poll):
+    import threading
+
+    from harvest.train.tensor_parallel import PeerTrainerFault
+
+    tp = TensorParallel.single()
+    # The faulted peer's process ended before this rank's abort came: the abort follows.
+    timer = threading.Timer(0.05, tp.abort, args=("rank 1's trainer faulted",))
+    timer.start()
+    with pytest.raises(PeerTrainerFault, match="rank 1"):
+        tp._wait(_FailedWork(), poll=poll)
+    timer.join()
+    # No abort within the grace: the operation's own error.
+    with pytest.raises(RuntimeError, match="Connection closed by peer") as raised:
+        TensorParallel.single()._wait(_FailedWork(), poll=poll)
+    assert not isinstance(raised.value, PeerTrainerFault)
 
 
 @pytest.mark.parametrize("optim", ["adafactor"])

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import tempfile
 import threading
@@ -91,7 +90,7 @@ def _train(job: dict, tp=None, gate=None, builder: str = "llamafactory") -> tupl
     return trainer, entries, time.perf_counter() - started
 
 
-def _rank_main(rank: int, size: int, port: int, model_path: str, output_dir: str, device: str, fault_rank: int,
+def _rank_main(rank: int, size: int, store_file: str, model_path: str, output_dir: str, device: str, fault_rank: int,
                result_dir: str, fault_event, builder: str, steps: int) -> None:
     import datetime
 
@@ -101,14 +100,16 @@ def _rank_main(rank: int, size: int, port: int, model_path: str, output_dir: str
     from harvest.train.gate import Gate
     from harvest.train.tensor_parallel import PeerTrainerFault, TensorParallel
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), HF_HUB_OFFLINE="1", DISABLE_VERSION_CHECK="1")
+    os.environ.update(HF_HUB_OFFLINE="1", DISABLE_VERSION_CHECK="1")
     cuda = device.startswith("cuda")
     if cuda:
         import torch
 
         torch.cuda.set_device(rank)
-    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=size,
-                            timeout=datetime.timedelta(minutes=5))
+    # A file store: the ranks meet without a TCP port picked in advance (one picked free and
+    # bound again by the spawned rank 0 a few seconds later may be taken meanwhile).
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{store_file}", rank=rank,
+                            world_size=size, timeout=datetime.timedelta(minutes=5))
     group = dist.new_group(list(range(size)), backend="nccl" if cuda else "gloo")
     control = dist.new_group(list(range(size)), backend="gloo") if cuda else None
     tp = TensorParallel(rank, size, group, control_group=control)
@@ -134,14 +135,15 @@ def _rank_main(rank: int, size: int, port: int, model_path: str, output_dir: str
     Path(result_dir, f"rank{rank}.json").write_text(json.dumps(result))
     if fault_rank < 0:
         dist.destroy_process_group()
-    else:
-        os._exit(0)  # a group with an abandoned operation: no orderly teardown
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        return
+    # Leave only once every rank has its outcome: this process's end closes its connections,
+    # which fails a peer's pending operation, and the outcome measured here is the one the
+    # peer's runtime decides from its step agreement (the product gives that one a moment,
+    # TensorParallel._ABORT_GRACE_S, but the test does not lean on that alone).
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and not all(Path(result_dir, f"rank{r}.json").exists() for r in range(size)):
+        time.sleep(0.05)
+    os._exit(0)  # a group with an abandoned operation: no orderly teardown
 
 
 def _adapter(path: Path) -> dict:
@@ -177,9 +179,9 @@ def check(tp: int, device: str = "cpu", fault_rank: int = -1, work_dir: Path | N
     results.mkdir(parents=True, exist_ok=True)
     context = mp.get_context("spawn")
     fault_event = context.Event()
-    port = _free_port()
-    procs = [context.Process(target=_rank_main, args=(r, tp, port, str(model_path), str(work / f"tp{tp}"), device,
-                                                     fault_rank, str(results), fault_event, builder, steps))
+    store_file = Path(tempfile.mkdtemp(prefix="store-", dir=work)).resolve() / "store"
+    procs = [context.Process(target=_rank_main, args=(r, tp, str(store_file), str(model_path), str(work / f"tp{tp}"),
+                                                     device, fault_rank, str(results), fault_event, builder, steps))
              for r in range(tp)]
     for proc in procs:
         proc.start()
