@@ -189,9 +189,11 @@ def test_the_non_urgent_path_asks_the_trainer_and_never_waits(lent_kv, holding_t
     chunk_bytes = lending.chunk_bytes
     trainer = holding_trainer(lending, responsive=False)
     held = tokens.alloc(tokens.available_size() - TOKENS_PER_CHUNK // 2)  # decode grew into the reserve
-    started = time.monotonic()
+    waits = []
+    wait_acknowledged = lending.budget.wait_acknowledged
+    lending.budget.wait_acknowledged = lambda *args: waits.append(args) or wait_acknowledged(*args)
     lending.after_step()
-    assert time.monotonic() - started < 0.5  # the trainer never answered, and was not waited for
+    assert waits == []  # the trainer never answered, and was not waited for
     assert lending.num_lent == lent  # every lent page is the trainer's: nothing to take yet
     snapshot = lending.budget.snapshot
     assert (snapshot.lent_bytes, snapshot.wanted_back_bytes) == (lent * chunk_bytes, chunk_bytes)
@@ -226,9 +228,14 @@ def test_an_urgent_wait_for_a_trainer_that_never_answers_is_bounded(lent_kv, hol
     tokens, lending, lent = lent_kv
     holding_trainer(lending, responsive=False)
     lending.urgent_wait_s = 0.2
+    waits = []
+    wait_acknowledged = lending.budget.wait_acknowledged
+    lending.budget.wait_acknowledged = lambda generation, timeout: waits.append(timeout) or wait_acknowledged(
+        generation, timeout)
     started = time.monotonic()
     assert lending.ensure_available(tokens.available_size() + 1) is False
-    assert 0.2 <= time.monotonic() - started < 3.0
+    assert time.monotonic() - started >= 0.2  # it did wait for the trainer ...
+    assert waits and sum(waits) <= 0.2 + 1e-9  # ... for urgent_wait_s in all, not longer
     assert lending.num_lent == lent
 
 
@@ -360,9 +367,7 @@ def _free_slots_of(tokens, chunks) -> int:
 
 def test_a_lend_waiting_for_decode_is_finished_by_a_later_maybe_lend_without_blocking(busy_decode):
     tokens, lending = busy_decode
-    started = time.monotonic()
-    lending.maybe_lend(force=True)
-    assert time.monotonic() - started < 1.0  # decode's queued work was not waited for
+    lending.maybe_lend(force=True)  # returns although decode's fences are held: not waited for
     pending = lending.num_lending
     assert pending > 0 and lending.num_lent == 0
     chunks = sorted(lending.allocator.lending_chunks())
