@@ -251,9 +251,11 @@ def test_reply_that_is_not_sglangs(fake_sglang, tmp_path):
 
 @pytest.mark.timeout(30)
 def test_unreachable_server_is_named(tmp_path):
-    with socket.socket() as sock:  # a port nothing listens on
-        sock.bind(("127.0.0.1", 0))
-        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    from harvest.sglang.server import free_port
+
+    # A port nothing listens on, below the ephemeral range (one from the OS's range may be
+    # an outgoing connection's by the time it is dialed, or this dial's own: no refusal).
+    url = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(AdapterServingError) as raised:
         adapters.load_adapter(url, "a", _adapter(tmp_path / "out"), timeout_s=5)
     assert url in str(raised.value) and "cannot reach the server" in str(raised.value)

@@ -5,7 +5,6 @@ exchange and the chunk agreement work over a real gloo group of two processes.""
 from __future__ import annotations
 
 import json
-import socket
 
 import pytest
 
@@ -53,14 +52,12 @@ def test_measurements_a_rank_never_sends_are_given_up():
     assert len(slowest._open) == SlowestRank.MAX_OPEN and min(slowest._open) == 10
 
 
-def _rank(rank: int, port: int, out: str) -> None:
-    import os
-
+def _rank(rank: int, store_file: str, out: str) -> None:
     import torch
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    # A file store: no TCP port picked free here and bound again by the spawned rank 0 later.
+    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=2)
     ranks = RankSync(rank, 2, dist.new_group([0, 1], backend="gloo"))
     agreed = ranks.exchange(_row(LEVEL=rank + 1, TAG=10 * (rank + 1), NUM_TAKEN=rank, FAULT=rank))
     mask = torch.tensor([True, True, rank == 0, False, rank == 1])
@@ -75,11 +72,8 @@ def _rank(rank: int, port: int, out: str) -> None:
 def test_two_processes_exchange_and_agree_on_chunks(tmp_path):
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     out = str(tmp_path / "rank")
-    mp.start_processes(_rank, args=(port, out), nprocs=2, start_method="spawn")
+    mp.start_processes(_rank, args=(str(tmp_path.resolve() / "store"), out), nprocs=2, start_method="spawn")
     results = [json.loads(open(f"{out}.{rank}").read()) for rank in range(2)]
     for result in results:  # both ranks see the same agreement: rank 0's decision, everyone's facts
         assert result == {"level": 1, "tag": 10, "taken": [0, 1], "faulted": [1],

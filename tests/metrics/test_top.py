@@ -267,9 +267,12 @@ def canned():
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port nothing listens on, below the ephemeral range: one from the OS's range may be
+    an outgoing connection's by the time it is dialed (or this very dial's: a connection to
+    itself, not a refusal)."""
+    from harvest.sglang.server import free_port
+
+    return free_port()
 
 
 def test_fetch_reports_each_failure_as_a_reason(canned):
