@@ -31,6 +31,7 @@ Example (every key is optional; ``harvest config-schema`` lists them all)::
     metrics:
       port: 18400               # harvest's /metrics and control endpoints; 0 = off
       host: null                # address they listen on; null = SGLang's --host
+      endpoint_nice: 10         # nice increment of the endpoint process: decode wins a contended core
       labels: {cluster: eu-1}   # extra labels on every harvest series (model_name is always there)
     online:
       window: 512               # measured steps kept per level to refit the predictor
@@ -48,11 +49,12 @@ from harvest.schedule.config import SchedulerConfig
 from harvest.schedule.fair_share import JobQueueConfig
 from harvest.setting_kinds import LabelSet
 from harvest.settings import (Boolean, FilePath, Host, Integer, ListOf, Number, Port, SettingError, from_mapping, invalid,
-                              json_schema, section, setting, validate)
+                              json_schema, section, setting, validate, yaml_problem)
 from harvest.train.trainer_cpu import TrainerConfig
 
 
 DEFAULT_METRICS_PORT = 18400
+DEFAULT_ENDPOINT_NICE = 10  # harvest.sglang.control_endpoint.EndpointSettings.nice
 # Label names harvest's own series use (and Prometheus's target labels): metrics.labels
 # cannot take them.
 RESERVED_LABELS = ("model_name", "job", "instance", "job_name", "state", "le", "quantile")
@@ -96,6 +98,12 @@ class MetricsConfig:
                                Host(), nullable=True)
     publish_interval_s: float = setting(0.5, "least time between two metric updates while idle, in seconds",
                                         Number(minimum=0.0))
+    # A nice value, not Linux's SCHED_IDLE: SCHED_IDLE's weight (3 against a nice-0
+    # thread's 1024; nice 10: 110) starved the endpoint while decode and the trainer kept
+    # the cores busy, which is when /metrics and /harvest/status are needed
+    # (harvest.sglang.control._lower_priority).
+    endpoint_nice: int = setting(DEFAULT_ENDPOINT_NICE, "nice increment of harvest's endpoint process: decode and "
+                                 "the trainer win a contended core, the endpoint still gets a share (0: the server's)", Integer(minimum=0, maximum=19))
     # SGLang's metrics carry model_name (and --tokenizer-metrics-custom-labels for its own
     # request labels); harvest's carry model_name plus these on every series, so one
     # dashboard selects a fleet's servers by any of them.
@@ -158,7 +166,7 @@ def load(path: str | Path) -> HarvestConfig:
     try:
         raw = yaml.load(text, Loader=_yaml_loader())
     except yaml.YAMLError as exc:
-        raise ConfigError(f"harvest config: {path} is not valid YAML: {exc}") from None
+        raise ConfigError(f"harvest config: {path} is not valid YAML: {yaml_problem(exc)}") from None
     return parse(raw, base_dir=path.parent, source=path)
 
 

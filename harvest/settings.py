@@ -35,7 +35,8 @@ from typing import Any, Iterator, Mapping
 from harvest.setting_kinds import Boolean, Endpoint, FilePath, Host, Integer, Kind, ListOf, Mismatch, Number, Port, Text
 
 __all__ = ["Boolean", "Endpoint", "FilePath", "Host", "Integer", "ListOf", "Number", "Port", "Text", "SettingError", "argument", "from_mapping",
-           "invalid", "json_schema", "section", "setting", "setting_of", "setting_paths", "to_mapping", "validate"]
+           "invalid", "json_schema", "section", "setting", "setting_of", "setting_paths", "to_mapping", "validate",
+           "yaml_problem"]
 
 JSON_SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
 
@@ -184,6 +185,20 @@ def invalid(instance: Any, name: str, expected: str) -> SettingError:
 
 
 # -- loading from a parsed YAML/JSON mapping ------------------------------------------------
+def yaml_problem(error: Exception) -> str:
+    """A YAML parse error (PyYAML's ``MarkedYAMLError``, also what OmegaConf raises) in one
+    line: ``line 2, column 1: expected ',' or ']' (while parsing a flow sequence)``. PyYAML's
+    own text spans several lines and quotes the document; every YAML file harvest reads
+    reports its errors through this."""
+    problem = getattr(error, "problem", None)
+    if problem is None:
+        return " ".join(str(error).split())
+    mark = getattr(error, "problem_mark", None)
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    context = getattr(error, "context", None)
+    return f"{where}{problem}" + (f" ({context})" if context else "")
+
+
 def from_mapping(settings_class: type, raw: Any, *, where: str = "", path: str = "", base_dir: Path | None = None,
                  extra: Mapping[str, Any] | None = None) -> Any:
     """Build ``settings_class`` from a parsed mapping: nested sections recursively, unknown

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -83,16 +82,13 @@ def _fail(message: str, code: int = 2) -> int:
 
 def check_out_dir(out_dir: Path) -> None:
     """ValueError if ``out_dir`` cannot take the plots and replay.json, before minutes of
-    replay are spent: it, or the nearest part of its path that exists, must be a
-    writable directory (it is created only when there is something to write)."""
-    existing = out_dir
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if not existing.is_dir():
-        where = "it exists and" if existing == out_dir else f"cannot create it: {existing}"
-        raise ValueError(f"--out-dir {out_dir}: {where} is not a directory")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise ValueError(f"--out-dir {out_dir}: {existing} is not writable")
+    replay are spent (harvest.output_paths; it is created only when there is something to
+    write)."""
+    from harvest.output_paths import folder_problem
+
+    problem = folder_problem(out_dir)
+    if problem is not None:
+        raise ValueError(f"--out-dir {out_dir} {problem}")
 
 
 def resolve_profile(spec: str | None):
@@ -131,13 +127,16 @@ def run(args) -> int:
             scheduler_overrides=dict(args.scheduler),
             error_scale=args.error_scale,
             error_noise=args.error_noise,
-            policies=args.policies or comparison.ALL_POLICIES,
+            policies=comparison.ALL_POLICIES if args.policies is None else args.policies,  # "" is refused
             tp_size=args.tp,
             **({} if args.kv_bytes_per_token is None else {"kv_bytes_per_token": args.kv_bytes_per_token}),
         )
         settings.check()
-        fleet_settings = fleet.FleetSettings(args.servers, args.router or router.ALL_ROUTERS)
+        fleet_settings = fleet.FleetSettings(args.servers, router.ALL_ROUTERS if args.router is None else args.router)
         fleet_settings.check()
+        if args.router is not None and fleet_settings.num_servers == 1:
+            raise ValueError(f"--router {','.join(args.router)!r}: routes requests between servers; give --servers N "
+                             "(N > 1) with it")
         one_instance = fleet_settings.num_servers == 1
         if not args.no_plots:
             check_out_dir(args.out_dir)

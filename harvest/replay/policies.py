@@ -36,6 +36,15 @@ DECODE_ONLY, SEPARATE, STATIC, HARVEST = "decode-only", "separate", "static", "h
 ALL_POLICIES = (HARVEST, SEPARATE, STATIC, DECODE_ONLY)
 STATIC_DECODE_FRACTION = 0.6  # Harli §8.1: 60 % of the SMs and of the memory to inference
 MIN_NOISE_FACTOR = 0.1
+# No decode step takes an hour: a longer one comes from a broken profile (a coefficient
+# off by orders of magnitude) or an absurd --error-scale/--error-noise, and such steps
+# summed over a trace overflow the clock and the summaries into inf/NaN.
+MAX_STEP_S = 3600.0
+
+
+def step_too_long(latency_s: float) -> ValueError:
+    return ValueError(f"a simulated decode step took {latency_s:.3g} s, over {MAX_STEP_S:g} s: the profile's prediction "
+                      "times --error-scale and --error-noise is no decode step")
 
 
 class PolicyRefused(ValueError):
@@ -203,6 +212,8 @@ class HarvestPolicy(BasePolicy):
         else:
             expected = self.predictor.predict_colo(level, batch_size, sum_context)  # combined model
             latency, share = expected * errors.scale * errors.noise_factor(), self._shares[level]
+        if not latency <= MAX_STEP_S:  # before the scheduler logs and backs off over it
+            raise step_too_long(latency)
         self.controller.observe_measurement(latency * 1e3)
         return latency, level, share
 

@@ -36,14 +36,10 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from harvest.replay.policies import BasePolicy
+from harvest.replay.policies import MAX_STEP_S, BasePolicy, step_too_long  # noqa: F401  (MAX_STEP_S: its users import it here)
 from harvest.replay.trace import TraceRequest
 
 PROGRESS_EVERY_STEPS = 4096
-# No decode step takes an hour: a longer one comes from a broken profile (a coefficient
-# off by orders of magnitude) or an absurd --error-scale/--error-noise, and such steps
-# summed over a trace overflow the clock and the summaries into inf/NaN.
-MAX_STEP_S = 3600.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,10 +164,7 @@ def simulate(
         progress(nxt)
     longest = max(latencies, default=0.0)
     if not longest <= MAX_STEP_S:
-        raise ValueError(
-            f"a simulated decode step took {longest:.3g} s, over {MAX_STEP_S:g} s: the profile's prediction times "
-            "--error-scale and --error-noise is no decode step"
-        )
+        raise step_too_long(longest)
 
     return DecodeRun(
         step_start_s=np.frombuffer(starts, dtype=np.float64),

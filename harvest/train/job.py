@@ -42,7 +42,8 @@ from typing import Any, Mapping
 
 from harvest.fleet.options import FleetOptions
 from harvest.setting_kinds import NAME_EXPECTED, NAME_PATTERN
-from harvest.settings import Integer, Number, SettingError, Text, from_mapping, section, setting, validate
+from harvest.output_paths import folder_problem
+from harvest.settings import Integer, Number, SettingError, Text, from_mapping, section, setting, validate, yaml_problem
 from harvest.train.errors import JobError
 from harvest.train.llamafactory_env import LOADING_LOCK, import_llamafactory  # noqa: F401  (its home for most callers)
 
@@ -367,7 +368,7 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     try:
         data = OmegaConf.to_container(OmegaConf.load(path))
     except (OmegaConfBaseException, yaml.YAMLError, ValueError) as exc:
-        raise JobError(f"job file {str(path)!r} is not valid YAML: {exc}") from None
+        raise JobError(f"job file {str(path)!r} is not valid YAML: {yaml_problem(exc)}") from None
     if not isinstance(data, dict):
         raise JobError(f"job file {str(path)!r} must be a mapping of LlamaFactory keys (plus 'harvest:')")
     return data
@@ -435,21 +436,9 @@ def _check_learning_rate(value: Any) -> None:
 def _check_output_dir(output_dir: str) -> None:
     """output_dir must be a writable folder, or creatable: LlamaFactory's parser lists it, and
     the first checkpoint would fail after a step has run."""
-    path = Path(output_dir).expanduser()
-    if path.exists() and not path.is_dir():
-        raise JobError(f"output_dir: {output_dir!r} is a file, not a folder")
-    existing = path
-    while not existing.exists():
-        existing = existing.parent
-    if not existing.is_dir():
-        raise JobError(f"output_dir: {output_dir!r} lies below {str(existing)!r}, which is a file")
-    try:  # try it (permission bits say nothing for root or a read-only mount)
-        import tempfile
-
-        os.rmdir(tempfile.mkdtemp(prefix=".harvest-write-check-", dir=existing))
-    except OSError as exc:
-        raise JobError(f"output_dir: {output_dir!r} cannot be written: creating a folder in {str(existing)!r} "
-                       f"failed ({exc.strerror or exc})") from None
+    problem = folder_problem(output_dir)
+    if problem is not None:
+        raise JobError(f"output_dir: {output_dir!r} {problem}")
 
 
 def _check_datasets(names: str, dataset_dir: str) -> None:

@@ -3,6 +3,7 @@ stderr, and one job at a time through its parser and transformers' loading."""
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 
@@ -26,10 +27,26 @@ def import_llamafactory():
     """
     os.environ.setdefault("DISABLE_VERSION_CHECK", "1")
     os.environ.setdefault("LLAMAFACTORY_VERBOSITY", "WARN")
+    _quiet_version_check_warning()
     import llamafactory  # noqa: F401
 
     _llamafactory_logs_to_stderr()
     return llamafactory
+
+
+_VERSION_CHECK_WARNING = "Version checking has been disabled"
+
+
+def _quiet_version_check_warning() -> None:
+    """Drop LlamaFactory's import-time warning that the version check is off: harvest turns
+    it off on purpose (above), and the line otherwise precedes every message of every
+    command that reads a job (``harvest train``'s one-line errors among them)."""
+    logger = logging.getLogger("llamafactory.extras.misc")  # the logger LlamaFactory will fetch
+    if not any(getattr(f, "harvest_version_check", False) for f in logger.filters):
+        quiet = logging.Filter()
+        quiet.filter = lambda record: not str(record.msg).startswith(_VERSION_CHECK_WARNING)
+        quiet.harvest_version_check = True
+        logger.addFilter(quiet)
 
 
 def _llamafactory_logs_to_stderr() -> None:

@@ -273,9 +273,9 @@ def test_out_dir_that_is_a_file_exits_2_before_replaying(tmp_path, profile_path,
     blocker.write_text("not a directory")
     base = ["--trace", str(SAMPLE_TRACE), "--profile", str(profile_path)]
     code, out, err = replay(capsys, *base, "--out-dir", str(blocker))
-    assert_refused(code, err, f"--out-dir {blocker}: it exists and is not a directory")
+    assert_refused(code, err, f"--out-dir {blocker} is a file, not a folder")
     code, out, err = replay(capsys, *base, "--out-dir", str(blocker / "sub"))
-    assert_refused(code, err, f"--out-dir {blocker / 'sub'}: cannot create it: {blocker} is not a directory")
+    assert_refused(code, err, f"--out-dir {blocker / 'sub'} lies below '{blocker}', which is a file")
     assert out == "" and blocker.read_text() == "not a directory"
 
 
