@@ -13,7 +13,8 @@ Modes, run one after another in one process over the same requests:
                  idle) and the QoS controller choose the SM level before every step and
                  open or close the trainer's gate; idle gaps give the trainer the most SMs;
   static         StaticMode: the ladder level nearest 60% decode SMs, trainer always on;
-  trainer-alone  the trainer alone on the whole device for --trainer-alone-s seconds;
+  trainer-alone  the trainer alone on the whole device for --trainer-alone-s seconds, and
+                 on until it has completed an optimizer step (its rate counts whole steps);
   harvest-tight  harvest under a tight TPOT target (--tight-target-tpot-ms, else
                  --tight-target-factor x decode-alone's TPOT p50 in this run); every
                  serving mode also reports its violation rate at both targets;
@@ -27,9 +28,11 @@ Modes, run one after another in one process over the same requests:
 
 Results are written as they exist (--out-dir): NAME-<mode>.json when a mode ends,
 NAME.json the summary so far ("complete": false until the end), NAME-progress.json what
-the running mode has measured, every 2 s. SIGINT or SIGTERM (a timeout) ends the run
-early: the interrupted mode's partial figures and the summary are written first, the
-last stdout line is still the summary, and the exit status is 130.
+the running mode has measured, every 2 s. Each file is replaced atomically (--steps-out
+too), and when a mode ends its steps and the summary are written before NAME-<mode>.json:
+a reader that sees a mode's file sees everything written before it. SIGINT or SIGTERM (a
+timeout) ends the run early: the interrupted mode's partial figures and the summary are
+written first, the last stdout line is still the summary, and the exit status is 130.
 
 Requests (harvest.replay's model): a window of the trace, arrival times scaled by
 --time-scale, context and output lengths capped (--max-context, --max-generated). A
@@ -638,6 +641,14 @@ def measure_level_graphs(args, ctx) -> dict:
 
 
 # -- results written as they exist -------------------------------------------------------------
+def write_atomically(path: Path, text: str) -> None:
+    """Replace ``path`` with ``text`` in one step: a reader sees the old file or the new
+    one, never half of one (written beside it, then renamed over it)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 class ResultSink:
     """Writes results the moment they exist (nothing when ``out_dir`` is None):
     ``NAME-<mode>.json`` when a mode finishes (or is interrupted), ``NAME.json`` the summary
@@ -651,12 +662,8 @@ class ResultSink:
             out_dir.mkdir(parents=True, exist_ok=True)
 
     def _write(self, filename: str, data) -> None:
-        if self.out_dir is None:
-            return
-        path = self.out_dir / filename
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(data, indent=1))
-        os.replace(tmp, path)
+        if self.out_dir is not None:
+            write_atomically(self.out_dir / filename, json.dumps(data, indent=1))
 
     def progress(self, mode: str, data, force: bool = False) -> None:
         now = time.monotonic()
@@ -665,6 +672,8 @@ class ResultSink:
             self._write(f"{self.name}-progress.json", {"mode": mode, "at": time.strftime("%H:%M:%S"), "so_far": data})
 
     def mode_done(self, mode: str, result: dict) -> None:
+        """Write a finished mode's file: last, after its steps and the summary (a reader
+        polling for it may read those at once)."""
         self._write(f"{self.name}-{mode}.json", result)
 
     def summary(self, summary: dict) -> None:
@@ -728,6 +737,11 @@ def run_mode(mode, args, ctx) -> dict:
                 host.apply(True, ctx["alone_stream"])
                 try:
                     time.sleep(args.trainer_alone_s)
+                    # Its rate counts completed optimizer steps: on until one is in the
+                    # window (however slow the device), unless the trainer ended (failed).
+                    # Both counters: the trainer updates them one after the other.
+                    while host.live and _no_step_since(before, trainer.stats()):
+                        time.sleep(0.01)
                 finally:
                     host.apply(False)
             else:
@@ -790,6 +804,11 @@ def run_mode(mode, args, ctx) -> dict:
         if status.error:
             result["trainer_error"] = status.error
     return result
+
+
+def _no_step_since(before, now) -> bool:
+    """No optimizer step (its tokens counted) completed between two TrainerStats."""
+    return now.global_step == before.global_step or now.tokens_seen == before.tokens_seen
 
 
 def harvest_config(args, target_tpot_ms: float | None = None):
@@ -873,7 +892,8 @@ def main(argv=None) -> int:
     parser.add_argument("--max-context", type=int, default=1024, help="cap on a request's context tokens")
     parser.add_argument("--max-generated", type=int, default=128, help="cap on a request's output tokens")
     parser.add_argument("--max-batch-size", type=int, default=48)
-    parser.add_argument("--trainer-alone-s", type=float, default=30.0)
+    parser.add_argument("--trainer-alone-s", type=float, default=30.0,
+                        help="trainer-alone's seconds (then on until an optimizer step completed)")
     parser.add_argument("--lora-rank", type=int, default=16)
     parser.add_argument("--trainer-seq-len", type=int, default=512)
     parser.add_argument("--trainer-batch", type=int, default=4, help="samples per optimizer step")
@@ -940,9 +960,9 @@ def main(argv=None) -> int:
 
     def record_interrupted(mode: str, result: dict) -> None:
         results[mode] = result
-        sink.mode_done(mode, result)
-        sink.summary(summary(False, cut=True))
         write_steps(args.steps_out, ctx["step_log"])
+        sink.summary(summary(False, cut=True))
+        sink.mode_done(mode, result)  # last: whoever sees it sees the rest
 
     ctx["record_interrupted"] = record_interrupted
 
@@ -979,27 +999,29 @@ def main(argv=None) -> int:
         for mode in modes:  # a failed mode is recorded; the others still run
             print(f"colocate_gpu: mode {mode} ...", file=sys.stderr, flush=True)
             ctx["live"] = None
+            mode_started = time.perf_counter()
             try:  # a bad profile fails the harvest mode only
                 results[mode] = run_mode(mode, args, ctx)
             except KeyboardInterrupt:
                 if mode not in results:  # cut outside a serving loop (level-graphs, start-up of a mode)
-                    record_interrupted(mode, {**(ctx.get("live") or {}), "interrupted": True})
+                    record_interrupted(mode, {**(ctx.get("live") or {}), "interrupted": True,
+                                              "wall_s": round(time.perf_counter() - mode_started, 2)})
                 raise
             except Exception as exc:  # noqa: BLE001
                 traceback.print_exc()
                 results[mode] = {"error": f"{type(exc).__name__}: {exc}"}
                 ctx["batch"].leave(list(ctx["batch"].request_ids))
-            sink.mode_done(mode, results[mode])
-            sink.summary(summary(False))
             write_steps(args.steps_out, ctx["step_log"])
+            sink.summary(summary(False))
+            sink.mode_done(mode, results[mode])  # last: whoever sees it sees the rest
             print(f"colocate_gpu: {mode}: {json.dumps(results[mode])}", file=sys.stderr, flush=True)
     except KeyboardInterrupt:
         interrupted = True
         print("colocate_gpu: interrupted; writing what was measured", file=sys.stderr, flush=True)
     finally:
         final = summary(complete=not interrupted)
-        sink.summary(final)
         write_steps(args.steps_out, ctx["step_log"])
+        sink.summary(final)  # after the steps: a complete summary means complete steps
         print(json.dumps(final), flush=True)
         if ctx.get("serving_graph_set") is not None:
             if device_type == "cuda":
@@ -1016,7 +1038,7 @@ def write_steps(path: Path | None, step_log: dict) -> None:
     if path is None:
         return
     fields = ("start_s", "tpot_s", "itl_s", "batch_size", "sum_context", "padded_sum_context", "level", "trainer_ran")
-    path.write_text(json.dumps({m: [dict(zip(fields, s)) for s in steps] for m, steps in step_log.items()}))
+    write_atomically(path, json.dumps({m: [dict(zip(fields, s)) for s in steps] for m, steps in step_log.items()}))
 
 
 def make_summary(args, ctx, results: dict, complete: bool, interrupted: bool, wall_s: float) -> dict:

@@ -18,7 +18,8 @@ is prime so that the sample does not alias with the controller's bookkeeping eve
 
 Two clocks: thread CPU time is what control costs this thread; wall time adds OS
 preemption and GIL waits (large on a loaded CPU). The wall clock is read inside the CPU
-clock's reads, so the wall figures leave those system calls out.
+clock's reads, so the wall figures leave those system calls out. Both are parameters
+(``wall_ns``, ``cpu_ns``: functions returning nanoseconds), for a test's fake clock.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from __future__ import annotations
 import collections
 import statistics
 import time
+from typing import Callable
 
 PARTS = ("decide", "engine", "feedback", "lending")
 HARVEST_PARTS = tuple(part for part in PARTS if part != "engine")
@@ -36,8 +38,10 @@ def _no_lap(part: str) -> None:
 
 
 class StepProfiler:
-    def __init__(self, every: int = 7, keep: int = 2048):
+    def __init__(self, every: int = 7, keep: int = 2048, *, wall_ns: Callable[[], int] = time.perf_counter_ns,
+                 cpu_ns: Callable[[], int] = time.thread_time_ns):
         self.every = every
+        self._wall_ns, self._thread_cpu_ns = wall_ns, cpu_ns
         self.num_steps = 0
         self.num_sampled = 0
         self.wall_ns_total = 0
@@ -52,25 +56,25 @@ class StepProfiler:
         self.num_steps += 1
         if self.num_steps % self.every:
             return _no_lap
-        self._cpu_ns = -time.thread_time_ns()
-        self._marks = [time.perf_counter_ns()]
+        self._cpu_ns = -self._thread_cpu_ns()
+        self._marks = [self._wall_ns()]
         return self._lap
 
     def _lap(self, part: str) -> None:
         marks = self._marks
         if len(marks) == 1:  # harvest's decision ends, the engine's step starts
-            marks.append(time.perf_counter_ns())
-            self._cpu_ns += time.thread_time_ns()
+            marks.append(self._wall_ns())
+            self._cpu_ns += self._thread_cpu_ns()
         elif len(marks) == 2:  # the engine's step ends: harvest's clock runs again
-            self._cpu_ns -= time.thread_time_ns()
-            marks.append(time.perf_counter_ns())
+            self._cpu_ns -= self._thread_cpu_ns()
+            marks.append(self._wall_ns())
         else:
-            marks.append(time.perf_counter_ns())
+            marks.append(self._wall_ns())
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         marks = self._marks
         if len(marks) == len(PARTS) + 1 and exc_type is None:
-            cpu_ns = self._cpu_ns + time.thread_time_ns()
+            cpu_ns = self._cpu_ns + self._thread_cpu_ns()
             decide, feedback, lending = marks[1] - marks[0], marks[3] - marks[2], marks[4] - marks[3]
             wall_ns = decide + feedback + lending
             self.recent.append((cpu_ns, wall_ns, decide, feedback, lending))

@@ -10,19 +10,32 @@ import types
 from harvest.colocate import StepLoad
 from harvest.colocate.colocation import Colocation
 from harvest.colocate.status import StatusReporter
-from harvest.colocate.step_profiler import HARVEST_PARTS
+from harvest.colocate.step_profiler import HARVEST_PARTS, StepProfiler
 from harvest.colocate.step_timer import CpuStepTimer
 from harvest.ladder import Ladder
 
-# Busy-waits of clearly different lengths (a CPU-time clock counts them too; a sleep it
-# would not). The engine takes longer than all of them together: it must not be counted.
-DECIDE_S, FEEDBACK_S, LENDING_S, ENGINE_S = 0.002, 0.006, 0.018, 0.060
+# What each part costs on the profiler's (fake) clocks, µs: (wall, thread CPU). Every
+# figure differs, and the engine costs more than the rest together: it must not be counted.
+DECIDE_US, FEEDBACK_US, LENDING_US, ENGINE_US = (2000, 1500), (6000, 5000), (18000, 17000), (60000, 60000)
+ENGINE_SLEEP_S = 0.005  # the engine's real time too, for the step timer (it reads the real clock)
 
 
-def _spin(seconds: float) -> None:
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        pass
+class _Clock:
+    """The step profiler's wall and thread-CPU clocks, advanced only by the doubles."""
+
+    def __init__(self):
+        self.wall, self.cpu = 10**12, 10**9
+
+    def wall_ns(self) -> int:
+        return self.wall
+
+    def cpu_ns(self) -> int:
+        return self.cpu
+
+    def spend(self, cost_us: tuple[int, int]) -> None:
+        wall_us, cpu_us = cost_us
+        self.wall += wall_us * 1000
+        self.cpu += cpu_us * 1000
 
 
 class _Control:
@@ -33,17 +46,18 @@ class _Control:
                                 config=types.SimpleNamespace(target_tpot_ms=40.0))
     recent_steps = ()
 
-    def __init__(self):
+    def __init__(self, clock: _Clock):
+        self.clock = clock
         self.loads, self.measured = [], []
 
     def before_step(self, load):
         self.loads.append(load)
-        _spin(DECIDE_S)
+        self.clock.spend(DECIDE_US)
         return types.SimpleNamespace(step=len(self.loads))
 
     def after_step(self, step, measured_s):
         self.measured.append(measured_s)
-        _spin(FEEDBACK_S)
+        self.clock.spend(FEEDBACK_US)
 
     def record_steps(self):
         pass
@@ -52,8 +66,11 @@ class _Control:
 class _Lending:
     num_lent = 0
 
+    def __init__(self, clock: _Clock):
+        self.clock = clock
+
     def after_step(self):
-        _spin(LENDING_S)
+        self.clock.spend(LENDING_US)
 
     def maybe_lend(self):
         pass
@@ -66,33 +83,37 @@ def _colocation(every: int = 1) -> Colocation:
     config = types.SimpleNamespace(qos=types.SimpleNamespace(target_tpot_ms=40.0),
                                    trainer=types.SimpleNamespace(cpu_threads=1, nice=2))
     partitioner = types.SimpleNamespace(description="cpu", current_index=0, ladder=Ladder.whole_device(1, "CPU device"))
+    clock = _Clock()
     colocation = Colocation(config=config, partitioner=partitioner,
-                            control=_Control(), trainer_host=None, lending=_Lending(), timer=CpuStepTimer(), metrics=None,
-                            refiner=None)
-    colocation.profiler.every = every  # account every step (7 on a server)
+                            control=_Control(clock), trainer_host=None, lending=_Lending(clock), timer=CpuStepTimer(),
+                            metrics=None, refiner=None)
+    # Account every step (7 on a server), on the doubles' clocks.
+    colocation.profiler = StepProfiler(every=every, wall_ns=clock.wall_ns, cpu_ns=clock.cpu_ns)
     return colocation
 
 
 def test_hook_accounting_leaves_the_engine_out_and_times_each_part():
     colocation = _colocation()
+    clock = colocation.control.clock
 
     def engine(scheduler, batch):
-        _spin(ENGINE_S)
+        clock.spend(ENGINE_US)
+        time.sleep(ENGINE_SLEEP_S)
         return "result"
 
     results = [colocation.run_step(StepLoad(4, 400, True), engine, None, "batch") for _ in range(5)]
     status = StatusReporter(colocation).status()
 
     assert results == ["result"] * 5 and len(colocation.control.measured) == 5
-    assert min(colocation.control.measured) >= ENGINE_S  # the step timer measured the engine
+    assert min(colocation.control.measured) >= ENGINE_SLEEP_S  # the step timer measured the engine
+    # Each part's wall time in its own bucket; the engine's time (wall and CPU) in none.
     parts = status["hook_wall_us_median_by_part"]
     assert tuple(parts) == HARVEST_PARTS == ("decide", "feedback", "lending")
-    # Each part at least its own busy-wait, and under the next part's (the waits differ 3x).
-    assert DECIDE_S * 1e6 <= parts["decide"] < FEEDBACK_S * 1e6 <= parts["feedback"] < LENDING_S * 1e6 <= parts["lending"]
-    own = (DECIDE_S + FEEDBACK_S + LENDING_S) * 1e6
-    assert own <= status["hook_wall_us_median"] < ENGINE_S * 1e6  # the engine is left out
-    assert status["hook_cpu_us_median"] < ENGINE_S * 1e6
-    assert status["hook_cpu_us_median"] > 0.5 * own  # busy-waits are CPU time (unless the OS took the CPU away)
+    assert parts == {"decide": DECIDE_US[0], "feedback": FEEDBACK_US[0], "lending": LENDING_US[0]}
+    wall_us = DECIDE_US[0] + FEEDBACK_US[0] + LENDING_US[0]
+    cpu_us = DECIDE_US[1] + FEEDBACK_US[1] + LENDING_US[1]
+    assert status["hook_wall_us_median"] == status["hook_overhead_us_per_step"] == wall_us
+    assert status["hook_cpu_us_median"] == status["hook_cpu_us_per_step"] == cpu_us
     assert status["steps"] == 5
 
 
