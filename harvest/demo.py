@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import math
 import statistics
 import sys
 import tempfile
@@ -45,11 +46,9 @@ def run(args) -> int:
     from harvest.sglang import server
     from harvest.tiny_model import TINY_LLAMA, ensure_tiny_model
 
-    if args.requests <= 0 or args.time_scale < 0 or args.max_context <= 0 or args.max_output <= 0 or args.target_tpot_ms <= 0:
-        print("harvest demo: --requests, --max-context, --max-output, --target-tpot-ms must be > 0, --time-scale >= 0", file=sys.stderr)
-        return 2
-    if args.model_path is not None and args.profile is None:
-        print("harvest demo: --model-path needs --profile (run `harvest profile` for that model first)", file=sys.stderr)
+    problem = _check_arguments(args)
+    if problem is not None:
+        print(f"harvest demo: {problem}", file=sys.stderr)
         return 2
     trace_path = args.trace or (FULL_TRACE if FULL_TRACE.is_file() else SAMPLE_TRACE)
     try:
@@ -85,6 +84,32 @@ def run(args) -> int:
     (args.out_dir / "report.json").write_text(json.dumps(report, indent=2))
     _print_report(report, png, args.out_dir / "report.json")
     return 0 if report["failed_requests"] == 0 else 1
+
+
+def _check_arguments(args) -> str | None:
+    """Everything the demo would otherwise find wrong once its server is up (or, for
+    --out-dir, after the replay): each flag named with its value. Writes nothing."""
+    from harvest.output_paths import folder_problem
+
+    for flag, value in (("--requests", args.requests), ("--max-context", args.max_context),
+                        ("--max-output", args.max_output), ("--target-tpot-ms", args.target_tpot_ms)):
+        if not (math.isfinite(value) and value > 0):
+            return f"{flag}={value!r}: must be a finite number > 0"
+    if not (math.isfinite(args.time_scale) and args.time_scale >= 0):
+        return f"--time-scale={args.time_scale!r}: must be a finite number >= 0"
+    if args.model_path is not None and args.profile is None:
+        return "--model-path needs --profile (run `harvest profile` for that model first)"
+    if args.model_path is not None and not (args.model_path / "config.json").is_file():
+        return f"--model-path {args.model_path}: no config.json there"
+    if args.profile is not None:
+        from harvest.predict.schema import Profile, ProfileError
+
+        try:
+            Profile.load(args.profile)
+        except ProfileError as exc:  # names the file and the JSON path
+            return f"--profile {exc}"
+    problem = folder_problem(args.out_dir)
+    return None if problem is None else f"--out-dir {args.out_dir} {problem}"
 
 
 def _get(port: int, path: str) -> dict:

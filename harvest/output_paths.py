@@ -14,6 +14,8 @@ import os
 import tempfile
 from pathlib import Path
 
+_UNWRITABLE = "cannot be written: "
+
 
 def folder_problem(path: str | os.PathLike) -> str | None:
     """Why nothing can be written in folder ``path`` (created if missing); None if it can.
@@ -29,7 +31,7 @@ def folder_problem(path: str | os.PathLike) -> str | None:
     try:
         os.rmdir(tempfile.mkdtemp(prefix=".harvest-write-check-", dir=existing))
     except OSError as exc:
-        return f"cannot be written: creating a folder in {str(existing)!r} failed ({exc.strerror or exc})"
+        return f"{_UNWRITABLE}creating a folder in {str(existing)!r} failed ({exc.strerror or exc})"
     return None
 
 
@@ -40,4 +42,8 @@ def file_problem(path: str | os.PathLike) -> str | None:
     if path.is_dir():
         return "is a folder, not a file"
     problem = folder_problem(path.parent)
-    return None if problem is None else f"cannot be written: its folder {str(path.parent)!r} {problem}"
+    if problem is None:
+        return None
+    if problem.startswith(_UNWRITABLE):
+        return problem
+    return f"cannot be written: its folder {str(path.parent)!r} {problem}"

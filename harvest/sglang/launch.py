@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 SGLANG_DEFAULT_HOST = "127.0.0.1"  # sglang.launch_server's --host default
 HELP = "start an SGLang server with harvest enabled (arguments after -- go to sglang.launch_server)"
@@ -84,6 +85,10 @@ def run(args) -> int:
                     os.environ[var] = str(parse(value))
                 except addresses.AddressError as error:
                     raise ValueError(addresses.named(flag, error)) from None
+        if flags.model_path is not None and flags.model_path.startswith(("/", "./", "../", "~")):
+            # a path, not a hub name: SGLang would start and die in a traceback over it
+            if not Path(flags.model_path).expanduser().exists():
+                raise ValueError(f"--model-path {flags.model_path}: no such folder")
         check(args.config, model_path=flags.model_path, sglang_host=flags.host or SGLANG_DEFAULT_HOST,
               tp_size=flags.tp_size)
     except (PreflightError, ValueError) as exc:

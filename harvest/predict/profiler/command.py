@@ -102,11 +102,49 @@ def run(args) -> int:
     model_path = _resolve_model(args.model_path)
     if not (Path(model_path) / "config.json").is_file():
         return _fail(f"--model-path {args.model_path}: no config.json there")
+    problem = _check_before_loading(args)
+    if problem is not None:
+        return _fail(problem)
 
     try:
         return session.profile(args, model_path, measure)
     except session.ProfilingFailed as exc:
         return _fail(str(exc), 1)
+
+
+def _check_before_loading(args) -> str | None:
+    """What would otherwise fail after the model loaded (the co-run workload) or after the
+    whole grid ran (writing --out, --report): the device, the workload's flags or job file,
+    and the output files. Writes nothing."""
+    from harvest.output_paths import file_problem
+    from harvest.predict.profiler.corun import CoRunError
+    from harvest.predict.profiler.session import ProfilingFailed, _device
+
+    try:
+        device = _device(args.device)
+    except ProfilingFailed as exc:
+        return str(exc)
+    for flag, path in (("--out", args.out), ("--report", args.report)):
+        problem = None if path is None else file_problem(path)
+        if problem is not None:
+            return f"{flag} {path} {problem}"
+    if args.finetune_job:
+        import tempfile
+
+        from harvest.predict.profiler.trainer_workload import load_finetune_job
+
+        try:  # as the workload will load it; its scratch output_dir is not made here
+            load_finetune_job(args.finetune_job, device, str(Path(tempfile.gettempdir()) / "harvest-profile-check"))
+        except CoRunError as exc:
+            return str(exc)
+        return None
+    if args.finetune_model is not None:
+        finetune_model = _resolve_model(args.finetune_model)
+        if not (Path(finetune_model) / "config.json").is_file():
+            return f"--finetune-model {args.finetune_model}: no config.json there"
+    from harvest.predict.profiler.peft_workload import shape_problem
+
+    return shape_problem(args.lora_rank, args.trainer_micro_batch, args.trainer_seq_len)
 
 
 def _cuda_available() -> bool:

@@ -20,6 +20,16 @@ from harvest.predict.profiler.engines import synthetic_token_ids
 from harvest.predict.profiler.hf_engine import load_causal_lm
 
 
+def shape_problem(lora_rank: int, micro_batch_size: int, sequence_length: int) -> str | None:
+    """What is wrong with the workload's shape, naming the flag (`harvest profile` checks it
+    before it loads anything); None when nothing is."""
+    for flag, value, least in (("--lora-rank", lora_rank, 1), ("--trainer-micro-batch", micro_batch_size, 1),
+                               ("--trainer-seq-len", sequence_length, 2)):
+        if value < least:
+            return f"{flag}={value}: must be >= {least}"
+    return None
+
+
 class PeftLoraWorkload(UnitLoopWorkload):
     name = "peft-lora"
     phases = ("forward", "backward")
@@ -36,11 +46,9 @@ class PeftLoraWorkload(UnitLoopWorkload):
         seed: int = 0,
     ):
         super().__init__()
-        if lora_rank < 1 or micro_batch_size < 1 or sequence_length < 2:
-            raise CoRunError(
-                f"PEFT workload: lora_rank={lora_rank}, micro_batch={micro_batch_size}, "
-                f"sequence_length={sequence_length}: need >= 1, >= 1, >= 2"
-            )
+        problem = shape_problem(lora_rank, micro_batch_size, sequence_length)
+        if problem is not None:
+            raise CoRunError(f"PEFT workload: {problem}")
         import torch
         from peft import LoraConfig, get_peft_model
 

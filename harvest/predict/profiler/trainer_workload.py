@@ -17,32 +17,56 @@ from harvest.predict.profiler.corun import CoRunError, UnitLoopWorkload
 _NEVER = 10**9
 
 
+def load_finetune_job(job_path: str, device: str, output_dir: str):
+    """The job of ``--finetune-job`` as the workload runs it: in ``output_dir``, checkpoints
+    off, no step limit, on ``device``. Raises CoRunError naming the flag and the file;
+    `harvest profile` calls it before it loads anything, the workload again to build."""
+    import yaml
+
+    from harvest.settings import yaml_problem
+
+    try:
+        from harvest.train.errors import JobError
+        from harvest.train.job import HARVEST_SECTION, load_job
+    except ImportError as exc:
+        raise CoRunError(f"--finetune-job needs harvest's trainer (harvest.train): {exc}") from exc
+    path = Path(job_path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except IsADirectoryError:
+        raise CoRunError(f"--finetune-job {job_path}: is a folder, not a job file") from None
+    except OSError as exc:
+        raise CoRunError(f"--finetune-job {job_path}: cannot read it: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise CoRunError(f"--finetune-job {job_path}: is not valid YAML: {exc}") from None
+    except yaml.YAMLError as exc:
+        raise CoRunError(f"--finetune-job {job_path}: is not valid YAML: {yaml_problem(exc)}") from None
+    if not isinstance(raw, dict):
+        raise CoRunError(f"--finetune-job {job_path}: expected a YAML mapping of job arguments")
+    raw.update(output_dir=output_dir, overwrite_output_dir=True, save_steps=_NEVER, max_steps=_NEVER)
+    raw.pop("num_train_epochs", None)
+    section = raw.get(HARVEST_SECTION)
+    raw[HARVEST_SECTION] = {**(section if isinstance(section, dict) else {}), "device": device}
+    if section is not None and not isinstance(section, dict):
+        raw[HARVEST_SECTION] = section  # load_job names the bad section
+    try:
+        return load_job(raw)
+    except JobError as exc:
+        raise CoRunError(f"--finetune-job {job_path}: {exc}") from None
+
+
 class HarvestTrainerWorkload(UnitLoopWorkload):
     name = "harvest-trainer"
     phases = ("mixed",)
 
     def __init__(self, job_path: str, device: str):
         super().__init__()
-        import yaml
+        from harvest.train.build import build_trainer
+        from harvest.train.errors import JobError
 
-        try:
-            from harvest.train.build import build_trainer
-            from harvest.train.errors import JobError
-            from harvest.train.job import HARVEST_SECTION, load_job
-        except ImportError as exc:
-            raise CoRunError(f"--finetune-job needs harvest's trainer (harvest.train): {exc}") from exc
-        try:
-            raw = yaml.safe_load(Path(job_path).read_text())
-        except (OSError, yaml.YAMLError) as exc:
-            raise CoRunError(f"--finetune-job {job_path}: cannot read it: {exc}") from exc
-        if not isinstance(raw, dict):
-            raise CoRunError(f"--finetune-job {job_path}: expected a YAML mapping of job arguments")
         self._scratch = tempfile.TemporaryDirectory(prefix="harvest-profile-trainer-")
-        raw.update(output_dir=self._scratch.name, overwrite_output_dir=True, save_steps=_NEVER, max_steps=_NEVER)
-        raw.pop("num_train_epochs", None)
-        raw[HARVEST_SECTION] = {**(raw.get(HARVEST_SECTION) or {}), "device": device}
+        job = load_finetune_job(job_path, device, self._scratch.name)
         try:
-            job = load_job(raw)
             self.trainer = build_trainer(job, resume=False)
         except JobError as exc:
             raise CoRunError(f"--finetune-job {job_path}: {exc}") from exc
