@@ -37,7 +37,7 @@ pytestmark = [pytest.mark.sglang, pytest.mark.slow, pytest.mark.timeout(900)]
 PROMPTS = _prompts()[0][:16]
 MAX_NEW_TOKENS = 12  # _generate_all's
 LONG_NEW_TOKENS = 1500  # a request still running when aborted (~100 tokens/s here)
-PAUSED_NEW_TOKENS = 200  # requests still running when generation pauses, a second in
+PAUSED_NEW_TOKENS = 200  # requests still running when generation pauses, a few steps in
 CLEARED = "SGLang cleared its KV pool"  # harvest.sglang.kv_lending.after_pool_cleared's log line
 # SGLang's decode retraction every 3rd step, and its pool leak check on every busy step
 # (idle steps check always): any slot lost or counted twice kills the server.
@@ -59,6 +59,14 @@ class LentServer:
 
     def kv(self) -> dict:
         return _status(self.port)["kv"]
+
+    def decode_steps(self) -> int:
+        return _status(self.port)["steps"]
+
+    def wait_decoding(self, steps_before: int, steps: int = 3) -> None:
+        """Until decode ran ``steps`` steps since ``steps_before``: requests are running
+        (not queued) and have tokens, however fast or slow this machine decodes."""
+        assert _wait_for(lambda: self.decode_steps() >= steps_before + steps, timeout_s=120), _status(self.port)
 
     def log(self) -> str:
         return self.srv.log_path.read_text(errors="replace")
@@ -183,9 +191,10 @@ def test_aborts_of_running_and_queued_requests(lent_server, expected):
     # Aborted requests free only slots they hold, never a lent chunk's.
     checks = lent_server.kv()["integrity_checks_total"]
     rids = [f"long-{i}" for i in range(8)]  # 4 run, 4 wait
+    steps = lent_server.decode_steps()
     with concurrent.futures.ThreadPoolExecutor(len(rids)) as pool:
         replies = [pool.submit(_generate, lent_server.srv, PROMPTS[i], LONG_NEW_TOKENS, rid) for i, rid in enumerate(rids)]
-        time.sleep(1.5)
+        lent_server.wait_decoding(steps)
         one = lent_server.post_for_status("/abort_request", {"rid": rids[0]})
         time.sleep(0.3)
         every = lent_server.post_for_status("/abort_request", {"abort_all": True})
@@ -205,9 +214,9 @@ def test_pause_generation_and_continue(lent_server, mode):
     with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
         undisturbed = [out["output_ids"] for out in pool.map(lambda ids: _generate(lent_server.srv, ids, PAUSED_NEW_TOKENS),
                                                                prompts)]
-        checks = lent_server.kv()["integrity_checks_total"]
+        checks, steps = lent_server.kv()["integrity_checks_total"], lent_server.decode_steps()
         replies = [pool.submit(_generate, lent_server.srv, ids, PAUSED_NEW_TOKENS) for ids in prompts]
-        time.sleep(1.0)
+        lent_server.wait_decoding(steps)
         paused = lent_server.srv.post("/pause_generation", {"mode": mode})
         in_flight = sum(not reply.done() for reply in replies)
         lent_while_paused = lent_server.kv()["chunks_lent"]
