@@ -18,7 +18,8 @@ _UNWRITABLE = "cannot be written: "
 
 
 def folder_problem(path: str | os.PathLike) -> str | None:
-    """Why nothing can be written in folder ``path`` (created if missing); None if it can.
+    """Why nothing can be written in folder ``path`` (tried in the nearest existing folder
+    of its path when it is missing; nothing is left behind); None if it can.
     The text follows the path: ``output_dir: 'x' is a file, not a folder``."""
     path = Path(path).expanduser()
     if path.exists() and not path.is_dir():
@@ -36,8 +37,8 @@ def folder_problem(path: str | os.PathLike) -> str | None:
 
 
 def file_problem(path: str | os.PathLike) -> str | None:
-    """Why file ``path`` cannot be written (its folder is created if missing); None if it
-    can. The text follows the path, as :func:`folder_problem`'s."""
+    """Why file ``path`` cannot be written (its folder as :func:`folder_problem` tries it);
+    None if it can. The text follows the path, as :func:`folder_problem`'s."""
     path = Path(path).expanduser()
     if path.is_dir():
         return "is a folder, not a file"
