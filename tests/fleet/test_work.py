@@ -3,6 +3,7 @@ real gloo groups (one thread per rank), and members' rounds against a stand-in t
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import threading
 import time
@@ -15,7 +16,7 @@ from harvest.fleet import averaging
 from harvest.fleet.member import FleetMember
 from harvest.fleet.options import FleetOptions
 from harvest.fleet.store import FleetError
-from harvest.fleet.work import StepQueue, as_ranges, expand_ranges
+from harvest.fleet.work import ROUND, StepQueue, as_ranges, expand_ranges
 from harvest.settings import SettingError
 from tests.threads import on_threads
 
@@ -126,6 +127,7 @@ class StandInTrainer:
         self.weights = torch.tensor([value])
         self.tokens, self.steps, self.checkpoints = 0, [], []
         self.lock = threading.Lock()
+        self.dead = False  # as a killed process: no round gets its weights any more
 
     def train(self, step: int, tokens: int, change: float) -> None:
         with self.lock:
@@ -135,6 +137,8 @@ class StandInTrainer:
 
     def fleet_snapshot(self):
         with self.lock:
+            if self.dead:
+                raise RuntimeError("this member's process is dead")
             steps, self.steps, tokens, self.tokens = self.steps, [], self.tokens, 0
             return self.weights.clone(), tokens, steps
 
@@ -159,6 +163,26 @@ def _until(predicate, timeout_s=30.0):
         time.sleep(0.05)
 
 
+@contextlib.contextmanager
+def _between_rounds(store, *trainers, job_id="t"):
+    """Hold every trainer's lock at a moment no round is between its members' snapshots.
+
+    A round takes each member's snapshot at that member's own moment, once the round has
+    closed (its size set): what is trained between two members' snapshots counts in one
+    and not the other. So under the locks the current round must not have closed yet (the
+    previous one had every snapshot taken: its all-reduce needed them); a round that closes
+    meanwhile takes its snapshots after the locks are let go, all of them."""
+    job = dist.PrefixStore(f"harvest/{job_id}/", store)
+    while True:
+        with contextlib.ExitStack() as locks:
+            for trainer in trainers:
+                locks.enter_context(trainer.lock)
+            if not job.check([f"r{int(job.get(ROUND))}/size"]):
+                yield
+                return
+        time.sleep(0.01)
+
+
 def test_members_average_a_joiner_gets_the_weights_and_a_dead_members_steps_are_trained_again(store):
     first, trainer_first = _member(store.port), StandInTrainer(0.0)
     first.start(trainer_first, None)
@@ -171,16 +195,25 @@ def test_members_average_a_joiner_gets_the_weights_and_a_dead_members_steps_are_
     second.start(trainer_second, None)
     _until(second.joined.is_set)
     assert float(trainer_second.weights) == pytest.approx(float(trainer_first.weights)) == pytest.approx(4.0)
-    # Both train; the next round averages by tokens.
-    trainer_first.train(first.claim(), tokens=30, change=1.0)
-    trainer_second.train(second.claim(), tokens=10, change=5.0)
+    # Both train; the next round averages by tokens. (Both in one go: a round between the
+    # two would average the first's 30 tokens against none.)
+    with _between_rounds(store, trainer_first, trainer_second):
+        for member, trainer, tokens, change in ((first, trainer_first, 30, 1.0), (second, trainer_second, 10, 5.0)):
+            trainer.weights += change
+            trainer.tokens += tokens
+            trainer.steps.append(member.claim())
     _until(lambda: first.stats()["committed_steps"] == 3 and second.stats()["committed_steps"] == 3)
     assert float(trainer_first.weights) == pytest.approx(4.0 + (30 * 1.0 + 10 * 5.0) / 40)
     assert float(trainer_second.weights) == pytest.approx(float(trainer_first.weights))
-    # The second member dies holding an unsynced step (its threads stop, nobody deregisters it).
-    lost = second.claim()
-    trainer_second.train(lost, tokens=10, change=1.0)
-    second._stop.set()
+    # The second member dies holding an unsynced step (its threads stop, nobody deregisters
+    # it, and a round it had already closed gets no snapshot from it): no round syncs it.
+    with _between_rounds(store, trainer_first, trainer_second):
+        lost = second.claim()
+        trainer_second.weights += 1.0
+        trainer_second.tokens += 10
+        trainer_second.steps.append(lost)
+        trainer_second.dead = True
+        second._stop.set()
     _until(lambda: first.stats()["steps_requeued"] == 1)
     # The first member trains the rest, the dead member's step included, and the job finishes.
     trained = []
