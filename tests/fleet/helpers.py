@@ -19,8 +19,11 @@ def write_fleet_job(directory: Path, model_path: Path, *, port: int | None, max_
     directory.mkdir(parents=True, exist_ok=True)
     harvest = {"micro_batch_size": 2}
     if port is not None:
-        harvest["fleet"] = {"rendezvous": f"127.0.0.1:{port}", "job_id": "fleet-test", "heartbeat_s": 0.2,
-                            "dead_after_s": 2.0, "collective_timeout_s": 30.0, **(fleet or {})}
+        # dead_after_s as the SGLang fleet test's: members are CPU trainers sharing a few cores
+        # with the store and pytest, where a heartbeat thread can stall for seconds; a live
+        # member taken for dead is dropped and its steps are trained twice.
+        harvest["fleet"] = {"rendezvous": f"127.0.0.1:{port}", "job_id": "fleet-test", "heartbeat_s": 0.5,
+                            "dead_after_s": 10.0, "collective_timeout_s": 30.0, **(fleet or {})}
     job = {
         "model_name_or_path": str(model_path), "template": "default", "dataset": "demo_alpaca",
         "dataset_dir": str(DEMO_DATA), "finetuning_type": "lora", "lora_rank": 4, "lora_alpha": 8,

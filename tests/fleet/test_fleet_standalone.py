@@ -4,12 +4,13 @@
   process writes on the whole batch (exact data parallelism, to 1e-5);
 - periodic: three members finish the job while one of them is SIGKILLed mid-run and
   started again (it rejoins, gets the fleet's weights and trains on), and the final
-  adapter's loss is within the single-process run's noise.
+  adapter's loss is within what periodic averaging guarantees against the
+  single-process run's own loss curve (see the test).
 """
 
 from __future__ import annotations
 
-import json
+import math
 import re
 import signal
 import statistics
@@ -71,7 +72,9 @@ def _wait_for(predicate, timeout_s):
 def test_periodic_three_members_one_killed_and_restarted(tiny_llama_path, tmp_path):
     steps = 1200  # long enough that the restarted member (~10 s to start) finds the job running
     keys = dict(learning_rate=5e-3)
-    solo = write_fleet_job(tmp_path / "solo", tiny_llama_path, port=None, max_steps=steps, **keys)
+    # The solo run's checkpoints are its loss curve (the loss check's reference, below).
+    solo = write_fleet_job(tmp_path / "solo", tiny_llama_path, port=None, max_steps=steps, save_steps=steps // 12,
+                           **keys)
     assert _finish([start_member(solo, tmp_path / "solo.log")], 400) == [0]
     port = free_port()
     store = subprocess.Popen([sys.executable, "-m", "harvest.cli", "fleet-store", f"127.0.0.1:{port}"], cwd=PROJECT,
@@ -104,12 +107,43 @@ def test_periodic_three_members_one_killed_and_restarted(tiny_llama_path, tmp_pa
     # The dead member's unsynced steps went back to the queue (or it had none at the kill).
     text = "".join(log.read_text(errors="replace") for log in logs[:2] + [restarted_log])
     assert "given back" in text or "re-queued" in text or "silent" in text or killed_at == steps
-    # Every step's samples were trained into the final weights; the loss is the solo run's, within its noise.
-    solo_losses = [json.loads(line)["loss"] for line in (tmp_path / "solo" / "adapter" / "trainer_log.jsonl").read_text().splitlines()]
-    noise = statistics.pstdev(solo_losses[-20:])
+    # The loss. A periodic round sets every member to the token-weighted mean of their weights,
+    # each member having trained its own steps from the same weights since the last round: a
+    # round moves the fleet by about one member's progress, not by the sum of theirs. With at
+    # most M = 3 members in a round, each trains 1/M of the steps, at the learning rate of
+    # their (global) step numbers; so the fleet gets at least as far as the solo run does on
+    # the steps whose learning rates sum to 1/M of the whole run's: with the linear decay, its
+    # first 1 - sqrt(1 - 1/M) (18 %). Rounds of fewer members (the kill) and steps trained
+    # twice (the killed member's) only add. How often rounds come and who is in them (timing
+    # the test does not control) changes how far past that point the fleet gets (averaging
+    # also evens out the members' batch noise), not whether it gets there. So the fleet's loss
+    # lies between the solo run's final one and its own at its last checkpoint before that
+    # point, each widened by 3 standard deviations of the solo run's step losses there (the
+    # loss's batch-to-batch noise at that stage of a run: two runs as far along differ by
+    # about that much). (Measured on the tiny Llama: the solo run at 0.32 at step 200 and 0.077
+    # at the end, a three-member fleet without a kill at 0.19.) A fleet outside it lost its
+    # members' work (weights not averaged in, or reset) or trained steps many times over.
+    fraction = 1 - math.sqrt(1 - 1 / 3)
+    every = steps // 12
+    reference = int(fraction * steps) // every * every
+    step_losses = _step_losses(tmp_path / "solo.log")
+    assert len(step_losses) == steps and reference >= 20, (len(step_losses), reference)
+    noise_reference = statistics.pstdev(step_losses[reference - 20:reference])
+    noise_end = statistics.pstdev(step_losses[-20:])
     evaluated = range(0, steps, 20)
     solo_loss = adapter_loss(solo, tmp_path / "solo" / "adapter", evaluated)
+    reference_loss = adapter_loss(solo, tmp_path / "solo" / "adapter" / f"checkpoint-{reference}", evaluated)
     fleet_loss = adapter_loss(solo, tmp_path / "fleet" / "adapter", evaluated)
-    print(f"solo loss {solo_loss:.4f}, fleet loss {fleet_loss:.4f}, solo noise (stdev of its last 20 step losses) "
-          f"{noise:.4f}, killed at {killed_at}/{steps} committed")
-    assert abs(fleet_loss - solo_loss) <= noise, (solo_loss, fleet_loss, noise)
+    low, high = solo_loss - 3 * noise_end, reference_loss + 3 * noise_reference
+    print(f"solo loss {solo_loss:.4f} (step-loss stdev {noise_end:.4f}), at step {reference} {reference_loss:.4f} "
+          f"(stdev {noise_reference:.4f}), fleet loss {fleet_loss:.4f}, killed at {killed_at}/{steps} committed")
+    assert low <= fleet_loss <= high, (low, fleet_loss, high)
+
+
+STEP_LINE = re.compile(r"^step (\d+)/\d+ loss=([0-9.eE+-]+|nan|inf)", re.MULTILINE)
+
+
+def _step_losses(log) -> list[float]:
+    """Every step's loss as `harvest train --no-progress` prints it, in step order."""
+    return [float(loss) for _, loss in sorted((int(step), loss) for step, loss in
+                                                STEP_LINE.findall(log.read_text(errors="replace")))]
