@@ -28,7 +28,8 @@ The end (periodic): a round's members decide whether it finished the job only on
 one of them has synced its steps (``r<N>/synced``), so all of them decide alike. Each of
 them then holds the finished weights; one, elected by compare-set on ``final/writer``,
 writes the final adapter and sets ``final/written``. No member is ``done`` before that
-key exists; a holder takes over the writing when the elected one is gone. After the job
+key exists; a holder takes over the writing when the elected one is gone (one that was
+only slow writes the same weights again: each write is atomic). After the job
 is finished no round runs: averaging would mix the finished weights with stale ones.
 """
 

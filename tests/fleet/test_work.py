@@ -184,14 +184,16 @@ def _between_rounds(store, *trainers, job_id="t"):
 
 
 def test_members_average_a_joiner_gets_the_weights_and_a_dead_members_steps_are_trained_again(store):
-    first, trainer_first = _member(store.port), StandInTrainer(0.0)
+    # Silent for 3 s is dead: a loaded machine can stall a heartbeat thread 1 s (a live
+    # member dropped, its steps re-queued), and the test waits this long once.
+    first, trainer_first = _member(store.port, dead_after_s=3.0), StandInTrainer(0.0)
     first.start(trainer_first, None)
     _until(first.joined.is_set)  # alone: its first round is its own
     step = first.claim()
     trainer_first.train(step, tokens=10, change=4.0)
     _until(lambda: first.stats()["committed_steps"] == 1)
     # A second member comes with other weights: its first round gives it the fleet's.
-    second, trainer_second = _member(store.port), StandInTrainer(100.0)
+    second, trainer_second = _member(store.port, dead_after_s=3.0), StandInTrainer(100.0)
     second.start(trainer_second, None)
     _until(second.joined.is_set)
     assert float(trainer_second.weights) == pytest.approx(float(trainer_first.weights)) == pytest.approx(4.0)
@@ -256,13 +258,13 @@ class EndOfJobTrainer(StandInTrainer):
         super().fleet_checkpoint(state, final)
 
 
-def _two_members_finish_together(store, on_final=None):
+def _two_members_finish_together(store, on_final=None, dead_after_s=30.0):
     """Two members, each trains one of the job's two steps, one round commits both.
     ``on_final(trainer, pairs)`` runs where the final adapter would be written."""
     rank0_through, finals, pairs = threading.Event(), [], []
     for value in (0.0, 100.0):
         hook = (lambda trainer: on_final(trainer, pairs)) if on_final is not None else None
-        member, trainer = _member(store.port, min_members=2), EndOfJobTrainer(value, rank0_through, finals, hook)
+        member, trainer = _member(store.port, min_members=2, dead_after_s=dead_after_s), EndOfJobTrainer(value, rank0_through, finals, hook)
         member.total_steps = 2
         original = member._run_round
 
@@ -313,7 +315,9 @@ def test_a_holder_writes_the_final_adapter_when_the_elected_writer_dies(store):
             released.wait(60)
             raise RuntimeError("killed")
 
-    pairs, finals = _two_members_finish_together(store, on_final=die)
+    # A member silent for 3 s is gone: long enough that a loaded machine's stalls do not
+    # drop a live one, short enough to wait for the killed writer.
+    pairs, finals = _two_members_finish_together(store, on_final=die, dead_after_s=3.0)
     try:
         _until(lambda: len(finals) == 2, timeout_s=60)
         survivor = next(member for member, trainer in pairs if trainer is finals[1])
