@@ -109,14 +109,13 @@ def _poller_process(port, num_clients, nice, interval_s, stop, results):
     results.put((served, errors, latencies))
 
 
-def _endpoint_pid() -> int:
-    """harvest's endpoint process (the one server this benchmark runs)."""
-    import subprocess
-
-    pids = subprocess.run(["pgrep", "-f", "harvest.sglang.control --host"], capture_output=True, text=True).stdout.split()
+def _endpoint_pid(srv) -> int:
+    """harvest's endpoint process of the server this benchmark runs (not another server's
+    on this machine)."""
+    pids = srv.processes("harvest.sglang.control")
     if len(pids) != 1:
-        raise RuntimeError(f"expected one harvest endpoint process, found {pids}")
-    return int(pids[0])
+        raise RuntimeError(f"expected one harvest endpoint process, found {sorted(pids)}")
+    return pids.pop()
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -146,11 +145,11 @@ def _phase(srv, port, args, polled):
     seq = json.loads(_get(port, "/harvest/steps?limit=1"))["steps"]
     since = seq[-1]["seq"] if seq else 0
     poll = _pollers(port, args.pollers, args.pollers_nice, args.poll_rate) if polled else None
-    endpoint_cpu = _cpu_seconds(_endpoint_pid())
+    endpoint_cpu = _cpu_seconds(_endpoint_pid(srv))
     started = time.monotonic()
     request_s = _load(srv, args)
     elapsed = time.monotonic() - started
-    endpoint_cpu = _cpu_seconds(_endpoint_pid()) - endpoint_cpu
+    endpoint_cpu = _cpu_seconds(_endpoint_pid(srv)) - endpoint_cpu
     polls = None
     if poll is not None:
         stop, results, process = poll

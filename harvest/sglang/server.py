@@ -131,6 +131,29 @@ class Server:
                 pass
             self.process.wait(timeout=timeout)
 
+    def processes(self, module: str) -> set[int]:
+        """The ids of this server's live processes running ``python -m <module>`` (e.g.
+        ``harvest.sglang.control``, harvest's endpoint). Found by the session launch starts
+        the server in, which every process it forks stays in even after its parent is gone:
+        never another server's, whoever runs one on this machine."""
+        session, marker = self.process.pid, module.encode()
+        found = set()
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+                if int(fields[3]) != session:  # state, ppid, pgrp, session
+                    continue
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    argv = f.read().split(b"\0")
+            except (OSError, IndexError, ValueError):  # gone meanwhile
+                continue
+            if marker in argv:  # an argument of its own (a zombie's command line is empty)
+                found.add(int(entry))
+        return found
+
     def __enter__(self) -> "Server":
         return self
 

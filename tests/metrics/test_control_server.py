@@ -33,16 +33,10 @@ def _listening(port: int) -> set[str]:
     return {line.split()[3].rsplit(":", 1)[0] for line in out.splitlines() if line.strip()}
 
 
-def _endpoint_pids() -> set[int]:
-    out = subprocess.run(["pgrep", "-f", "harvest.sglang.control --host"], capture_output=True, text=True).stdout
-    return {int(pid) for pid in out.split()}
-
-
 def test_the_endpoint_listens_where_the_instance_says_and_serves_strict_json(tiny_llama_path, tmp_path):
     yaml_port, instance_port = server.free_port(), server.free_port()
     config = tmp_path / "harvest.yaml"
     config.write_text(f"metrics: {{port: {yaml_port}}}\n")
-    before = _endpoint_pids()
     args = server.cpu_server_args(tiny_llama_path) + [
         "--enable-harvest", "--harvest-config", str(config),
         "--harvest-metrics-port", str(instance_port), "--harvest-metrics-host", "0.0.0.0"]
@@ -54,7 +48,7 @@ def test_the_endpoint_listens_where_the_instance_says_and_serves_strict_json(tin
         steps = strict_loads(_get("127.0.0.1", instance_port, "/harvest/steps"))
         status = strict_loads(_get("127.0.0.1", instance_port, "/harvest/status"))
         metrics = _get("127.0.0.1", instance_port, "/metrics").decode()
-        endpoints = _endpoint_pids() - before
+        endpoints = srv.processes("harvest.sglang.control")  # this server's only, not another test suite's
         yaml_port_used = _listening(yaml_port)
     assert listening == {"0.0.0.0"} and not yaml_port_used  # the command line won over harvest.yaml
     rows = steps["steps"]
@@ -66,9 +60,9 @@ def test_the_endpoint_listens_where_the_instance_says_and_serves_strict_json(tin
     assert "harvest_decode_step_seconds_count" in metrics
     assert len(endpoints) == 1  # one endpoint process for the instance ...
     deadline = time.monotonic() + 10
-    while endpoints & _endpoint_pids() and time.monotonic() < deadline:
+    while srv.processes("harvest.sglang.control") and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not endpoints & _endpoint_pids()  # ... gone with the server
+    assert not srv.processes("harvest.sglang.control")  # ... gone with the server
 
 
 def test_a_busy_metrics_port_stops_the_server_before_the_model_loads(tiny_llama_path, tmp_path):
