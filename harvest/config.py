@@ -103,7 +103,8 @@ class MetricsConfig:
     # the cores busy, which is when /metrics and /harvest/status are needed
     # (harvest.sglang.control._lower_priority).
     endpoint_nice: int = setting(DEFAULT_ENDPOINT_NICE, "nice increment of harvest's endpoint process: decode and "
-                                 "the trainer win a contended core, the endpoint still gets a share (0: the server's)", Integer(minimum=0, maximum=19))
+                                 "the trainer win a contended core, the endpoint still gets a share (0: the server's)",
+                                 Integer(minimum=0, maximum=19))
     # SGLang's metrics carry model_name (and --tokenizer-metrics-custom-labels for its own
     # request labels); harvest's carry model_name plus these on every series, so one
     # dashboard selects a fleet's servers by any of them.

@@ -86,6 +86,7 @@ def test_full_document_and_relative_paths(tmp_path):
         ({"trainer": {"threads": 2}}, r"unknown key\(s\) trainer\.threads \(known: cpu_threads, nice\)"),
         ({"trainer": {"nice": -1}}, r"trainer\.nice=-1: expected an integer in \[0, 19\]"),
         ({"trainer": {"nice": 20}}, r"trainer\.nice=20: expected an integer in \[0, 19\]"),
+        ({"metrics": {"endpoint_nice": -1}}, r"metrics\.endpoint_nice=-1: expected an integer in \[0, 19\]"),
         ({"allow_profile_mismatch": "yes"}, r"allow_profile_mismatch='yes': expected true or false"),
         ({"share_served_weights": 1}, r"share_served_weights=1: expected true or false"),
         ([1, 2], r"^harvest config: expected a mapping of settings, got list$"),
@@ -146,7 +147,7 @@ ladder: [132, 64]
 trainer: {cpu_threads: 2, nice: 5}
 memory: {reserve_tokens: 4096, hysteresis_chunks: 0, max_lend_fraction: 0.5, lend_interval_s: 0.2,
          urgent_reclaim_wait_s: 2.5, integrity_check_interval_s: 30, release_on_pause: false}
-metrics: {port: 0, host: 0.0.0.0, publish_interval_s: 2, labels: {cluster: eu-1, pool: decode}}
+metrics: {port: 0, host: 0.0.0.0, publish_interval_s: 2, endpoint_nice: 15, labels: {cluster: eu-1, pool: decode}}
 queue: {max_running: 2, quantum_s: 1.5, starvation_s: 10}
 online: {window: 64, refit_every: 16, min_observations: 8, drift_threshold: 0.2, online_share: 0.25,
          refit_min_interval_s: 0.5}

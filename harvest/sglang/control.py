@@ -28,7 +28,8 @@ with decode for the GIL, and polling the endpoint broke the latency target (2000
 8 clients: decode p99 29.7 -> 182.8 ms). Here the engine publishes a snapshot file at
 most every ``metrics.publish_interval_s`` and runs commands between steps
 (harvest.colocate.control_link); this process serves every request from its copy of the
-snapshot, on CPU time decode and the trainer leave (SCHED_IDLE), with a fixed pool of threads.
+snapshot, at a lower priority than decode and the trainer (``metrics.endpoint_nice``), with a
+fixed pool of threads.
 
 The /harvest endpoints use SGLang's own auth rule for admin endpoints
 (``sglang.srt.utils.auth.decide_request_auth`` at ``ADMIN_OPTIONAL``): with no keys
@@ -67,7 +68,7 @@ STEPS_KEPT = 8192
 STEPS_DEFAULT_LIMIT = 512  # a poll's default: ~75 kB, where all 8192 kept would be ~1.2 MB
 COMMAND_TIMEOUT_S = 10.0
 MAX_BODY_BYTES = 64 * 1024
-JOB_CHECK_TIMEOUT_S = 600.0  # LlamaFactory's imports and the dataset's preprocessing, at idle priority
+JOB_CHECK_TIMEOUT_S = 600.0  # LlamaFactory's imports and the dataset's preprocessing, at the endpoint's nice value
 GET_ROUTES = ("/metrics", "/harvest/status", "/harvest/steps", "/harvest/jobs")
 POST_ROUTES = ("/harvest/pause", "/harvest/resume", "/harvest/stop", "/harvest/jobs", "/harvest/settings")
 JOB_ACTION_ROUTE = re.compile(r"/harvest/jobs/([^/]+)/(cancel|publish)")
@@ -395,16 +396,14 @@ def check_job_in_child(path, tp_size: int = 1) -> str | None:
     --check`'s checks with the server's caps and tensor-parallel degree ``tp_size``
     (harvest.preflight --job: what the build refuses before the model loads), in a child process
     (LlamaFactory's imports cost seconds and hundreds of MB, and must not happen in the
-    engine process). The child runs at normal priority with nice 10, not at this
-    process's idle priority, which a busy server's cores would never give it."""
+    engine process). The child has this process's priority (``metrics.endpoint_nice``)."""
     if not isinstance(path, str) or not path:
         return f"'path' must be the job file's absolute path on the server, got {path!r}"
     if not os.path.isabs(path):
         return f"'path' must be absolute (the server's working directory is not yours): {path}"
     command = [sys.executable, "-m", "harvest.preflight", "--job", path, "--tp-size", str(tp_size)]
     try:
-        out = subprocess.run(command, capture_output=True, text=True, timeout=JOB_CHECK_TIMEOUT_S,
-                             preexec_fn=_normal_priority, check=False)
+        out = subprocess.run(command, capture_output=True, text=True, timeout=JOB_CHECK_TIMEOUT_S, check=False)
     except subprocess.TimeoutExpired:
         return f"the job check of {path} did not finish within {JOB_CHECK_TIMEOUT_S:.0f} s"
     if out.returncode == 0:
@@ -415,23 +414,15 @@ def check_job_in_child(path, tp_size: int = 1) -> str | None:
                                           f"{out.stderr.strip()[-2000:] or 'no output'}")
 
 
-def _normal_priority() -> None:
-    try:
-        os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
-    except (AttributeError, OSError):
-        pass
-
-
 def _lower_priority(nice: int) -> None:
-    """Below every normal thread, decode's first: Linux's SCHED_IDLE runs this process
-    only on CPU time nothing else wants (a GPU server has cores to spare; on a machine
-    whose cores decode and the trainer keep busy, polls wait, decode does not). Where
-    there is no SCHED_IDLE, the nice value."""
-    if nice <= 0:
-        return
-    try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-    except (AttributeError, OSError):
+    """Below decode and the trainer: ``nice`` (metrics.endpoint_nice) added to the nice
+    value, before any thread starts (Linux's nice value is per thread; new threads inherit
+    it). Not SCHED_IDLE, which this endpoint used to take: its scheduling weight is 3
+    against a nice-0 thread's 1024 (nice 10: 110), so while decode and the trainer kept
+    the cores busy (when an operator needs /metrics and /harvest/status most) a request
+    took hundreds of times its CPU time and scrapes timed out. A nice value leaves decode
+    the contended core's larger share and still serves; an idle endpoint takes nothing."""
+    if nice > 0:
         os.nice(nice)
 
 

@@ -31,7 +31,7 @@ class EndpointSettings:
     backlog: int = 128  # Prometheus plus a few dashboards and scripts; 5 (the default) stalled 8 clients
     workers: int = 16  # threads serving connections; further connections wait in the backlog
     idle_timeout_s: float = 10.0  # an idle or slow connection is closed after this
-    nice: int = 10  # > 0: SCHED_IDLE (only CPU time nothing else wants), or this nice value where there is none
+    nice: int = 10  # nice increment of the endpoint process (metrics.endpoint_nice, default config.DEFAULT_ENDPOINT_NICE)
 
 
 def endpoint_settings(metrics, sglang_host: str | None, source=None) -> tuple[EndpointSettings, str] | None:
@@ -50,7 +50,7 @@ def endpoint_settings(metrics, sglang_host: str | None, source=None) -> tuple[En
     if port == 0:
         return None
     host = host or metrics.host or sglang_host or "127.0.0.1"
-    return EndpointSettings(host=host, port=port), where
+    return EndpointSettings(host=host, port=port, nice=metrics.endpoint_nice), where
 
 
 class ControlEndpointError(RuntimeError):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import socket
 import threading
 import time
@@ -71,6 +72,10 @@ def row(seq, predicted=3.2):
 
 
 def start(tmp_path, *, api_key=None, admin_api_key=None, replies=None, **settings):
+    """An endpoint process and its fake engine. At this process's priority unless ``nice``
+    is given: only the priority test tests the priority (on a machine other work keeps
+    busy, a lowered endpoint is slower to answer, which no other test is about)."""
+    settings.setdefault("nice", 0)
     snapshot_path = tmp_path / "snapshot.json"
     endpoint = EndpointProcess.start(EndpointSettings(host="127.0.0.1", port=0, **settings), snapshot_path,
                                      api_key=api_key, admin_api_key=admin_api_key, poll_interval_s=0.05,
@@ -266,6 +271,34 @@ def test_the_endpoint_exits_with_the_engine_and_removes_the_snapshot(tmp_path):
     assert not run_dir.exists()
 
 
+def _nice_and_policy(pid, tid):
+    with open(f"/proc/{pid}/task/{tid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()  # field 3 (state) first
+    return int(fields[19 - 3]), int(fields[41 - 3])  # nice, scheduling policy
+
+
+def test_the_endpoint_runs_below_decode_at_its_nice_value_never_sched_idle(tmp_path):
+    """metrics.endpoint_nice reaches the endpoint process and every thread it serves on;
+    the ordinary scheduler (SCHED_OTHER), not SCHED_IDLE, which starved it on busy cores."""
+    from harvest.config import MetricsConfig
+    from harvest.sglang.control_endpoint import endpoint_settings
+
+    assert MetricsConfig().endpoint_nice == EndpointSettings(host="h", port=1).nice == 10
+    assert endpoint_settings(MetricsConfig(port=1, endpoint_nice=7), "127.0.0.1")[0].nice == 7
+    expected = min(19, os.nice(0) + 7)  # an increment on the serving process's nice value
+    endpoint, engine = start(tmp_path, nice=7)
+    try:
+        engine.link.publish(snapshot([row(1)]))
+        assert wait_for(lambda: request(endpoint.port, "GET", "/harvest/status")[0] == 200)
+        pid = endpoint.process.pid
+        threads = os.listdir(f"/proc/{pid}/task")
+        assert len(threads) > 1  # the snapshot thread and a connection's worker too
+        assert {_nice_and_policy(pid, tid) for tid in threads} == {(expected, os.SCHED_OTHER)}
+    finally:
+        engine.close()
+        endpoint.close()
+
+
 def test_a_busy_port_fails_start_up_naming_the_setting(tmp_path):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
@@ -273,8 +306,9 @@ def test_a_busy_port_fails_start_up_naming_the_setting(tmp_path):
         port = busy.getsockname()[1]
         assert "cannot listen on 127.0.0.1:%d" % port in check_bindable("127.0.0.1", port)
         with pytest.raises(ControlEndpointError, match=rf"127.0.0.1:{port} \(metrics.port in harvest.yaml\).*in use"):
-            EndpointProcess.start(EndpointSettings(host="127.0.0.1", port=port), tmp_path / "s.json", api_key=None,
-                                  admin_api_key=None, poll_interval_s=0.1, where="metrics.port in harvest.yaml")
+            EndpointProcess.start(EndpointSettings(host="127.0.0.1", port=port, nice=0), tmp_path / "s.json",
+                                  api_key=None, admin_api_key=None, poll_interval_s=0.1,
+                                  where="metrics.port in harvest.yaml")
     assert check_bindable("127.0.0.1", port) is None
     assert "does not resolve" in check_bindable("no-such-host.invalid", 1234)
 
