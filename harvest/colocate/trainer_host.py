@@ -188,6 +188,9 @@ class JobRun:
             "active": active, "weight": self.weight, "serve_as": self.spec.serve_as,
             "output_dir": str(self.spec.output_dir) if self.spec.output_dir is not None else None,
             "global_step": step, "total_steps": total, "progress": progress, "eta_s": eta_s,
+            # the newest checkpoint on disk (what `harvest ctl publish` serves of a running job):
+            # global_step counts a step before its due checkpoint is written
+            "checkpoint_step": stats.checkpoint_step if stats is not None else None,
             "loss": stats.loss if stats is not None else None,
             "eval_loss": stats.eval_loss if stats is not None else None,
             "tokens_seen": tokens, "samples_seen": samples,

@@ -66,3 +66,6 @@ class TrainerStats:
     starved: int  # times a unit could not start: no window memory for its stage
     eval_loss: float | None = None  # the last evaluation's loss (the first eval set's, with several)
     fleet: dict | None = None  # a fleet member's view (harvest.fleet.member.FleetMember.stats); None: trains alone
+    # The step of the newest checkpoint this trainer wrote or resumed from, shown only once it is
+    # on disk (global_step counts a step before its due checkpoint is written); None: none yet.
+    checkpoint_step: int | None = None

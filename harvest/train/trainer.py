@@ -99,6 +99,7 @@ class LayerSplitTrainer:
         self._step: _Step | None = None
         self._last_saved_step: int | None = None
         self._last_saved_eval: int | None = None
+        self._checkpoint_step: int | None = None  # stats().checkpoint_step: set once the write has completed
         self._in_optimizer_update = False
         self._updates_run = 0  # updates this trainer made (optimizer steps, fleet rounds)
         self._last_stream = None  # the CUDA stream the previous unit ran on
@@ -321,6 +322,8 @@ class LayerSplitTrainer:
                 self.output_dir, step, peft_model=self.split.peft_model, optimizer=self.optimizer,
                 scheduler=self.scheduler, rng_state=checkpoint.capture_rng_state(self.device), state=state,
                 save_total_limit=self.save_total_limit, model_only=self.save_only_model)
+            with self._stats_lock:
+                self._checkpoint_step = step
             if final:
                 checkpoint.write_final_adapter(self.output_dir, self.split.peft_model)
         return path
@@ -407,6 +410,8 @@ class LayerSplitTrainer:
                     self.output_dir, self.global_step, peft_model=self.split.peft_model, optimizer=self.optimizer,
                     scheduler=self.scheduler, rng_state=rng_state, state=state,
                     save_total_limit=self.save_total_limit, text_files=text_files, model_only=self.save_only_model)
+                with self._stats_lock:
+                    self._checkpoint_step = self.global_step  # on disk now (written atomically)
         self._last_saved_step, self._last_saved_eval = self.global_step, self._eval_done_step
         if self.train_log is not None:
             self.train_log.saved()
@@ -422,6 +427,8 @@ class LayerSplitTrainer:
         self.global_step = int(state["global_step"])
         self._resumed_fleet_state = state.get("fleet")
         self._last_saved_step = self.global_step
+        with self._stats_lock:
+            self._checkpoint_step = self.global_step
         self._eval_done_step = self._last_saved_eval = state.get("eval_done_step")
         # An evaluation due after this step that had not completed when it was saved runs again.
         self._eval_owed = (self.evaluation is not None and self.evaluation.due_after(self.global_step)
@@ -444,7 +451,7 @@ class LayerSplitTrainer:
     def stats(self) -> TrainerStats:
         with self._stats_lock:
             c = dict(self._counters)
-            state, loss, lr = self._state, self._last_loss, self._last_lr
+            state, loss, lr, checkpoint_step = self._state, self._last_loss, self._last_lr, self._checkpoint_step
         window_bytes = self.window.held_bytes
         return TrainerStats(**{
             "global_step": self.global_step, **self._fleet_view()}, state=state, total_steps=self.total_steps,
@@ -454,7 +461,7 @@ class LayerSplitTrainer:
             window_stages=self.window.capacity, window_bytes=window_bytes,
             resident_bytes=window_bytes + self._trainable_state_bytes,
             micro_batch_size=self.micro_batch_size, load_wait_s=c["load_wait_s"], starved=c["starved"],
-            eval_loss=next(iter(self._last_eval.values()), None))
+            eval_loss=next(iter(self._last_eval.values()), None), checkpoint_step=checkpoint_step)
 
     def _fleet_view(self) -> dict:
         """A fleet member's stats; periodic: progress is the fleet's (committed steps plus

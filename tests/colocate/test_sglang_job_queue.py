@@ -177,7 +177,8 @@ def test_a_finished_job_is_served_by_the_same_server(tiny_llama_path, tmp_path):
         with_adapter = generate(srv, "support-bot")
         adapter_logprobs = generate(srv, "support-bot", logprobs=True)
         submitted = _harvest("ctl", "--server", endpoint, "submit", str(running))
-        checkpointed = _wait_for(lambda: _jobs(port).get("long", {}).get("global_step", 0) >= 4, 300)
+        # checkpoint_step, not global_step: a step counts before its due checkpoint is on disk.
+        checkpointed = _wait_for(lambda: (_jobs(port).get("long", {}).get("checkpoint_step") or 0) >= 4, 300)
         published = _harvest("ctl", "--server", endpoint, "publish", "long", "--as", "snapshot")
         snapshot = _wait_for(lambda: (_jobs(port)["long"].get("adapter") or {}).get("state") in ("served", "failed")
                              and _jobs(port)["long"]["adapter"], 120)

@@ -130,3 +130,36 @@ def test_torn_staging_directory_is_ignored_and_overwrite_starts_over(checkpointe
     assert fresh.global_step == 0
     assert fresh.run(Gate()) == "finished"
     assert json.loads((checkpointed / "checkpoint-2" / "harvest_state.json").read_text())["global_step"] == 2
+
+
+def test_the_reported_checkpoint_step_is_on_disk_before_it_shows(tiny_llama_path, tmp_path, monkeypatch):
+    """stats().checkpoint_step (the job status's, what `harvest ctl publish` of a running job
+    waits for) names a checkpoint already written: global_step counts a step before its due
+    checkpoint is, so a caller that waited for the step found no checkpoint yet."""
+    from harvest.train import checkpoint
+
+    trainer = build(tiny_llama_path, tmp_path / "run", max_steps=4, save_steps=2)
+    assert trainer.stats().checkpoint_step is None
+    seen_while_writing = []
+    real_save = checkpoint.save_checkpoint
+
+    def save(output_dir, step, **kwargs):
+        stats = trainer.stats()
+        seen_while_writing.append((step, stats.global_step, stats.checkpoint_step))
+        return real_save(output_dir, step, **kwargs)
+
+    monkeypatch.setattr(checkpoint, "save_checkpoint", save)
+    reported = []
+
+    def on_step(entry):
+        step = trainer.stats().checkpoint_step
+        reported.append(step)
+        assert step is None or (tmp_path / "run" / f"checkpoint-{step}" / "adapter_config.json").is_file()
+
+    trainer.step_callbacks.append(on_step)
+    assert trainer.run(Gate()) == "finished"
+    # While checkpoint-N is written the step already counts; the checkpoint step does not.
+    assert seen_while_writing == [(2, 2, None), (4, 4, 2)]
+    assert reported == [None, None, 2, 2] and trainer.stats().checkpoint_step == 4
+    resumed = build(tiny_llama_path, tmp_path / "run", max_steps=6, save_steps=2)
+    assert resumed.stats().checkpoint_step == 4  # the checkpoint it resumed from
