@@ -452,9 +452,10 @@ class LayerSplitTrainer:
         with self._stats_lock:
             c = dict(self._counters)
             state, loss, lr, checkpoint_step = self._state, self._last_loss, self._last_lr, self._checkpoint_step
+            global_step = self.global_step
         window_bytes = self.window.held_bytes
         return TrainerStats(**{
-            "global_step": self.global_step, **self._fleet_view()}, state=state, total_steps=self.total_steps,
+            "global_step": global_step, **self._fleet_view()}, state=state, total_steps=self.total_steps,
             samples_seen=c["samples_seen"], tokens_seen=c["tokens_seen"], loss=loss, learning_rate=lr,
             tokens_per_s=c["session_tokens"] / c["unit_s"] if c["unit_s"] > 0 else 0.0,
             units_run=c["units_run"], pauses=c["pauses"], paused_s=c["paused_s"],
@@ -613,9 +614,9 @@ class LayerSplitTrainer:
             loss = step.fleet_loss
         tokens = sum(mb.num_tokens for mb in step.micro_batches)
         samples = sum(mb.input_ids.shape[0] for mb in step.micro_batches)
-        self.global_step += 1
         self._step = None
-        with self._stats_lock:
+        with self._stats_lock:  # the step and its counts change together for stats()
+            self.global_step += 1
             self._last_loss = loss
             self._counters["samples_seen"] += samples
             self._counters["tokens_seen"] += tokens
