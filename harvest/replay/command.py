@@ -66,7 +66,7 @@ def add_arguments(parser) -> None:
     d.add_argument("--error-scale", type=float, default=1.0, help="true co-located latency = predicted x this (stage-2 error the scheduler does not know; default 1)")
     d.add_argument("--error-noise", type=float, default=0.0, help="relative std. dev. of per-step noise on every true latency (default 0)")
     f = parser.add_argument_group("fleet")
-    f.add_argument("--servers", type=int, default=1, help="decode servers behind a router, each replayed as the instance above; they share the trace's requests, so each gets 1/N of its rate: add --rate-scale N --rate-scale-sizes resample for a fleet sized to N times the trace (default 1: the single-instance report)")
+    f.add_argument("--servers", type=int, default=None, help="decode servers behind a router, each replayed as the instance above; they share the trace's requests, so each gets 1/N of its rate: add --rate-scale N --rate-scale-sizes resample for a fleet sized to N times the trace (default 1: the single-instance report)")
     f.add_argument("--router", type=_csv, default=None, help="with --servers > 1: comma-separated subset of round-robin,least-loaded (default: both)")
     o = parser.add_argument_group("output")
     o.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR, help=f"where the PNG plots and replay.json go (default ./{DEFAULT_OUT_DIR})")
@@ -132,11 +132,13 @@ def run(args) -> int:
             **({} if args.kv_bytes_per_token is None else {"kv_bytes_per_token": args.kv_bytes_per_token}),
         )
         settings.check()
-        fleet_settings = fleet.FleetSettings(args.servers, router.ALL_ROUTERS if args.router is None else args.router)
+        fleet_settings = fleet.FleetSettings(1 if args.servers is None else args.servers,
+                                             router.ALL_ROUTERS if args.router is None else args.router)
         fleet_settings.check()
-        if args.router is not None and fleet_settings.num_servers == 1:
+        if args.router is not None and args.servers is None:
+            # Said, not ignored; `--servers 1 --router R` is a fleet of one (the single report).
             raise ValueError(f"--router {','.join(args.router)!r}: routes requests between servers; give --servers N "
-                             "(N > 1) with it")
+                             "with it")
         one_instance = fleet_settings.num_servers == 1
         if not args.no_plots:
             check_out_dir(args.out_dir)
