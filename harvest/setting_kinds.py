@@ -153,6 +153,10 @@ class Text:
         return {"type": "string", "pattern": f"^(?:{self.pattern})$"}
 
 
+# An IPv6 address's shape for JSON Schema (addresses.parse_* decide what is valid).
+IPV6_PATTERN = r"[0-9A-Fa-f:.]*:[0-9A-Fa-f:.]*(%[A-Za-z0-9_.-]+)?"
+
+
 @dataclasses.dataclass(frozen=True)
 class Endpoint:
     """A ``HOST:PORT`` or ``[IPv6]:PORT`` string (harvest.addresses), kept as written."""
@@ -170,7 +174,7 @@ class Endpoint:
         return text
 
     def schema(self) -> dict:
-        host = rf"{addresses.NAME_PATTERN}|\[[0-9A-Fa-f:.]*:[0-9A-Fa-f:.]*(%[A-Za-z0-9_.-]+)?\]"
+        host = rf"{addresses.NAME_PATTERN}|\[{IPV6_PATTERN}\]"
         return {"type": "string", "pattern": f"^(?:{host}):{PORT_PATTERN}$"}
 
 
@@ -191,8 +195,7 @@ class Host:
         return text
 
     def schema(self) -> dict:
-        ipv6 = r"[0-9A-Fa-f:.]*:[0-9A-Fa-f:.]*(%[A-Za-z0-9_.-]+)?"
-        return {"type": "string", "pattern": f"^(?:{addresses.NAME_PATTERN}|{ipv6}|\\[{ipv6}\\])$"}
+        return {"type": "string", "pattern": f"^(?:{addresses.NAME_PATTERN}|{IPV6_PATTERN}|\\[{IPV6_PATTERN}\\])$"}
 
 
 @dataclasses.dataclass(frozen=True)
