@@ -57,17 +57,32 @@ def junit(path: Path) -> dict | None:
             "not_passed": {k: v for k, v in outcome.items() if v != "passed"}, "skip_reasons": reasons}
 
 
+VALIDATION_MARK = "GPU-VALIDATION "
+
+
 def validation_lines(path: Path) -> list[dict]:
-    """The ``GPU-VALIDATION name {json}`` lines tests/compute/test_greenctx_gpu.py prints."""
+    """The ``GPU-VALIDATION name {json}`` lines tests/compute/test_greenctx_gpu.py prints.
+
+    Under ``pytest -s`` a line rarely starts with the mark: pytest writes the test file's
+    name or the progress dots of the tests before it first
+    (``tests/compute/test_greenctx_gpu.py GPU-VALIDATION ladder {...}``,
+    ``..GPU-VALIDATION scaling {...}``), so the mark is looked for anywhere in the line and
+    the JSON read from just after the name, whatever follows it.
+    """
     if not path.is_file():
         return []
-    found = []
+    found, decoder = [], json.JSONDecoder()
     for line in path.read_text(errors="replace").splitlines():
-        if line.startswith("GPU-VALIDATION "):
-            try:
-                found.append({"name": line.split(" ", 2)[1], "values": json.loads(line.split(" ", 2)[2])})
-            except (IndexError, ValueError):
-                continue
+        start = line.find(VALIDATION_MARK)
+        if start < 0:
+            continue
+        name, _, rest = line[start + len(VALIDATION_MARK):].partition(" ")
+        try:
+            values, _ = decoder.raw_decode(rest.lstrip())
+        except ValueError:
+            continue
+        if name:
+            found.append({"name": name, "values": values})
     return found
 
 

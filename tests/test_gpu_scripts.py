@@ -174,6 +174,30 @@ def test_validate_summary_collects_the_figures(tmp_path):
     assert "(a) measured" in result.stdout and "(e) step not run" in result.stdout
 
 
+def test_validate_summary_reads_the_lines_as_pytest_s_prints_them(tmp_path):
+    """pytest -s writes the file name or the progress dots before a test's print: the
+    GPU-VALIDATION lines of a real greenctx step (2026-11-24 H100 and 2026-11-26 H200 runs)
+    begin that way, and claim (b)'s spin_kernel came back empty from both."""
+    out = _result_folder(tmp_path, "cuda")
+    (out / "greenctx.stdout.txt").write_text(
+        "collected 7 items\n\n"
+        'tests/compute/test_greenctx_gpu.py GPU-VALIDATION ladder {"realised": [[24, 108], [132, 0]]}\n'
+        '..GPU-VALIDATION scaling {"whole_gpu_ms": 39.08, "rows": [{"side": "decode", "sms": 24, "ratio": 5.497}]}\n'
+        '.GPU-VALIDATION isolation {"decode_solo_ms": 80.64, "decode_beside_trainer_ms": 80.69}\n'
+        '.GPU-VALIDATION graph {"eager_ms": 80.69, "replay_ms": 80.71} ...\n'
+        ".GPU-VALIDATION broken {not json\n"
+        "...\n")
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_validate_summary.py"), str(out)], check=True,
+                   capture_output=True)
+    summary = json.loads((out / "summary.json").read_text())
+    assert [line["name"] for line in summary["gpu_validation"]] == ["ladder", "scaling", "isolation", "graph"]
+    assert summary["gpu_validation"][3]["values"] == {"eager_ms": 80.69, "replay_ms": 80.71}
+    spin = summary["claims"]["b"]["figures"]["spin_kernel"]
+    assert [line["name"] for line in spin] == ["ladder", "scaling", "isolation"]
+    assert spin[1]["values"]["whole_gpu_ms"] == 39.08 and spin[1]["values"]["rows"][0]["ratio"] == 5.497
+    assert spin[2]["values"] == {"decode_solo_ms": 80.64, "decode_beside_trainer_ms": 80.69}
+
+
 def test_validate_summary_never_calls_a_cpu_figure_measured(tmp_path):
     out = _result_folder(tmp_path, "cpu")
     level = json.loads((out / "level-graphs.json").read_text())
