@@ -8,12 +8,22 @@ from __future__ import annotations
 
 import functools
 import os
+import signal
 
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("DISABLE_VERSION_CHECK", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# Tests interrupt the commands they start (SIGINT, as Ctrl-C does) and check that what
+# was measured is kept. A suite started in the background by a non-interactive shell
+# (`make test &`, CI runners) inherits SIGINT *ignored*, every child then ignores it too
+# and Python installs no KeyboardInterrupt handler: the interrupted command ran to its
+# end. A caught signal is reset to the default on exec, so catching it here gives every
+# child (and every xdist worker, which imports this file too) the terminal's behaviour.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @functools.lru_cache(maxsize=1)

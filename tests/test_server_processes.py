@@ -43,3 +43,27 @@ def test_a_servers_processes_are_its_sessions_not_the_machines(tmp_path):
         except ProcessLookupError:
             pass
         launcher.wait()
+
+
+CHILD_SIGINT = """
+import signal, subprocess, sys
+probe = "import signal; print(signal.getsignal(signal.SIGINT) is signal.default_int_handler)"
+def child():
+    return subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True).stdout.strip()
+before = child()
+import tests.conftest  # what every test process imports first
+print(before, child())
+"""
+
+
+def test_the_commands_tests_start_can_be_interrupted_however_the_suite_was_started():
+    """tests/conftest.py: a suite started in the background inherits SIGINT ignored; the
+    commands it starts must still turn SIGINT into KeyboardInterrupt (tests interrupt
+    `harvest profile` and the GPU scripts and check what they kept)."""
+    import subprocess
+    import sys
+
+    # `&` in a non-interactive shell: the background job starts with SIGINT ignored.
+    result = subprocess.run(["bash", "-c", f"{sys.executable} -c '{CHILD_SIGINT}' & wait"], capture_output=True,
+                            text=True, timeout=120)
+    assert result.stdout.split() == ["False", "True"], result
