@@ -152,6 +152,13 @@ class Colocation:
         return result
 
     @property
+    def every_ranks_trainer_ended(self) -> bool:
+        """Tensor-parallel: at the last exchange, no rank's trainer job was running (so no
+        rank needs a peer for its trainer any more: the collective checkpoint is written)."""
+        agreed = self.last_agreement
+        return agreed is not None and agreed.trainers_ended
+
+    @property
     def forward_pending(self) -> bool:
         """Inside run_step, before the step's forward ran (``engine_places_forward``)."""
         return self._step_tag is not None
@@ -197,6 +204,7 @@ class Colocation:
         row[Field.NUM_TAKEN] = self.lending.num_taken
         row[Field.MOVES_DIGEST] = self.lending.moves_digest
         row[Field.LENDING_OK] = self.integrity_error is None
+        row[Field.TRAINER_ENDED] = self.trainer_host is None or self.trainer_host.join(0)
         agreed = ranks.exchange(row)
         self.last_agreement = agreed
         if ranks.leader:

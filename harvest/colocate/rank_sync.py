@@ -17,7 +17,10 @@ a gloo group of harvest's own (``all_gather`` of one row per rank):
   any rank stops every rank's trainer and returns all lent memory everywhere;
 - rank 0's operator commands and its lend clock (when to look for chunks to lend);
 - each rank's count of chunks lent or being lent and a digest of which chunks moved, in
-  order: they must be equal (a check; if not, lending and the trainers stop everywhere).
+  order: they must be equal (a check; if not, lending and the trainers stop everywhere);
+- whether each rank's trainer has ended: a rank told to stop (SIGTERM) passes the signal
+  on only once every rank's trainer has, so no rank leaves while a peer still needs it
+  (rank 0 writing the collective checkpoint, a peer inside this exchange).
 
 KV chunks move in and out of SGLang's free lists only at the same points on every rank
 and only with agreement (:meth:`RankSync.all_of`): a chunk is lent when it is free on
@@ -49,6 +52,7 @@ class Field(enum.IntEnum):
     NUM_TAKEN = 11  # this rank: chunks lent or being lent
     LENDING_OK = 12  # this rank: its KV integrity checks pass
     MOVES_DIGEST = 13  # this rank: which chunks left and rejoined SGLang's free lists, in order
+    TRAINER_ENDED = 14  # this rank: no trainer job's thread runs (its jobs ended, or none started)
 
 
 NUM_FIELDS = len(Field)
@@ -82,6 +86,7 @@ class Agreement:
     taken_by_rank: tuple[int, ...]
     digests_by_rank: tuple[int, ...]
     measurements: tuple[tuple[int, int, float], ...]  # (rank, tag, seconds)
+    trainers_ended: bool  # on every rank
 
     @property
     def diverged(self) -> bool:
@@ -147,7 +152,7 @@ def agreement(rows: list[list[float]]) -> Agreement:
         lending_broken_ranks=tuple(r for r, row in enumerate(rows) if not row[Field.LENDING_OK]),
         taken_by_rank=tuple(int(row[Field.NUM_TAKEN]) for row in rows),
         digests_by_rank=tuple(int(row[Field.MOVES_DIGEST]) for row in rows),
-        measurements=tuple(measurements))
+        measurements=tuple(measurements), trainers_ended=all(row[Field.TRAINER_ENDED] for row in rows))
 
 
 class SlowestRank:

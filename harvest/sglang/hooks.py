@@ -23,6 +23,8 @@ FORWARD = "sglang.srt.managers.tp_worker.TpModelWorker.forward_batch_generation"
 KV_POOL_CREATE = "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool._create_buffers_normal"
 TOKEN_ALLOCATOR = "sglang.srt.mem_cache.allocator.token.TokenToKVPoolAllocator"
 FULL_POOL_INVARIANT = "sglang.srt.managers.scheduler_components.invariant_checker.SchedulerInvariantChecker._check_full_pool"
+# The main process's check of its children (any child's end: kill the server).
+CHILD_WATCHDOG_CHECK = "sglang.srt.utils.watchdog.SubprocessWatchdog._check_processes"
 
 TARGETS = [
     f"{SCHEDULER}.__init__",
@@ -34,6 +36,7 @@ TARGETS = [
     f"{TOKEN_ALLOCATOR}.check_decode_capacity",
     f"{TOKEN_ALLOCATOR}.clear",
     FULL_POOL_INVARIANT,
+    CHILD_WATCHDOG_CHECK,
 ]
 
 RUNTIME_ATTR = "_harvest_runtime"
@@ -125,6 +128,25 @@ def _full_pool_invariant(original, checker, pool_stats, *args, **kwargs):
     return original(checker, pool_stats, *args, **kwargs)
 
 
+_schedulers_first = None
+
+
+def _check_children(original, watchdog, *args, **kwargs):
+    # Main process: a child that a stop signal ended (the detokenizer, at a group SIGTERM)
+    # must not take the server down while a scheduler still checkpoints its trainer
+    # (harvest.sglang.shutdown.SchedulersFirst).
+    global _schedulers_first
+    processes, names = getattr(watchdog, "_processes", None), getattr(watchdog, "_names", None)
+    if config_env.harvest_enabled() and processes is not None and names is not None:
+        from harvest.sglang.shutdown import SchedulersFirst
+
+        if _schedulers_first is None:
+            _schedulers_first = SchedulersFirst()
+        if _schedulers_first.hold(processes, names):
+            return False
+    return original(watchdog, *args, **kwargs)
+
+
 def register(registry, hook_type) -> None:
     from harvest.sglang import kv_backing
 
@@ -137,3 +159,4 @@ def register(registry, hook_type) -> None:
     registry.register(f"{TOKEN_ALLOCATOR}.check_decode_capacity", _check_decode_capacity, hook_type.AROUND)
     registry.register(f"{TOKEN_ALLOCATOR}.clear", _token_clear, hook_type.AROUND)
     registry.register(FULL_POOL_INVARIANT, _full_pool_invariant, hook_type.AROUND)
+    registry.register(CHILD_WATCHDOG_CHECK, _check_children, hook_type.AROUND)

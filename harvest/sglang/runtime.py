@@ -84,7 +84,9 @@ class HarvestRuntime:
         if colocation.trainer_host is not None:
             from harvest.sglang.shutdown import SignalCheckpoint
 
-            runtime.shutdown_signals = SignalCheckpoint(colocation.trainer_host, colocation.request_attention)
+            peers_ended = None if colocation.ranks is None else lambda: colocation.every_ranks_trainer_ended
+            runtime.shutdown_signals = SignalCheckpoint(colocation.trainer_host, colocation.request_attention,
+                                                        peers_ended=peers_ended)
             runtime.shutdown_signals.install()
             colocation.attention_handlers.append(runtime._poll_shutdown_signal)
         atexit.register(runtime.close)

@@ -412,6 +412,14 @@ class LayerSplitTrainer:
                     save_total_limit=self.save_total_limit, text_files=text_files, model_only=self.save_only_model)
                 with self._stats_lock:
                     self._checkpoint_step = self.global_step  # on disk now (written atomically)
+        if self.tp is not None:
+            # No rank returns before rank 0's write is on disk: a rank whose process stops
+            # next cannot take the server (and rank 0's write) down half-way.
+            with self._stats_lock:
+                mine = -1 if self._checkpoint_step is None else self._checkpoint_step
+            written = int(self.tp.max_float(float(mine)))
+            with self._stats_lock:
+                self._checkpoint_step = written if written >= 0 else None
         self._last_saved_step, self._last_saved_eval = self.global_step, self._eval_done_step
         if self.train_log is not None:
             self.train_log.saved()

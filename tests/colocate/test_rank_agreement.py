@@ -7,7 +7,8 @@ Colocation on a thread, exchanging through an in-process stand-in for the gloo g
   returns lent memory on every rank at the same exchange;
 - a trainer fault on rank 1 aborts rank 0's trainer collectives and takes every chunk back
   on both ranks, once;
-- ranks whose lent chunks differ stop lending and their trainers everywhere.
+- ranks whose lent chunks differ stop lending and their trainers everywhere;
+- every rank learns, at the same exchange, when every rank's trainer has ended.
 """
 
 from __future__ import annotations
@@ -52,6 +53,10 @@ class Host:
         self.calls, self.applied = [], []
         self.on_unit = self.on_fault = self.on_job_end = None
         self.runs = ["job"]
+        self.ended = False
+
+    def join(self, timeout_s=None):
+        return self.ended
 
     def status(self):
         return types.SimpleNamespace(state=TrainerState.RUNNING)
@@ -220,3 +225,13 @@ def test_ranks_whose_lending_differs_stop_lending_and_training_everywhere():
         assert not colo.lending.enabled and colo.trainer_host.calls == ["stop"]
         assert "digests (0, 7)" in colo.ranks_stopped_why
         assert colo.trainer_tp.aborted == []  # the trainers stop at a unit boundary and checkpoint
+
+
+def test_every_rank_sees_every_ranks_trainer_end_at_the_same_exchange():
+    colos = _ranks()
+    colos[1].trainer_host.ended = True  # rank 0 still writes the collective checkpoint
+    _on_every_rank(colos, lambda colo: colo.on_idle())
+    assert [colo.every_ranks_trainer_ended for colo in colos] == [False, False]
+    colos[0].trainer_host.ended = True
+    _on_every_rank(colos, _step)
+    assert [colo.every_ranks_trainer_ended for colo in colos] == [True, True]

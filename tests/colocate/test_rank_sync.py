@@ -33,6 +33,12 @@ def test_rank_0_decides_and_every_rank_reports():
     assert not agreed.diverged
 
 
+def test_the_trainers_ended_only_when_every_ranks_did():
+    assert agreement([_row(TRAINER_ENDED=1), _row(TRAINER_ENDED=1)]).trainers_ended
+    assert not agreement([_row(TRAINER_ENDED=1), _row(TRAINER_ENDED=0)]).trainers_ended
+    assert not agreement([_row(TRAINER_ENDED=0), _row(TRAINER_ENDED=1)]).trainers_ended
+
+
 @pytest.mark.parametrize("field", ["NUM_TAKEN", "MOVES_DIGEST"])
 def test_ranks_whose_lending_differs_are_seen(field):
     assert agreement([_row(**{field: 1}), _row(**{field: 2})]).diverged

@@ -239,7 +239,7 @@ def test_metrics_also_in_sglang_multiprocess_metrics(tiny_llama_path, tmp_path):
     assert own and own['harvest_decode_step_seconds_count{}'] >= 4
 
 
-@pytest.mark.parametrize("signal_to", ["process group", "main process"])
+@pytest.mark.parametrize("signal_to", ["process group", "main process", "detokenizer first"])
 def test_server_shutdown_checkpoints_the_trainer(tiny_llama_path, tmp_path, signal_to):
     # save_steps far away: any checkpoint on disk was written because the server stopped.
     port = server.free_port()
@@ -248,7 +248,16 @@ def test_server_shutdown_checkpoints_the_trainer(tiny_llama_path, tmp_path, sign
     try:
         status = _wait_for(lambda: ((s := _status(port))["trainer"]["stats"] or {}).get("global_step", 0) >= 2 and s, timeout_s=120)
         assert status, _status(port)
-        if signal_to == "process group":  # Ctrl-C, systemd: the scheduler gets the signal itself
+        if signal_to == "detokenizer first":
+            # A group signal where the detokenizer's end reaches SGLang's watchdog (which
+            # polls every second and kills the whole server) well before the scheduler has
+            # checkpointed: as on a loaded machine, or with a slow checkpoint write.
+            (detokenizer,) = srv.processes("sglang::detokenizer")
+            os.kill(detokenizer, signal.SIGTERM)
+            assert _wait_for(lambda: not srv.processes("sglang::detokenizer"), timeout_s=30)
+            time.sleep(3)
+            assert srv.process.poll() is None, srv.log_tail()  # held back: the scheduler still runs
+        if signal_to in ("process group", "detokenizer first"):  # Ctrl-C, systemd: the scheduler gets it itself
             os.killpg(srv.process.pid, signal.SIGTERM)
         else:  # kill <pid>, Kubernetes: SGLang's graceful path (drain, ShutdownReq)
             os.kill(srv.process.pid, signal.SIGTERM)

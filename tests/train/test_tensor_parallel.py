@@ -2,7 +2,8 @@
 
 - A LoRA job on 2 ranks (gloo) equals the same job on one: the loss of every step and
   the final adapter rank 0 writes, to 1e-5 (LoRA B randomized so LoRA A learns too;
-  gradient clipping on, so the norm over the ranks' shards is checked as well).
+  gradient clipping on, so the norm over the ranks' shards is checked as well); no rank's
+  trainer returns from the checkpoint before rank 0 has written it.
 - A trainer fault on rank 1 makes rank 0's trainer leave (PeerTrainerFault) instead of
   waiting forever in a collective; also when the faulted rank's connections close before
   rank 0 is told (the collective fails first, the abort follows within a grace).
@@ -30,6 +31,7 @@ def test_two_ranks_train_as_one(family, tmp_path):
     assert report["outcomes"] == {"0": "finished", "1": "finished"}, report
     assert len(report["tp_losses"]) == len(report["tp1_losses"]) == 4
     assert report["ranks_agree_on_losses"]
+    assert report["checkpoint_step_by_rank"] == [4, 4], report  # rank 0 wrote it, and every rank knows
     assert report["max_loss_diff"] <= 1e-5, report
     assert report["adapter_keys_equal"]
     assert report["max_adapter_diff"] <= 1e-5, report

@@ -126,7 +126,8 @@ def _rank_main(rank: int, size: int, store_file: str, model_path: str, output_di
     try:
         trainer, entries, seconds = _train(_job(model_path, output_dir, rank_device, steps), tp, gate, builder)
         result.update(outcome="finished", losses=[e["loss"] for e in entries],
-                      grad_norms=[e["grad_norm"] for e in entries], seconds=seconds, agree_wait_s=tp.waited_s)
+                      grad_norms=[e["grad_norm"] for e in entries], seconds=seconds, agree_wait_s=tp.waited_s,
+                      checkpoint_step=trainer.stats().checkpoint_step)
     except PeerTrainerFault as exc:
         result.update(outcome="peer_fault", error=str(exc))
     except Exception as exc:  # noqa: BLE001 - the injected fault
@@ -201,6 +202,8 @@ def check(tp: int, device: str = "cpu", fault_rank: int = -1, work_dir: Path | N
     report["tp_losses"] = losses
     report["tp_seconds"] = round(ranks[0].get("seconds", float("nan")), 3)
     report["ranks_agree_on_losses"] = all(ranks[r].get("losses") == losses for r in ranks)
+    # Rank 0 writes; every rank's trainer returns from a checkpoint only once it is on disk.
+    report["checkpoint_step_by_rank"] = [ranks[r].get("checkpoint_step") for r in sorted(ranks)]
     report["max_loss_diff"] = max((abs(a - b) for a, b in zip(losses, report["tp1_losses"])), default=float("inf"))
     if len(losses) != len(report["tp1_losses"]):
         report["max_loss_diff"] = float("inf")
