@@ -24,6 +24,7 @@ Example (every key is optional; ``harvest config-schema`` lists them all)::
     trainer:
       cpu_threads: 1            # torch CPU threads of the trainer's thread (on a CPU, decode keeps the other cores)
       nice: 2                   # the trainer thread's nice increment: decode wins a contended core
+      compile: auto             # decoder layers compiled (torch.compile); auto: on CUDA, not on a CPU
     memory:
       reserve_tokens: auto      # free KV slots kept mapped; auto = Harli's formula
       hysteresis_chunks: 1      # lend only this many chunks above the reserve
@@ -130,7 +131,7 @@ class HarvestConfig:
     ladder: tuple[int, ...] | None = setting(None, "decode SM counts of the ladder levels; auto: planned from the device",
                                              ListOf(Integer(minimum=1), non_empty=True, distinct=True, descending=True),
                                              words={"auto": None})
-    trainer: TrainerConfig = section(TrainerConfig, "the trainer thread's share of the CPU")
+    trainer: TrainerConfig = section(TrainerConfig, "the trainer: its thread's share of the CPU, compiled layer units")
     memory: MemoryConfig = section(MemoryConfig, "lending free KV chunks to the trainer")
     metrics: MetricsConfig = section(MetricsConfig, "harvest's metrics and control endpoints")
     online: OnlineSettings = section(OnlineSettings, "online refinement of the latency predictor from measured steps")

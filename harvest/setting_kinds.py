@@ -135,6 +135,28 @@ class Boolean:
 
 
 @dataclasses.dataclass(frozen=True)
+class Switch:
+    """``auto``, ``on`` or ``off``. YAML 1.1 (PyYAML's) reads an unquoted on/off as a
+    boolean: true and false are taken for on and off."""
+
+    expected = "auto, on or off"
+    CHOICES = ("auto", "on", "off")
+
+    def convert(self, value: Any, base_dir: Path | None) -> str:
+        if isinstance(value, bool):
+            return "on" if value else "off"
+        if not isinstance(value, str) or value not in self.CHOICES:
+            raise Mismatch()
+        return value
+
+    def parse_text(self, text: str) -> str:
+        return text
+
+    def schema(self) -> dict:
+        return {"anyOf": [{"type": "string", "enum": list(self.CHOICES)}, {"type": "boolean"}]}
+
+
+@dataclasses.dataclass(frozen=True)
 class Text:
     """A string matching ``pattern`` (a full match); ``expected`` says it for people."""
 

@@ -2,7 +2,7 @@
 
 A field made with :func:`setting` says what values it takes (a *kind*: :class:`Number`,
 :class:`Integer`, :class:`Boolean`, :class:`Text`, :class:`FilePath`, :class:`ListOf`,
-:class:`Endpoint`, :class:`Host`, :class:`Port`),
+:class:`Endpoint`, :class:`Host`, :class:`Port`, :class:`Switch`),
 which YAML words stand for a value (``auto`` for ``None``), whether ``null`` is allowed,
 and one line saying what it is. From that one declaration come:
 
@@ -32,9 +32,10 @@ from collections import abc
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
-from harvest.setting_kinds import Boolean, Endpoint, FilePath, Host, Integer, Kind, ListOf, Mismatch, Number, Port, Text
+from harvest.setting_kinds import (Boolean, Endpoint, FilePath, Host, Integer, Kind, ListOf, Mismatch, Number, Port,
+                                   Switch, Text)
 
-__all__ = ["Boolean", "Endpoint", "FilePath", "Host", "Integer", "ListOf", "Number", "Port", "Text", "SettingError", "argument", "from_mapping",
+__all__ = ["Boolean", "Endpoint", "FilePath", "Host", "Integer", "ListOf", "Number", "Port", "Switch", "Text", "SettingError", "argument", "from_mapping",
            "invalid", "json_schema", "section", "setting", "setting_of", "setting_paths", "to_mapping", "validate",
            "yaml_problem"]
 

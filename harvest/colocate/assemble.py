@@ -144,7 +144,7 @@ def _assemble(config, engine: EngineAdapter, partitioner, jobs: tuple):
                 raise ValueError("assemble: finetune jobs need EngineAdapter.build_trainer, or the engine's KV "
                                  "pool (kv) to build job files into lent memory")
             build = job_file_builder(engine.kv.allocator, engine.device, budget, engine.weight_source_for,
-                                     tp=engine.trainer_tp)
+                                     tp=engine.trainer_tp, compile_layers=config.trainer.compile)
         max_running = config.queue.max_running
         if engine.tp_size > 1 and max_running > 1:
             # Every rank must run the same job's units at once: the ranks would have to
@@ -243,13 +243,15 @@ def lending_policy(config, kv: KvPool):
                          max_lend_fraction=config.memory.max_lend_fraction)
 
 
-def job_file_builder(allocator, device: str, budget=None, weight_source_for: Callable | None = None, tp=None):
+def job_file_builder(allocator, device: str, budget=None, weight_source_for: Callable | None = None, tp=None,
+                     compile_layers: str = "auto"):
     """``build(job_path)`` for the trainer thread: the job file through LlamaFactory, its
     frozen-weight window in lent KV memory, sized by ``budget`` (the lent-memory budget
     the lending side publishes). ``weight_source_for(job)`` may return the
     frozen weights to train on in place (the served model's, when it is the same base);
     None or a refusal (WeightSourceError) falls back to a host copy. ``tp``: this rank's
-    place in a tensor-parallel trainer (every rank builds the job and keeps its shard)."""
+    place in a tensor-parallel trainer (every rank builds the job and keeps its shard);
+    ``compile_layers``: harvest.yaml's ``trainer.compile``."""
 
     def build(job_path):
         from harvest.train.arena_window import ArenaWindowAllocator
@@ -263,13 +265,14 @@ def job_file_builder(allocator, device: str, budget=None, weight_source_for: Cal
             try:
                 source = weight_source_for(job)
                 if source is not None:
-                    trainer = build_trainer(job, allocator=window, weight_source=source, tp=tp)
+                    trainer = build_trainer(job, allocator=window, weight_source=source, tp=tp,
+                                            compile_layers=compile_layers)
                     logger.info("job %s trains on the served weights in place (same base model: no second copy)",
                                 job_path)
                     return trainer
             except WeightSourceError as exc:
                 logger.warning("job %s: cannot share the served weights (%s); using a host copy", job_path, exc)
-        return build_trainer(job, allocator=window, tp=tp)
+        return build_trainer(job, allocator=window, tp=tp, compile_layers=compile_layers)
 
     return build
 

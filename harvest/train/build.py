@@ -105,13 +105,14 @@ def resolve_device(name: str) -> torch.device:
 
 def build_trainer(job: TrainJob, *, weight_source: BaseWeightSource | None = None,
                   allocator: BaseWindowAllocator | None = None, resume: bool = True,
-                  tp=None) -> LayerSplitTrainer:
+                  tp=None, compile_layers: str = "auto") -> LayerSplitTrainer:
     """A trainer for `job`, resumed from ``resume_from_checkpoint`` (which LlamaFactory sets
     to the newest ``checkpoint-N`` in output_dir unless ``overwrite_output_dir``).
     ``tp`` (harvest.train.tensor_parallel.TensorParallel): this rank's place in a
     tensor-parallel trainer; every rank builds the same job and keeps its shard.
     Everything it refuses before the model loads, `plan.ready_job` refuses (first thing
-    here), which `harvest train --check` runs too, so the two cannot disagree."""
+    here), which `harvest train --check` runs too, so the two cannot disagree.
+    ``compile_layers``: ``trainer.compile`` (auto | on | off; harvest.train.compiled_units)."""
     import_llamafactory()
     from llamafactory.data import SFTDataCollatorWith4DAttentionMask
     from llamafactory.model import load_model
@@ -154,7 +155,7 @@ def build_trainer(job: TrainJob, *, weight_source: BaseWeightSource | None = Non
                             weight_source=weight_source, allocator=allocator, resume_from=checkpoint_path,
                             max_sample_len=job.data_args.cutoff_len, make_optimizer=job_optimizer(job),
                             make_log=make_log if resume and writer and fleet is None else None,
-                            eval_sets=eval_sets, tp=tp,
+                            eval_sets=eval_sets, tp=tp, compile_layers=compile_layers,
                             fleet_job_id=(fleet.job_id or job_identity_name(job)) if fleet is not None else None)
 
 
@@ -207,7 +208,7 @@ def assemble_trainer(peft_model, dataset: Sequence[dict[str, Any]], collate: Cal
                      make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer] | None = None,
                      make_log: Callable[[int, int], Any] | None = None,
                      eval_sets: dict[str, Sequence[dict[str, Any]]] | None = None, tp=None,
-                     fleet_job_id: str | None = None) -> LayerSplitTrainer:
+                     fleet_job_id: str | None = None, compile_layers: str = "off") -> LayerSplitTrainer:
     """The trainer over a PEFT model. ``make_optimizer(peft_model)`` builds the optimizer
     (default: AdamW from ``settings``, as the Hugging Face Trainer builds it);
     ``make_log(total_steps, steps_per_epoch)`` its TrainLog (default: none); ``eval_sets``
@@ -220,6 +221,9 @@ def assemble_trainer(peft_model, dataset: Sequence[dict[str, Any]], collate: Cal
         from harvest.train.tensor_parallel import shard_model
 
         sharded = shard_model(split, tp)  # before the weight source and window: they hold this rank's shard
+    # Before the window: compiling changes no parameter, and the first units (micro-batch
+    # sizing, below) compile on this thread, while the job builds.
+    split.compile_layers(compile_layers, device, tensor_parallel=sharded is not None)
     layouts = split.layouts()
     if weight_source is None:
         host = {name: tensor for s in range(split.num_stages) for name, _, _, tensor in split.frozen_tensors(s)}

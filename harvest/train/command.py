@@ -22,6 +22,10 @@ def add_arguments(parser) -> None:
                         help="check the job and print its plan (model, template, samples, steps, resume), then exit; "
                              "nothing is trained or written")
     parser.add_argument("--no-progress", action="store_true", help="print one line per step instead of a progress bar")
+    from harvest.settings import argument
+    from harvest.train.trainer_cpu import TrainerConfig
+
+    parser.add_argument("--compile", **argument(TrainerConfig, "compile", yaml_path="trainer.compile"))
 
 
 def run(args) -> int:
@@ -40,7 +44,7 @@ def run(args) -> int:
                 print(line)
             print(f"harvest train --check: {args.job} is ready to train")
             return 0
-        trainer = build_trainer(job)
+        trainer = build_trainer(job, compile_layers=args.compile)
     except (JobError, CheckpointError) as exc:
         print(f"harvest train: {exc}", file=sys.stderr)
         return 2

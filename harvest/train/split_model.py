@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from harvest.train.compiled_units import CompiledLayers, compile_layers
 from harvest.train.errors import JobError
 from harvest.train.window import StageLayout
 
@@ -79,6 +80,15 @@ class SplitCausalLM:
         self.first_trainable_stage = trainable.index(True)
         layer_types = getattr(self.config, "layer_types", None) or ["full_attention"] * self.num_layers
         self._layer_types = list(layer_types)
+        self.compiled = CompiledLayers("off")  # harvest.train.compiled_units: set by compile_layers
+
+    def compile_layers(self, requested: str, device: torch.device, *, tensor_parallel: bool = False,
+                       backend: Any = "inductor") -> CompiledLayers:
+        """``trainer.compile``: the decoder layers' units compiled in place (the embedding
+        and head stages stay eager: one unit each per micro-batch)."""
+        self.compiled = compile_layers(list(self.decoder.layers), requested, device,
+                                       tensor_parallel=tensor_parallel, backend=backend)
+        return self.compiled
 
     # -- structure -----------------------------------------------------------------------
     def frozen_tensors(self, stage: int) -> list[tuple[str, nn.Module, str, torch.Tensor]]:

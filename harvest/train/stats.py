@@ -69,3 +69,5 @@ class TrainerStats:
     # The step of the newest checkpoint this trainer wrote or resumed from, shown only once it is
     # on disk (global_step counts a step before its due checkpoint is written); None: none yet.
     checkpoint_step: int | None = None
+    # trainer.compile: {"requested", "layers_compiled", "reason"} (harvest.train.compiled_units)
+    compile: dict | None = None

@@ -470,7 +470,8 @@ class LayerSplitTrainer:
             window_stages=self.window.capacity, window_bytes=window_bytes,
             resident_bytes=window_bytes + self._trainable_state_bytes,
             micro_batch_size=self.micro_batch_size, load_wait_s=c["load_wait_s"], starved=c["starved"],
-            eval_loss=next(iter(self._last_eval.values()), None), checkpoint_step=checkpoint_step)
+            eval_loss=next(iter(self._last_eval.values()), None), checkpoint_step=checkpoint_step,
+            compile=self.split.compiled.status())
 
     def _fleet_view(self) -> dict:
         """A fleet member's stats; periodic: progress is the fleet's (committed steps plus

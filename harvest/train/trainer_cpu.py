@@ -37,7 +37,7 @@ import os
 import sys
 import threading
 
-from harvest.settings import Integer, setting, validate
+from harvest.settings import Integer, Switch, setting, validate
 
 DEFAULT_TRAINER_CPU_THREADS = 1
 DEFAULT_TRAINER_NICE = 2
@@ -46,12 +46,14 @@ MAX_NICE = 19
 
 @dataclasses.dataclass(frozen=True)
 class TrainerConfig:
-    """harvest.yaml's ``trainer`` section (``harvest profile`` takes the same two flags)."""
+    """harvest.yaml's ``trainer`` section (``harvest profile`` takes cpu_threads and nice as flags too)."""
 
     cpu_threads: int = setting(DEFAULT_TRAINER_CPU_THREADS, "torch CPU threads of the trainer's thread "
                                "(on a CPU device, decode keeps the other cores)", Integer(minimum=1, maximum=1024))
     nice: int = setting(DEFAULT_TRAINER_NICE, "nice increment of the trainer's thread: decode wins a contended core",
                         Integer(minimum=0, maximum=MAX_NICE))
+    compile: str = setting("auto", "decoder layers' units compiled with torch.compile (fewer host operators per "
+                           "unit); auto: on CUDA devices, not on a CPU", Switch())
 
     def __post_init__(self) -> None:
         validate(self)

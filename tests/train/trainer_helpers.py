@@ -23,11 +23,11 @@ def job_dict(model_path, output_dir, **overrides) -> dict:
     return job
 
 
-def build(model_path, output_dir, **overrides):
+def build(model_path, output_dir, compile_layers="auto", **overrides):
     from harvest.train.build import build_trainer
     from harvest.train.job import load_job
 
-    return build_trainer(load_job(job_dict(model_path, output_dir, **overrides)))
+    return build_trainer(load_job(job_dict(model_path, output_dir, **overrides)), compile_layers=compile_layers)
 
 
 def log_lines(output_dir) -> list[dict]:

@@ -1,0 +1,111 @@
+"""Compiled layer units (``trainer.compile``, harvest.train.compiled_units), fp32 on CPU.
+
+- A compiled trainer's step equals the eager trainer's (loss, LoRA gradients, updated LoRA
+  weights, 1e-5), with the whole model resident and with a one-stage window (every stage
+  swapped in and out, saved tensors through the window's hooks); its status says so.
+- A layer that cannot compile trains eager, with the reason in the status.
+- ``auto`` compiles on CUDA only; a bad value is refused naming the setting, in harvest.yaml
+  and on ``harvest train``'s command line; YAML's unquoted on/off (booleans) mean on/off.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.train.trainer_helpers import build, lora_grads, lora_params, max_abs_diff, randomize_lora_b, run_until_optimizer
+
+TOLERANCE = 1e-5
+
+pytestmark = pytest.mark.timeout(900)
+
+
+def _one_step(trainer):
+    randomize_lora_b(trainer)
+    run_until_optimizer(trainer)
+    grads = lora_grads(trainer.split.peft_model)
+    trainer.run_one_unit()  # the optimizer unit
+    return trainer.stats().loss, grads, lora_params(trainer.split.peft_model)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("window_stages", ["all", 1])
+def test_a_compiled_step_equals_the_eager_step(window_stages, tiny_llama_path, tmp_path):
+    harvest = {"window_stages": window_stages, "micro_batch_size": 2}
+    eager = build(tiny_llama_path, tmp_path / "eager", compile_layers="off", harvest=harvest)
+    compiled = build(tiny_llama_path, tmp_path / "compiled", compile_layers="on", harvest=harvest)
+    loss, grads, params = _one_step(eager)
+    compiled_loss, compiled_grads, compiled_params = _one_step(compiled)
+
+    assert abs(compiled_loss - loss) <= TOLERANCE
+    assert max_abs_diff(compiled_grads, grads) <= TOLERANCE
+    assert max(float(g.abs().max()) for g in grads.values() if g is not None) > 1e-3  # not vacuous
+    assert max_abs_diff(compiled_params, params) <= TOLERANCE
+    layers = compiled.split.num_layers
+    assert compiled.stats().compile == {"requested": "on", "layers_compiled": layers, "reason": None}
+    assert eager.stats().compile == {"requested": "off", "layers_compiled": 0, "reason": None}
+    # The layers really ran compiled: dynamo's wrapper, not the eager call, is in place.
+    assert all(layer._compiled_call_impl is not None for layer in compiled.split.decoder.layers)
+
+
+def test_a_layer_that_cannot_compile_trains_eager_and_says_why(tiny_llama_path, tmp_path):
+    def failing_backend(graph_module, example_inputs):
+        raise RuntimeError("this backend compiles nothing")
+
+    eager = build(tiny_llama_path, tmp_path / "eager", compile_layers="off")
+    trainer = build(tiny_llama_path, tmp_path / "fails", compile_layers="off")
+    trainer.split.compile_layers("on", torch.device("cpu"), backend=failing_backend)
+    loss, grads, _ = _one_step(eager)
+    fallback_loss, fallback_grads, _ = _one_step(trainer)
+
+    assert fallback_loss == loss and max_abs_diff(fallback_grads, grads) == 0.0  # eager, the same step
+    status = trainer.stats().compile
+    assert status["layers_compiled"] == 0
+    assert "could not compile and runs eager" in status["reason"] and "this backend compiles nothing" in status["reason"]
+    assert all(layer._compiled_call_impl is None for layer in trainer.split.decoder.layers)
+
+
+def test_auto_compiles_on_cuda_only_and_unknown_values_are_refused():
+    from harvest.train.compiled_units import wants_compile
+
+    assert wants_compile("auto", torch.device("cuda")) and not wants_compile("auto", torch.device("cpu"))
+    assert wants_compile("on", torch.device("cpu")) and not wants_compile("off", torch.device("cuda"))
+    with pytest.raises(ValueError, match="trainer.compile: 'fast' is not one of auto, on, off"):
+        wants_compile("fast", torch.device("cpu"))
+
+
+def test_tensor_parallel_layers_stay_eager_and_say_why(tiny_llama_path, tmp_path):
+    trainer = build(tiny_llama_path, tmp_path / "tp", compile_layers="off")
+    state = trainer.split.compile_layers("on", torch.device("cpu"), tensor_parallel=True)
+    assert state.layers == 0 and "tensor-parallel layers run eager" in state.reason
+
+
+@pytest.mark.parametrize("value, expected", [("auto", "auto"), ("on", "on"), ("off", "off"), (True, "on"),
+                                             (False, "off")])
+def test_harvest_yaml_trainer_compile(value, expected, tmp_path):
+    from harvest.config import HarvestConfig, load, parse
+
+    assert parse({"trainer": {"compile": value}}, base_dir=None).trainer.compile == expected
+    assert HarvestConfig().trainer.compile == "auto"
+    if isinstance(value, str):  # as written in a file: YAML reads an unquoted on/off as a boolean
+        (tmp_path / "harvest.yaml").write_text(f"trainer:\n  compile: {value}\n")
+        assert load(tmp_path / "harvest.yaml").trainer.compile == expected
+
+
+@pytest.mark.parametrize("value", ["fast", 1, None])
+def test_a_bad_trainer_compile_is_refused_naming_the_setting(value):
+    from harvest.config import ConfigError, parse
+
+    with pytest.raises(ConfigError, match=r"trainer\.compile.*auto, on or off"):
+        parse({"trainer": {"compile": value}}, base_dir=None)
+
+
+def test_harvest_train_refuses_a_bad_compile_flag(tmp_path):
+    job = tmp_path / "job.yaml"
+    job.write_text("model_name_or_path: nowhere\n")
+    result = subprocess.run([sys.executable, "-m", "harvest.cli", "train", str(job), "--compile", "fast"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "--compile" in result.stderr and "auto, on or off" in result.stderr
