@@ -196,7 +196,12 @@ class WeightWindow:
 
     @contextlib.contextmanager
     def saved_tensor_hooks(self):
-        """Wrap a unit's forward so autograd saves handles, not window tensors."""
+        """Wrap a unit's forward so autograd saves handles, not window tensors. Weights used
+        in place (a device-resident source: no window buffer ever exists) need none: the
+        hooks' Python call per saved tensor would be all they add."""
+        if self.source.device_resident:
+            yield
+            return
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
             yield
 

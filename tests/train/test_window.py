@@ -167,3 +167,26 @@ def test_backward_without_its_stage_resident_fails_loudly():
     window.prepare(1, iter([]))
     with pytest.raises(RuntimeError, match="layer.0"):
         y.sum().backward()
+
+
+def test_weights_used_in_place_need_no_saved_tensor_hooks():
+    """A device-resident source (the served weights, trained on in place) never puts a
+    weight in a window buffer: the unit's forward saves its tensors without harvest's hooks
+    (a Python call per saved tensor, ~40 per layer unit, for nothing)."""
+    from torch import nn
+
+    from harvest.train.weights import SharedTensorWeightSource
+    from harvest.train.window import StageLayout, WeightWindow
+    from harvest.train.window_memory import TorchWindowAllocator
+
+    layer = nn.Linear(4, 4, bias=False).requires_grad_(False)
+    entries = [("l0.weight", layer, "weight", layer.weight.detach().clone())]
+    window = WeightWindow([StageLayout.build(0, "layer.0", entries)],
+                          SharedTensorWeightSource({"l0.weight": entries[0][3]}), TorchWindowAllocator("cpu"))
+    packed = []
+    window._pack = lambda tensor: packed.append(tensor) or tensor
+    x = torch.randn(2, 4, requires_grad=True)
+    with window.saved_tensor_hooks():
+        y = layer(x)
+    y.sum().backward()
+    assert packed == [] and x.grad is not None
