@@ -267,7 +267,8 @@ def capture_serving_graphs(batch: SlotDecodeBatch, graphs, ladder) -> dict:
     return report
 
 
-def build_shared_trainer(decode_model, device, *, lora_rank=16, seq_len=512, samples_per_step=4, micro_batch=2, seed=0):
+def build_shared_trainer(decode_model, device, *, lora_rank=16, seq_len=512, samples_per_step=4, micro_batch=2, seed=0,
+                         compile_layers="auto"):
     """harvest's LayerSplitTrainer for LoRA on ``decode_model``'s own frozen weights (no
     copy), built without LlamaFactory; synthetic batches of ``seq_len`` random tokens."""
     import torch
@@ -301,7 +302,8 @@ def build_shared_trainer(decode_model, device, *, lora_rank=16, seq_len=512, sam
                                fused_adamw=on_gpu, autocast_dtype=dtype if dtype == torch.bfloat16 else None)
     shared = SharedTensorWeightSource(dict(decode_model.state_dict()))
     return assemble_trainer(peft_model, dataset, collate, settings, HarvestOptions(micro_batch_size=micro_batch),
-                            device=torch.device(device), weight_source=shared, max_sample_len=seq_len)
+                            device=torch.device(device), weight_source=shared, max_sample_len=seq_len,
+                            compile_layers=compile_layers)
 
 
 # -- what each mode does around a decode step ------------------------------------------------
@@ -786,7 +788,7 @@ def run_mode(mode, args, ctx) -> dict:
         result.update(trainer_tokens_per_s=None, trainer_steps=0)
         if host is not None:
             result.update(trainer_tokens_per_s=round((after.tokens_seen - before.tokens_seen) / wall_s, 1),
-                          trainer_steps=after.global_step - before.global_step)
+                          trainer_steps=after.global_step - before.global_step, trainer_compile=after.compile)
         if ctx["device_type"] == "cuda":
             result["max_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
         if interrupted:  # written before the trainer's shutdown, which may outlast the kill
@@ -858,6 +860,14 @@ def warm_up(batch, trainer, partitioner, on_cuda) -> None:
                 trainer.run_one_unit(level.trainer_stream)  # None: the current stream (all SMs)
         if on_cuda:
             torch.cuda.synchronize()
+    if trainer is not None:
+        # One whole optimizer step: every unit kind has run (a compiled trainer compiles its
+        # layers' forward and backward graphs here, not in the first timed mode).
+        step = trainer.stats().global_step
+        while trainer.stats().global_step == step:
+            trainer.run_one_unit()
+        if on_cuda:
+            torch.cuda.synchronize()
 
 
 def _int_list(text: str) -> list[int]:
@@ -898,6 +908,8 @@ def main(argv=None) -> int:
     parser.add_argument("--trainer-seq-len", type=int, default=512)
     parser.add_argument("--trainer-batch", type=int, default=4, help="samples per optimizer step")
     parser.add_argument("--trainer-micro-batch", type=int, default=2)
+    parser.add_argument("--trainer-compile", choices=["auto", "on", "off"], default="auto",
+                        help="the trainer's decoder layers compiled (harvest.yaml trainer.compile); auto: on with CUDA")
     parser.add_argument("--graphs", choices=["auto", "on", "off"], default="auto",
                         help="serving modes: on = the slot batch, its step a per-(level, bucket) CUDA graph replayed "
                              "on the chosen level (eager where none: without CUDA); off = the ragged eager batch; "
@@ -984,7 +996,8 @@ def main(argv=None) -> int:
         if any(m in TRAINER_MODES for m in modes):
             ctx["trainer"] = build_shared_trainer(model, device, lora_rank=args.lora_rank, seq_len=args.trainer_seq_len,
                                                   samples_per_step=args.trainer_batch,
-                                                  micro_batch=args.trainer_micro_batch, seed=args.seed)
+                                                  micro_batch=args.trainer_micro_batch, seed=args.seed,
+                                                  compile_layers=args.trainer_compile)
         if any(m != "level-graphs" for m in modes):
             warm_up(ctx["batch"], ctx["trainer"], partitioner, device_type == "cuda")
         if graphs_on and serving:

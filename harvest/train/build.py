@@ -208,7 +208,7 @@ def assemble_trainer(peft_model, dataset: Sequence[dict[str, Any]], collate: Cal
                      make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer] | None = None,
                      make_log: Callable[[int, int], Any] | None = None,
                      eval_sets: dict[str, Sequence[dict[str, Any]]] | None = None, tp=None,
-                     fleet_job_id: str | None = None, compile_layers: str = "off") -> LayerSplitTrainer:
+                     fleet_job_id: str | None = None, compile_layers: str = "auto") -> LayerSplitTrainer:
     """The trainer over a PEFT model. ``make_optimizer(peft_model)`` builds the optimizer
     (default: AdamW from ``settings``, as the Hugging Face Trainer builds it);
     ``make_log(total_steps, steps_per_epoch)`` its TrainLog (default: none); ``eval_sets``
