@@ -1,35 +1,88 @@
 """Benchmark of the layer-split trainer. The last stdout line (with --json) is one JSON object.
 
-Default (CPU, `--model cpu-bench`): a random Llama checkpoint built with
-harvest.tiny_model (hidden 512, 4 layers, 8 heads / 4 KV heads, intermediate 1376; the
-64-hidden test model would measure Python overhead, not training) and a generated
-alpaca dataset (~250-token samples), loaded through the LlamaFactory job path. Three
-learners train on the same batches in the same run, interleaved round by round: plain
-PEFT (forward + backward + clip + AdamW on the whole batch), the layer-split trainer with
-every stage resident (W = all) and with a one-stage window (W = 1). Reports
+CPU (the default, `--model cpu-bench` or `--model cpu-deep`): a random Llama checkpoint
+built with harvest.tiny_model and a generated alpaca dataset (~250-token samples), loaded
+through the LlamaFactory job path. Shapes:
 
-  step_ratio_vs_peft   median step time, layer-split W=all / plain PEFT     (target <= 1.10)
-  step_ratio_swapping  median step time, W=1 / W=all
-  grad_max_abs_diff    LoRA gradients of step 1, layer-split (W=all and W=1) vs PEFT
+  cpu-bench  hidden 512, 4 layers, 8 heads / 4 KV heads, intermediate 1376: a width where
+             the matrix work matters (the 64-hidden test model would measure Python
+             overhead, not training)
+  cpu-deep   hidden 64, 32 layers, 4 heads / 2 KV heads, intermediate 128, 2 samples of
+             64 tokens per step: compute is negligible, a unit's time is host work
+             (dispatch, Python), as for small units on a GPU
+
+cpu-bench's steps are 4 samples of 256 tokens; both have a 512-token vocabulary
+(`--layers N` changes the number of decoder layers of either, for quick runs). Four
+learners train on the same batches in the same run, interleaved round by round (the
+order rotates each round): plain PEFT (forward + backward + clip + AdamW on the whole
+batch), the layer-split trainer with every stage resident (W = all) eager, the same
+compiled (``trainer.compile: on``, every decoder layer through ``torch.compile``), and
+eager with a one-stage window (W = 1). Reports
+
+  tokens_per_s_peft / _eager / _compiled   non-padding tokens per step / median step time
+                       (eager and compiled: W = all)
+  step_ratio_vs_peft   median step time, layer-split W=all eager / plain PEFT  (target <= 1.10)
+  step_ratio_swapping  median step time, W=1 / W=all (eager)
+  grad_max_abs_diff    LoRA gradients of step 1, layer-split eager (W=all and W=1) vs PEFT
   loss_abs_diff        step-1 loss, same comparison
-  units_per_step, unit_ms_median (forward/backward units, W=all)
+  compiled_grad_max_abs_diff  LoRA gradients of step 1, compiled vs eager (W = all; fp32);
+                       compiled_grad_max_rel_diff the same as |diff| / |eager| (2-norms, the
+                       largest over the LoRA tensors), lora_grad_max_abs their scale, and
+                       grad_fp32_error_eager / _compiled each one's max abs difference to the
+                       same step in float64 (plain PEFT): fp32's own rounding at this scale
+  host_us_per_layer_unit_eager / _compiled   median host time of a decoder-layer unit
+                       (UnitRecord.host_ms of the units whose stage is `layer.N`, forward
+                       and backward alike, over the timed steps)
+  ops_per_layer_eager / _compiled   operators the host dispatches for one decoder layer's
+                       forward unit plus its backward unit inside the trainer (below)
+  compile_s            seconds spent compiling (dynamo's own timers: every frame's
+                       compilation, the lazily compiled backward graphs), all of it the
+                       compiled learner's, at its layers' first calls (step 1; on the GPU
+                       path the trainer's micro-batch sizing), before the timed steps
+                       (`compiles_in_timed_steps` counts compilations there: 0). Inductor
+                       keeps its artifacts in a cache directory (`compile_cache.dir`), so
+                       a second run loads them (`compile_cache` counts hits and misses);
+                       `--cold-compile` compiles from an empty cache directory instead
+  targets              the issue's CPU targets, each true or false from the values above:
+                       ops compiled <= 0.3 x eager, host time per layer unit compiled <=
+                       0.5 x eager, compiled gradient difference <= 1e-5
+  units_per_step, unit_ms_median (forward/backward units, W=all eager)
 
-The micro-batch equals the job's batch (one micro-batch per step), so both sides do the
+The operators are counted as scripts/bench_layer_unit.py counts them for a bare layer
+(torch.profiler CPU events, the top-level ``aten::`` ones: an ``aten::`` event with no
+``aten::`` ancestor), on one step after the timed ones: the trainer's units run one at a
+time through ``trainer.run_one_unit()``, and only the two units of the middle decoder
+layer (its forward, then later its backward) run inside a profiler, one each. So the
+count is exactly what the trainer dispatches for that layer's units: the layer itself
+plus what the trainer does around it (the unit boundary's detach, the window's saved-
+tensor hooks, ``torch.autograd.backward``); `ops_layer_units` splits it into forward and
+backward and lists each variant's operators by name.
+
+The micro-batch equals the job's batch (one micro-batch per step), so all learners do the
 same matrix work; the trainer's extra cost is its per-unit machinery.
 
 GPU (`--device cuda --model llama3-8b`): a Llama-3-8B-shaped model with random bf16
 weights built in host memory (no checkpoint needed), LoRA r=16 on all linear layers,
-synthetic token batches, trained with W = all and W = 2. Reports tokens/s for each, the
-median unit device time (CUDA events, compute only), and the copy/compute overlap: the
-fraction of host-to-device copy time hidden under compute, 1 - exposed / copy, where
-exposed = step device time - sum of unit compute times. `--model small-synthetic` runs
-the same path with a small shape (it also runs on CPU, where copies are synchronous and
-the overlap is 0 by construction).
+synthetic token batches, trained with W = all eager, W = all compiled and W = 2 eager,
+one learner after the other (each needs the model's 16 GB; they cannot all be resident
+at once), each with the micro-batch the trainer sizes for it as for a job (`details`
+lists them). Reports tokens/s for each, the median unit device time (CUDA events, compute
+only), the copy/compute overlap (the fraction of host-to-device copy time hidden under
+compute, 1 - exposed / copy, where exposed = step device time - sum of unit compute
+times), and the keys above for eager vs compiled: host time per layer unit (the time to
+issue it), operators per layer unit, compile_s, and the step-1 LoRA gradient difference
+(bf16 there, so its 1e-5 target is not applied: `targets` holds null for it). Plain PEFT
+is not run on the GPU (`tokens_per_s_peft` null, `peft_skipped` says why). `--model
+small-synthetic` runs the same path with a small shape (it also runs on CPU, where copies
+are synchronous and the overlap is 0 by construction).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import copy
+import gc
 import json
 import os
 import random
@@ -46,111 +99,297 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # queues than the driver's default 8; 32 is the maximum (harvest.compute.device).
 os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
 
+CPU_SHAPES = {
+    "cpu-bench": dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=4, num_attention_heads=8,
+                      num_key_value_heads=4),
+    "cpu-deep": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=32, num_attention_heads=4,
+                     num_key_value_heads=2),
+}
+# (samples per step, tokens per sample): cpu-deep's 128 tokens per unit keep its matrix work
+# (hidden 64) far below the host's per-operator cost.
+CPU_BATCH = {"cpu-bench": (4, 256), "cpu-deep": (2, 64)}
 SYNTHETIC_SHAPES = {
     "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                       num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0),
     "small-synthetic": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
                             num_key_value_heads=2, vocab_size=1024, rope_theta=10000.0),
 }
+# The issue's targets for the compiled layer units (CPU run).
+OPS_TARGET, HOST_TARGET, GRAD_TARGET = 0.3, 0.5, 1e-5
 
 
-def main() -> int:
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print the result as one JSON object (last line)")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--model", default=None, choices=["cpu-bench", *SYNTHETIC_SHAPES],
+    parser.add_argument("--model", default=None, choices=[*CPU_SHAPES, *SYNTHETIC_SHAPES],
                         help="default: cpu-bench on cpu, llama3-8b on cuda")
+    parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: the model's)")
     parser.add_argument("--rounds", type=int, default=10, help="timed steps per learner (after warm-up)")
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per learner before the timed ones")
+    parser.add_argument("--cold-compile", action="store_true",
+                        help="compile from an empty inductor cache (a new temporary directory)")
     parser.add_argument("--threads", type=int, default=1,
                         help="CPU intra-op threads (default 1: steadier on shared cores)")
-    parser.add_argument("--batch", type=int, default=None, help="samples per step (default 4 cpu, 8 cuda)")
-    parser.add_argument("--seq-len", type=int, default=None, help="tokens per sample (default 256 cpu, 1024 cuda)")
-    args = parser.parse_args()
+    parser.add_argument("--batch", type=int, default=None,
+                        help="samples per step (default 4 cpu-bench, 2 cpu-deep and small-synthetic, 8 cuda)")
+    parser.add_argument("--seq-len", type=int, default=None,
+                        help="tokens per sample (default 256 cpu-bench, 64 cpu-deep, 128 small-synthetic, 1024 cuda)")
+    args = parser.parse_args(argv)
+    if args.rounds < 1 or args.warmup < 0 or (args.layers is not None and args.layers < 1):
+        parser.error("--rounds and --layers must be >= 1, --warmup >= 0")
 
     import torch
 
+    model = args.model or ("cpu-bench" if args.device == "cpu" else "llama3-8b")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print(f"bench_trainer: --device cuda: no CUDA device here (torch {torch.__version__}); "
+              f"run it on a GPU machine, or leave --device out for the CPU benchmark", file=sys.stderr)
+        return 2
+    if model in CPU_SHAPES and args.device != "cpu":
+        print(f"bench_trainer: --model {model} runs on the CPU only (on CUDA: --model llama3-8b or "
+              f"small-synthetic)", file=sys.stderr)
+        return 2
     if args.device == "cpu":
         torch.set_num_threads(args.threads)
-    model = args.model or ("cpu-bench" if args.device == "cpu" else "llama3-8b")
-    if model == "cpu-bench":
-        result = bench_vs_peft(args)
+    if args.cold_compile:  # before harvest.train.compiled_units sets its default
+        import atexit
+        import shutil
+
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="harvest-bench-inductor-")
+        atexit.register(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
+    if model in CPU_SHAPES:
+        result = bench_vs_peft(args, model)
     else:
         result = bench_synthetic(args, model)
     threads = torch.get_num_threads() if args.device == "cpu" else None
-    result.update(device=args.device, model=model, torch_threads=threads)
+    result.update(device=args.device, model=model, torch_threads=threads, torch_version=torch.__version__)
+    if args.device == "cuda":
+        result["device_name"] = torch.cuda.get_device_name(0)
     print(json.dumps(result) if args.json else json.dumps(result, indent=2))
     return 0
 
 
-# -- CPU: layer-split vs plain PEFT ---------------------------------------------------------
-def bench_vs_peft(args) -> dict:
+# -- CPU: layer-split (eager, compiled) vs plain PEFT --------------------------------------------
+def bench_vs_peft(args, model_name: str) -> dict:
     from harvest.tiny_model import TinyModelSpec, ensure_tiny_model
 
-    spec = TinyModelSpec(family="llama", hidden_size=512, intermediate_size=1376, num_hidden_layers=4,
-                         num_attention_heads=8, num_key_value_heads=4)
+    shape = dict(CPU_SHAPES[model_name])
+    if args.layers is not None:
+        shape["num_hidden_layers"] = args.layers
+    spec = TinyModelSpec(family="llama", **shape)
     model_path = ensure_tiny_model(spec)
-    batch = args.batch or 4
-    seq_len = args.seq_len or 256
+    batch = args.batch or CPU_BATCH[model_name][0]
+    seq_len = args.seq_len or CPU_BATCH[model_name][1]
     work = Path(tempfile.mkdtemp(prefix="harvest-bench-trainer-"))
-    data_dir = _write_dataset(work / "data", num_samples=batch * (args.rounds + args.warmup + 2), words=seq_len)
+    data_dir = _write_dataset(work / "data", num_samples=batch * (args.rounds + args.warmup + 3), words=seq_len)
     common = dict(seq_len=seq_len, batch=batch, data_dir=data_dir, model_path=model_path)
-    split_all = _build(work / "all", window="all", **common)
-    split_one = _build(work / "one", window=1, **common)
+    split_all = _build(work / "all", window="all", compile_layers="off", **common)
+    split_compiled = _build(work / "compiled", window="all", compile_layers="on", **common)
+    split_one = _build(work / "one", window=1, compile_layers="off", **common)
+    trainers = {"all": split_all, "compiled": split_compiled, "one": split_one}
     _randomize_lora_b(split_all)
     _copy_lora(split_all, split_one)
+    _copy_lora(split_all, split_compiled)
     peft, optimizer = _reference(split_all, work / "ref", **common)
 
-    # Step 1: correctness against plain PEFT on the same batch.
+    # Step 1: correctness against plain PEFT (eager) and against eager (compiled), same batch.
+    # The compiled learner compiles its layers here, at their first calls.
     ref_loss, ref_grads = _peft_forward_backward(peft, split_all, 0)
-    diffs, loss_diffs = [], []
-    for trainer in (split_all, split_one):
+    step1_grads, step1_loss = {}, {}
+    for name, trainer in trainers.items():
         _run_until_optimizer(trainer)
-        grads = {n: p.grad.detach().clone() for n, p in _lora(trainer.split.peft_model)}
+        step1_grads[name] = {n: p.grad.detach().clone() for n, p in _lora(trainer.split.peft_model)}
         trainer.run_one_unit()
-        diffs.append(max(float((grads[n] - ref_grads[n]).abs().max()) for n in grads))
-        loss_diffs.append(abs(trainer.stats().loss - ref_loss))
+        step1_loss[name] = trainer.stats().loss
+    diffs = [_max_abs_diff(step1_grads[name], ref_grads) for name in ("all", "one")]
+    loss_diffs = [abs(step1_loss[name] - ref_loss) for name in ("all", "one")]
+    compiled_diff = _max_abs_diff(step1_grads["compiled"], step1_grads["all"])
+    compiled_rel_diff = _max_rel_diff(step1_grads["compiled"], step1_grads["all"])
+    # fp32's own error at this gradient scale: the same step in float64 (plain PEFT).
+    grads_fp64 = _peft_forward_backward(copy.deepcopy(peft).double(), split_all, 0)[1]
     _peft_update(peft, optimizer)
 
-    times = {"peft": [], "all": [], "one": []}
-    unit_ms, units_per_step = [], []
-    learners = list(times)
+    learners = ["peft", "all", "compiled", "one"]
+    times = {name: [] for name in learners}
+    layer_unit_ms = {"all": [], "compiled": []}
+    unit_ms, units_per_step, step_tokens = [], [], []
+    compiles_before_timed = None
     from tqdm import tqdm
 
     for round_index in tqdm(range(args.warmup + args.rounds), desc="bench rounds", file=sys.stderr):
         step = round_index + 1
-        for name in learners[round_index % 3:] + learners[: round_index % 3]:  # rotate the order
+        timed = round_index >= args.warmup
+        if timed and compiles_before_timed is None:
+            compiles_before_timed = _dynamo_compiles()
+        for name in learners[round_index % len(learners):] + learners[: round_index % len(learners)]:
             if name == "peft":
                 started = time.perf_counter()
                 _peft_forward_backward(peft, split_all, step)
                 _peft_update(peft, optimizer)
                 elapsed = time.perf_counter() - started
             else:
-                trainer = split_all if name == "all" else split_one
+                trainer = trainers[name]
                 records, started = [], time.perf_counter()
                 while trainer.global_step == step:
                     records.append(trainer.run_one_unit())
                 elapsed = time.perf_counter() - started
-                if name == "all" and round_index >= args.warmup:
+                if timed and name in layer_unit_ms:
+                    layer_unit_ms[name] += [r.host_ms for r in records if r.stage_name.startswith("layer.")]
+                if timed and name == "all":
                     unit_ms += [r.host_ms for r in records if r.kind.value != "optimizer"]
                     units_per_step.append(len(records))
-            if round_index >= args.warmup:
+                    step_tokens.append(sum(r.num_tokens for r in records if r.stage_name == "embed"
+                                           and r.kind.value == "forward"))
+            if timed:
                 times[name].append(elapsed)
+    compiles_in_timed = _dynamo_compiles() - compiles_before_timed
+
+    # One more step of the two W=all learners: their middle layer's units under the profiler.
+    middle = spec.num_hidden_layers // 2
+    ops = {name: _layer_unit_ops(trainers[name], middle) for name in ("all", "compiled")}
+
     median = {name: statistics.median(values) for name, values in times.items()}
-    return dict(
+    tokens = statistics.median(step_tokens)
+    result = dict(
+        tokens_per_s_peft=tokens / median["peft"],
+        tokens_per_s_eager=tokens / median["all"],
+        tokens_per_s_compiled=tokens / median["compiled"],
+        **_compiled_keys(ops, layer_unit_ms, compiled_diff, compiles_in_timed, split_compiled.stats().compile,
+                         apply_grad_target=True),
+        compiled_grad_max_rel_diff=compiled_rel_diff,
+        lora_grad_max_abs=max(float(g.abs().max()) for g in step1_grads["all"].values()),
+        grad_fp32_error_eager=_max_abs_diff(step1_grads["all"], grads_fp64),
+        grad_fp32_error_compiled=_max_abs_diff(step1_grads["compiled"], grads_fp64),
         step_ratio_vs_peft=median["all"] / median["peft"],
+        step_ratio_compiled_vs_peft=median["compiled"] / median["peft"],
         step_ratio_swapping=median["one"] / median["all"],
         grad_max_abs_diff=max(diffs),
         loss_abs_diff=max(loss_diffs),
         units_per_step=statistics.median(units_per_step),
         unit_ms_median=statistics.median(unit_ms),
         step_ms_median={name: value * 1e3 for name, value in median.items()},
+        tokens_per_step=tokens,
         micro_batch_size=split_all.micro_batch_size, samples_per_step=batch, seq_len_max=seq_len,
         model_shape=f"llama hidden {spec.hidden_size}, {spec.num_hidden_layers} layers, intermediate "
                     f"{spec.intermediate_size}, heads {spec.num_attention_heads}/{spec.num_key_value_heads}, "
-                    f"LoRA r=16 all linear, fp32",
-        rounds=args.rounds,
+                    f"vocab {spec.vocab_size}, LoRA r=16 all linear, fp32",
+        rounds=args.rounds, warmup=args.warmup,
     )
+    for trainer in trainers.values():
+        trainer.close()
+    return result
+
+
+def _compiled_keys(ops, layer_unit_ms, compiled_diff, compiles_in_timed, compile_status,
+                   apply_grad_target: bool) -> dict:
+    """The eager-vs-compiled keys both paths report, with the targets computed from them."""
+    ops_eager = ops["all"]["forward"] + ops["all"]["backward"]
+    ops_compiled = ops["compiled"]["forward"] + ops["compiled"]["backward"]
+    host_eager = statistics.median(layer_unit_ms["all"]) * 1e3
+    host_compiled = statistics.median(layer_unit_ms["compiled"]) * 1e3
+    return dict(
+        ops_per_layer_eager=ops_eager,
+        ops_per_layer_compiled=ops_compiled,
+        host_us_per_layer_unit_eager=round(host_eager, 1),
+        host_us_per_layer_unit_compiled=round(host_compiled, 1),
+        compiled_grad_max_abs_diff=compiled_diff,
+        compile_s=round(_compile_seconds(), 2),
+        compiles_in_timed_steps=compiles_in_timed,
+        compile_cache=_compile_cache(),
+        compile=compile_status,
+        targets={
+            "ops_compiled_le_0.3x_eager": ops_compiled <= OPS_TARGET * ops_eager,
+            "host_us_compiled_le_0.5x_eager": host_compiled <= HOST_TARGET * host_eager,
+            "compiled_grad_diff_le_1e-5": compiled_diff <= GRAD_TARGET if apply_grad_target else None,
+        },
+        dynamo_frames_compiled=_dynamo_compiles(),
+        ops_layer_units={
+            "layer": ops["all"]["layer"],
+            "eager": {"forward": ops["all"]["forward"], "backward": ops["all"]["backward"],
+                      "by_name": ops["all"]["by_name"]},
+            "compiled": {"forward": ops["compiled"]["forward"], "backward": ops["compiled"]["backward"],
+                         "by_name": ops["compiled"]["by_name"]},
+        },
+    )
+
+
+def _max_abs_diff(grads: dict, reference: dict) -> float:
+    return max(float((grads[n].float() - reference[n].float()).abs().max()) for n in grads)
+
+
+def _max_rel_diff(grads: dict, reference: dict) -> float:
+    """The largest over the LoRA tensors of |grad - reference| / |reference| (2-norms)."""
+    return max(float((grads[n].float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30))
+               for n, ref in reference.items())
+
+
+def _dynamo_compiles() -> int:
+    """Compilations so far in this process: frames dynamo compiled (a compilation or a
+    recompilation each) and backward graphs compiled at their first call."""
+    from torch._dynamo.utils import compilation_time_metrics, counters
+
+    return int(counters["frames"]["ok"]) + len(compilation_time_metrics.get(_LAZY_BACKWARD, []))
+
+
+# dynamo_timed's names for a frame's compilation and a backward graph's lazy compilation.
+_FRAME_COMPILE, _LAZY_BACKWARD = "_compile.compile_inner", "backward._backward_impl"
+
+
+def _compile_seconds() -> float:
+    from torch._dynamo.utils import compilation_time_metrics
+
+    return float(sum(sum(compilation_time_metrics.get(name, [])) for name in (_FRAME_COMPILE, _LAZY_BACKWARD)))
+
+
+def _compile_cache() -> dict:
+    from torch._dynamo.utils import counters
+
+    return {"fx_graph_hits": int(counters["inductor"]["fxgraph_cache_hit"]),
+            "fx_graph_misses": int(counters["inductor"]["fxgraph_cache_miss"]),
+            "aot_autograd_hits": int(counters["aot_autograd"]["autograd_cache_hit"]),
+            "aot_autograd_misses": int(counters["aot_autograd"]["autograd_cache_miss"]),
+            "dir": os.environ.get("TORCHINDUCTOR_CACHE_DIR")}
+
+
+def _top_level_aten_ops(prof) -> collections.Counter:
+    """scripts/bench_layer_unit.py's count: ``aten::`` events with no ``aten::`` ancestor."""
+    found = collections.Counter()
+    for event in prof.events():
+        if not event.name.startswith("aten::"):
+            continue
+        parent = event.cpu_parent
+        while parent is not None and not parent.name.startswith("aten::"):
+            parent = parent.cpu_parent
+        if parent is None:
+            found[event.name] += 1
+    return found
+
+
+def _layer_unit_ops(trainer, layer_index: int) -> dict:
+    """Run one whole step of ``trainer`` unit by unit; the forward and the backward unit of
+    decoder layer ``layer_index`` (micro-batch 0) each run inside a profiler. Returns their
+    top-level aten operator counts, and the operators of both by name."""
+    from torch.profiler import ProfilerActivity, profile
+
+    stage_name = f"layer.{layer_index}"
+    step = trainer.global_step
+    counts, by_name = {}, collections.Counter()
+    while trainer.global_step == step:
+        unit = trainer.next_unit()
+        if unit.kind.value in ("forward", "backward") and unit.micro_batch == 0 \
+                and trainer.split.stage_names[unit.stage] == stage_name:
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                record = trainer.run_one_unit()
+            assert record.stage_name == stage_name and record.kind == unit.kind, (record, unit)
+            found = _top_level_aten_ops(prof)
+            counts[unit.kind.value] = sum(found.values())
+            by_name.update(found)
+        else:
+            trainer.run_one_unit()
+    if set(counts) != {"forward", "backward"}:
+        raise RuntimeError(f"the step ran no forward and backward unit of {stage_name}: {counts}")
+    return dict(counts, layer=stage_name, by_name=dict(by_name.most_common()))
 
 
 def _write_dataset(data_dir: Path, num_samples: int, words: int) -> Path:
@@ -174,19 +413,17 @@ def _job(output_dir, window, seq_len, batch, data_dir, model_path) -> dict:
                 harvest={"micro_batch_size": batch, "window_stages": window})
 
 
-def _build(output_dir, **kwargs):
+def _build(output_dir, compile_layers="off", **kwargs):
     from harvest.train.build import build_trainer
     from harvest.train.job import load_job
 
-    trainer = build_trainer(load_job(_job(output_dir, **kwargs)))
+    trainer = build_trainer(load_job(_job(output_dir, **kwargs)), compile_layers=compile_layers)
     trainer.output_dir = None  # no checkpoint or log writes inside timed steps
     trainer.train_log = None
     return trainer
 
 
 def _reference(trainer, output_dir, **kwargs):
-    import copy
-
     import torch
 
     from harvest.train.job import load_job
@@ -252,38 +489,76 @@ def bench_synthetic(args, shape_name: str) -> dict:
     import torch
 
     device = torch.device(args.device)
-    batch = args.batch or (8 if device.type == "cuda" else 2)
-    seq_len = args.seq_len or (1024 if device.type == "cuda" else 128)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    shape = SYNTHETIC_SHAPES[shape_name]
-    results = {}
-    for window in ("all", 2):
-        trainer = _synthetic_trainer(shape, window, device, dtype, batch, seq_len, steps=args.warmup + args.rounds + 1)
+    cuda = device.type == "cuda"
+    batch = args.batch or (8 if cuda else 2)
+    seq_len = args.seq_len or (1024 if cuda else 128)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    shape = dict(SYNTHETIC_SHAPES[shape_name])
+    if args.layers is not None:
+        shape["num_hidden_layers"] = args.layers
+    timed_from = 1 + args.warmup  # step 1 (gradients, compilation) and the warm-up are untimed
+    steps = timed_from + args.rounds + 1  # the last: operators of the middle layer's units
+    # One learner after the other: each holds the model's weights (16 GB for the 8B shape).
+    learners = {"all": ("all", "off"), "compiled": ("all", "on"), 2: (2, "off")}
+    results, grads, ops, layer_unit_ms = {}, {}, {}, {}
+    compile_status, compiles_in_timed = None, 0
+    for key, (window, compile_layers) in learners.items():
+        trainer = _synthetic_trainer(shape, window, device, dtype, batch, seq_len, steps, compile_layers)
+        _randomize_lora_b(trainer)  # the same LoRA weights in every learner (B is zero at init)
         trainer.window.record_copy_timing = True
+        _run_until_optimizer(trainer)
+        if key in ("all", "compiled"):
+            grads[key] = {n: p.grad.detach().float().cpu() for n, p in _lora(trainer.split.peft_model)}
+        trainer.run_one_unit()
         step_records = []
-        for step in range(args.warmup + args.rounds):
+        for step in range(1, timed_from + args.rounds):
+            if step == timed_from:
+                compiles_before = _dynamo_compiles()
             trainer.window.copy_events.clear()
             records = []
             while trainer.global_step == step:
                 records.append(trainer.run_one_unit())
-            if device.type == "cuda":
+            if cuda:
                 torch.cuda.synchronize(device)
-            if step >= args.warmup:
+            if step >= timed_from:
                 step_records.append((records, list(trainer.window.copy_events)))
-        results[window] = _summarize(step_records, batch * seq_len, device)
-        results[window]["micro_batch_size"] = trainer.micro_batch_size
-        results[window]["window_bytes"] = trainer.stats().window_bytes
+        compiles_in_timed += _dynamo_compiles() - compiles_before
+        results[key] = _summarize(step_records, batch * seq_len, device)
+        results[key]["micro_batch_size"] = trainer.micro_batch_size
+        results[key]["window_bytes"] = trainer.stats().window_bytes
+        if key in ("all", "compiled"):
+            layer_unit_ms[key] = [r.host_ms for records, _ in step_records for r in records
+                                  if r.stage_name.startswith("layer.")]
+            ops[key] = _layer_unit_ops(trainer, shape["num_hidden_layers"] // 2)
+        if key == "compiled":
+            compile_status = trainer.stats().compile
         trainer.close()
         del trainer
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+    compiled_diff = _max_abs_diff(grads["compiled"], grads["all"])
     return dict(
+        tokens_per_s_peft=None,
+        peft_skipped="plain PEFT is not run on this path: it would need the model's weights a second time "
+                     "(16 GB for llama3-8b, beside the trainer's host copy) and the whole batch's activations "
+                     "at once; the CPU models compare against it",
+        tokens_per_s_eager=results["all"]["tokens_per_s"],
+        tokens_per_s_compiled=results["compiled"]["tokens_per_s"],
+        **_compiled_keys(ops, layer_unit_ms, compiled_diff, compiles_in_timed, compile_status,
+                         apply_grad_target=dtype == torch.float32),
+        compiled_grad_max_rel_diff=_max_rel_diff(grads["compiled"], grads["all"]),
+        lora_grad_max_abs=max(float(g.abs().max()) for g in grads["all"].values()),
         tokens_per_s_w_all=results["all"]["tokens_per_s"], tokens_per_s_w2=results[2]["tokens_per_s"],
         unit_ms_median_w_all=results["all"]["unit_ms_median"], unit_ms_median_w2=results[2]["unit_ms_median"],
+        unit_ms_median_compiled=results["compiled"]["unit_ms_median"],
         copy_compute_overlap_w2=results[2]["overlap"], details={str(k): v for k, v in results.items()},
-        samples_per_step=batch, seq_len=seq_len, dtype=str(dtype), rounds=args.rounds,
+        samples_per_step=batch, seq_len=seq_len, dtype=str(dtype), rounds=args.rounds, warmup=args.warmup,
+        num_layers=shape["num_hidden_layers"],
     )
 
 
-def _synthetic_trainer(shape, window, device, dtype, batch, seq_len, steps):
+def _synthetic_trainer(shape, window, device, dtype, batch, seq_len, steps, compile_layers):
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -307,6 +582,7 @@ def _synthetic_trainer(shape, window, device, dtype, batch, seq_len, steps):
     model.requires_grad_(False)
     lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, task_type="CAUSAL_LM",
                       target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    torch.manual_seed(0)  # LoRA A's initialisation: the same in every learner
     peft_model = get_peft_model(model, lora)
     for param in peft_model.parameters():
         if param.requires_grad:
@@ -322,8 +598,9 @@ def _synthetic_trainer(shape, window, device, dtype, batch, seq_len, steps):
                                autocast_dtype=torch.bfloat16 if dtype == torch.bfloat16 else None,
                                fused_adamw=device.type == "cuda")
     options = HarvestOptions(window_stages=None if window == "all" else window)
-    return assemble_trainer(peft_model, dataset, collate, settings, options, device=device,
-                            max_sample_len=seq_len, record_device_events=device.type == "cuda")
+    # The micro-batch sizing runs units here: a compiled learner compiles its layers here.
+    return assemble_trainer(peft_model, dataset, collate, settings, options, device=device, max_sample_len=seq_len,
+                            record_device_events=device.type == "cuda", compile_layers=compile_layers)
 
 
 def _summarize(step_records, tokens_per_step, device) -> dict:

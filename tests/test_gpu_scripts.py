@@ -783,3 +783,43 @@ def test_bench_layer_unit_refuses_graphs_without_cuda():
     result = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_layer_unit.py"), "--variants", "graphs"],
                             capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert result.returncode == 2 and "the graphs variant needs --device cuda" in result.stderr
+
+
+@pytest.mark.slow
+def test_bench_trainer_measures_eager_compiled_and_peft_in_one_run():
+    """scripts/bench_trainer.py --model cpu-deep (2 of its 32 layers, one timed step): plain
+    PEFT, the eager and the compiled layer-split trainer measured together; compiled
+    dispatches fewer operators per layer unit, and its step-1 LoRA gradients equal eager's."""
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_trainer.py"), "--model", "cpu-deep",
+                             "--layers", "2", "--rounds", "1", "--warmup", "0", "--json"],
+                            capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["model"] == "cpu-deep" and "2 layers" in report["model_shape"]
+    for key in ("tokens_per_s_peft", "tokens_per_s_eager", "tokens_per_s_compiled",
+                "host_us_per_layer_unit_eager", "host_us_per_layer_unit_compiled"):
+        assert report[key] > 0, key
+    assert report["compile"] == {"requested": "on", "layers_compiled": 2, "reason": None}
+    assert 0 < report["ops_per_layer_compiled"] < report["ops_per_layer_eager"]
+    assert report["ops_layer_units"]["layer"] == "layer.1"
+    assert report["compiled_grad_max_abs_diff"] <= 1e-5
+    assert report["compiles_in_timed_steps"] == 0 and report["compile_s"] is not None
+    assert set(report["targets"]) == {"ops_compiled_le_0.3x_eager", "host_us_compiled_le_0.5x_eager",
+                                      "compiled_grad_diff_le_1e-5"}
+    assert all(isinstance(met, bool) for met in report["targets"].values())
+    assert report["targets"]["compiled_grad_diff_le_1e-5"] is True
+    # The keys the benchmark reported before the compiled learner: still there.
+    assert report["grad_max_abs_diff"] <= 1e-5 and report["loss_abs_diff"] <= 1e-5
+    assert report["step_ratio_vs_peft"] > 0 and report["step_ratio_swapping"] > 0
+    assert set(report["step_ms_median"]) == {"peft", "all", "compiled", "one"}
+
+
+def test_bench_trainer_refuses_cuda_without_a_gpu():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is here")
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_trainer.py"), "--device", "cuda", "--json"],
+                            capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "--device cuda: no CUDA device here" in result.stderr and "Traceback" not in result.stderr
