@@ -56,10 +56,17 @@ def wants_compile(requested: str, device: torch.device) -> bool:
 
 
 def use_harvest_cache() -> None:
-    """Inductor's artifacts under harvest's cache directory (unless the operator chose one)."""
+    """Inductor's artifacts under harvest's cache directory, unless the operator chose a
+    directory. Inductor writes its default (a folder under /tmp) into the variable the first
+    time anything asks for it, so a value equal to that default is inductor's, not the
+    operator's."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
     from harvest import config_env
 
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(config_env.cache_dir() / "torchinductor"))
+    current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if current is None or os.path.abspath(current) == os.path.abspath(default_cache_dir()):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(config_env.cache_dir() / "torchinductor")
 
 
 def compile_layers(layers: list[nn.Module], requested: str, device: torch.device, *, tensor_parallel: bool = False,

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -109,3 +110,21 @@ def test_harvest_train_refuses_a_bad_compile_flag(tmp_path):
     result = subprocess.run([sys.executable, "-m", "harvest.cli", "train", str(job), "--compile", "fast"],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "--compile" in result.stderr and "auto, on or off" in result.stderr
+
+
+def test_inductor_artifacts_go_to_harvests_cache_unless_the_operator_chose_a_folder(monkeypatch, tmp_path):
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    from harvest.train.compiled_units import use_harvest_cache
+
+    monkeypatch.setenv("HARVEST_CACHE_DIR", str(tmp_path / "harvest-cache"))
+    for inductors_own in (None, default_cache_dir()):  # unset, or the default inductor wrote there itself
+        if inductors_own is None:
+            monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+        else:
+            monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", inductors_own)
+        use_harvest_cache()
+        assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "harvest-cache" / "torchinductor")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "operators"))
+    use_harvest_cache()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "operators")
