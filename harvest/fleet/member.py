@@ -203,6 +203,10 @@ class FleetMember:
                 live.append(member)
         return live
 
+    def _registered(self, store) -> list[str]:
+        """Every registered member's id ("" where one left or was dropped)."""
+        return [store.get(f"members/{index}").decode() for index in range(store.add("members/count", 0))]
+
     def _drop_dead(self, store, live: list[str]) -> None:
         count = store.add("members/count", 0)
         for index in range(count):
@@ -265,6 +269,11 @@ class FleetMember:
                 live, live_read_at = len(self.live_members(store)), time.monotonic()
             if arrived >= max(options.min_members, live):
                 size = int(store.compare_set(f"r{number}/size", "", str(arrived)))
+                registered = sum(1 for member in self._registered(store) if member)
+                if size == arrived and size < registered:  # this member closed it, without some registered
+                    logger.info("fleet job %s: round %d closes with %d of %d registered member(s): the others' "
+                                "heartbeats stopped for %.0f s or more", self.job_id, number, size, registered,
+                                options.dead_after_s)
             else:
                 time.sleep(POLL_S)
         if rank >= size:
