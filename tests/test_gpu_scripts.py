@@ -761,22 +761,18 @@ def test_profilers_graph_steps_decode_what_eager_static_steps_decode(tiny_llama_
     engine.close()
 
 
-@pytest.mark.slow
-def test_bench_layer_unit_times_eager_and_compiled_units_and_compares_their_gradients():
-    """scripts/bench_layer_unit.py on CPU (the tiny shape, fp32): both variants measured,
-    compiled dispatching fewer operators, its LoRA gradients equal eager's."""
-    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_layer_unit.py"), "--rounds", "2",
-                             "--warmup", "1", "--layers", "2", "--seq-len", "64", "--json"],
+def test_bench_layer_unit_times_eager_units():
+    """scripts/bench_layer_unit.py on CPU (the tiny shape, fp32), eager only: the compiled
+    variant's comparison is bench_trainer.py's test (the same compile, inside the trainer)."""
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_layer_unit.py"), "--variants", "eager",
+                             "--rounds", "2", "--warmup", "1", "--layers", "2", "--seq-len", "64", "--json"],
                             capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
-    eager, compiled = report["variants"]["eager"], report["variants"]["compiled"]
-    assert report["tokens_per_unit"] == 2 * 64 and report["dtype"] == "float32"
-    assert eager["lora_grad_rel_diff_vs_eager"] == 0.0 and compiled["lora_grad_rel_diff_vs_eager"] < 1e-5
-    assert 0 < compiled["ops_per_layer_unit"] < eager["ops_per_layer_unit"]
-    for variant in (eager, compiled):
-        assert variant["host_us_forward_unit"] > 0 and variant["tokens_per_s_model"] > 0
-    assert compiled["speedup_vs_eager"] > 0 and compiled["ops_vs_eager"] < 1
+    eager = report["variants"]["eager"]
+    assert report["tokens_per_unit"] == 2 * 64 and report["dtype"] == "float32" and list(report["variants"]) == ["eager"]
+    assert eager["lora_grad_rel_diff_vs_eager"] == 0.0 and eager["ops_per_layer_unit"] > 100
+    assert eager["host_us_forward_unit"] > 0 and eager["tokens_per_s_model"] > 0
 
 
 def test_bench_layer_unit_refuses_graphs_without_cuda():
