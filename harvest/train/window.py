@@ -81,6 +81,7 @@ class _Resident:
     buffer: torch.Tensor | None  # None for a device-resident weight source
     ready_event: object = None  # CUDA event recorded after the load's copies
     streams: set = dataclasses.field(default_factory=set)  # compute streams that used it
+    typed: dict = dataclasses.field(default_factory=dict)  # dtype -> the buffer viewed as it (unpack's)
 
 
 class WeightWindow:
@@ -265,6 +266,7 @@ class WeightWindow:
         if self._copy_stream is not None:
             streams.add(self._copy_stream)  # a prefetch may still be copying into it
         buffer, entry.buffer = entry.buffer, None
+        entry.typed.clear()  # no view of it outlives the release
         self.allocator.release(buffer, streams)
         self.num_evictions += 1
 
@@ -301,7 +303,9 @@ class WeightWindow:
         if entry is None or entry.buffer is None:
             raise RuntimeError(f"backward needs stage {self.stages[stage].name}'s frozen weights but it is not "
                                "resident (the trainer must prepare a stage before its backward unit)")
-        typed = entry.buffer.view(dtype)
+        typed = entry.typed.get(dtype)
+        if typed is None:  # one view per stage and dtype, not one per saved weight and backward
+            typed = entry.typed[dtype] = entry.buffer.view(dtype)
         return torch.as_strided(typed, shape, stride, typed.storage_offset() + byte_offset // _itemsize(dtype))
 
 
