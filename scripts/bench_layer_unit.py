@@ -28,6 +28,7 @@ the embedding, head and optimizer are left out, so this is an upper bound).
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import statistics
 import sys
@@ -132,7 +133,13 @@ def count_ops(layer, x, position_embeddings, grad, new_step=False) -> int:
         out = layer(leaf, position_embeddings=position_embeddings)
         out = out[0] if isinstance(out, tuple) else out
         out.backward(grad)
-    count = 0
+    return sum(top_level_aten_ops(prof).values())
+
+
+def top_level_aten_ops(prof) -> collections.Counter:
+    """Operators the host dispatched, by name: ``aten::`` events of a torch.profiler run with
+    no ``aten::`` ancestor (bench_trainer.py counts the trainer's units the same way)."""
+    found = collections.Counter()
     for event in prof.events():
         if not event.name.startswith("aten::"):
             continue
@@ -140,14 +147,11 @@ def count_ops(layer, x, position_embeddings, grad, new_step=False) -> int:
         while parent is not None and not parent.name.startswith("aten::"):
             parent = parent.cpu_parent
         if parent is None:
-            count += 1
-    del torch
-    return count
+            found[event.name] += 1
+    return found
 
 
 def measure_variant(name, layer, lora, inputs, position_embeddings, grads, timing, rounds, warmup):
-    import torch
-
     graphs = name == "graphs"
 
     for param in lora:
@@ -191,7 +195,6 @@ def measure_variant(name, layer, lora, inputs, position_embeddings, grads, timin
     if fwd_dev:
         result["device_ms_forward_unit"] = round(statistics.median(fwd_dev) * 1e3, 3)
         result["device_ms_backward_unit"] = round(statistics.median(bwd_dev) * 1e3, 3)
-    del torch
     return result, reference_grads
 
 

@@ -352,25 +352,13 @@ def _compile_cache() -> dict:
             "dir": os.environ.get("TORCHINDUCTOR_CACHE_DIR")}
 
 
-def _top_level_aten_ops(prof) -> collections.Counter:
-    """scripts/bench_layer_unit.py's count: ``aten::`` events with no ``aten::`` ancestor."""
-    found = collections.Counter()
-    for event in prof.events():
-        if not event.name.startswith("aten::"):
-            continue
-        parent = event.cpu_parent
-        while parent is not None and not parent.name.startswith("aten::"):
-            parent = parent.cpu_parent
-        if parent is None:
-            found[event.name] += 1
-    return found
-
-
 def _layer_unit_ops(trainer, layer_index: int) -> dict:
     """Run one whole step of ``trainer`` unit by unit; the forward and the backward unit of
     decoder layer ``layer_index`` (micro-batch 0) each run inside a profiler. Returns their
     top-level aten operator counts, and the operators of both by name."""
     from torch.profiler import ProfilerActivity, profile
+
+    from bench_layer_unit import top_level_aten_ops  # this script's folder is on sys.path: one way of counting
 
     stage_name = f"layer.{layer_index}"
     step = trainer.global_step
@@ -382,7 +370,7 @@ def _layer_unit_ops(trainer, layer_index: int) -> dict:
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 record = trainer.run_one_unit()
             assert record.stage_name == stage_name and record.kind == unit.kind, (record, unit)
-            found = _top_level_aten_ops(prof)
+            found = top_level_aten_ops(prof)
             counts[unit.kind.value] = sum(found.values())
             by_name.update(found)
         else:
