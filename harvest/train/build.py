@@ -223,6 +223,8 @@ def assemble_trainer(peft_model, dataset: Sequence[dict[str, Any]], collate: Cal
         sharded = shard_model(split, tp)  # before the weight source and window: they hold this rank's shard
     # Before the window: compiling changes no parameter, and the first units (micro-batch
     # sizing, below) compile on this thread, while the job builds.
+    if settings.autocast_dtype is not None:
+        keep_lora_inputs_in_compute_dtype(split.peft_model)
     split.compile_layers(compile_layers, device, tensor_parallel=sharded is not None)
     layouts = split.layouts()
     if weight_source is None:
@@ -280,6 +282,27 @@ def assemble_trainer(peft_model, dataset: Sequence[dict[str, Any]], collate: Cal
             logger.info("micro-batch size %d: longest unit %.2f ms (target %.1f ms)",
                         trainer.micro_batch_size, unit_ms, options.unit_target_ms)
     return trainer
+
+
+def keep_lora_inputs_in_compute_dtype(peft_model) -> int:
+    """Turn off PEFT's cast of each LoRA layer's input to its (fp32) weights' dtype, for a
+    model that trains under autocast; returns the layers changed.
+
+    Under autocast the cast is undone at once: LoRA A's matmul casts its input back to the
+    compute dtype, and a bf16 or fp16 value cast to fp32 and back is the same value, so
+    gradients do not change; the two casts are only two more operators per LoRA layer,
+    forward and backward. Kept where LoRA dropout runs on the input, since dropout in
+    another dtype could round differently."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    changed = 0
+    for module in peft_model.modules():
+        dropouts = getattr(module, "lora_dropout", None)
+        if isinstance(module, BaseTunerLayer) and dropouts is not None and all(
+                isinstance(dropout, torch.nn.Identity) for dropout in dropouts.values()):
+            module.cast_input_dtype_enabled = False
+            changed += 1
+    return changed
 
 
 def _fleet_member(options: HarvestOptions, job_id: str | None, total_steps: int, settings: TrainerSettings):

@@ -58,9 +58,9 @@ class StepBatches:
             attention_mask, labels = batch["attention_mask"], batch["labels"]
             result.append(MicroBatch(
                 index=number,
-                input_ids=batch["input_ids"].to(device, non_blocking=True),
-                attention_mask=attention_mask.to(device, non_blocking=True),
-                labels=labels.to(device, non_blocking=True),
+                input_ids=_to_device(batch["input_ids"], device),
+                attention_mask=_to_device(attention_mask, device),
+                labels=_to_device(labels, device),
                 num_tokens=int(attention_mask.sum()),
                 # After the causal shift (Hugging Face's num_items_in_batch counts these).
                 num_label_tokens=int((labels[:, 1:] != IGNORE_INDEX).sum()),
@@ -77,3 +77,11 @@ class StepBatches:
             self._cached_order = (epoch, order)
         return self._cached_order[1]
 
+
+
+def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """An asynchronous host-to-device copy: from page-locked memory, since a copy from
+    pageable memory makes the host wait for it."""
+    if device.type == "cuda":
+        tensor = tensor.pin_memory()
+    return tensor.to(device, non_blocking=True)

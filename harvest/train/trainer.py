@@ -47,7 +47,21 @@ class _Step:
         self.num_label_tokens = sum(mb.num_label_tokens for mb in micro_batches)
         self.rng_state = rng_state
         self.losses: list[torch.Tensor] = []
+        self.loss: float | None = None  # read from the device once, at the optimizer unit
         self.grad_norm: float | None = None
+
+
+def order_after(stream, previous) -> None:
+    """Make ``stream`` run after all work queued so far on ``previous`` (the trainer's last
+    stream), on the device: the host does not wait.
+
+    The trainer's streams (one per SM partition) carry only the trainer's work, and each
+    switch orders the new stream after the last one, so all trainer work runs in one order
+    as if on a single stream. That is what makes a tensor allocated on one stream and used
+    or freed on another safe: its block goes back to its allocation stream's pool, and the
+    next allocation from that pool is queued after everything before it."""
+    if stream is not None and previous is not None and stream != previous:
+        stream.wait_stream(previous)
 
 
 class LayerSplitTrainer:
@@ -532,12 +546,7 @@ class LayerSplitTrainer:
 
     def _run_unit_locked(self, stream) -> UnitRecord:
         compute_stream = self._compute_stream(stream)
-        if compute_stream is not None and self._last_stream is not None and compute_stream != self._last_stream:
-            # The gate moved the trainer to another SM partition's stream. Finishing the old
-            # stream's work first means only one stream ever has pending trainer work, so
-            # tensors made on one stream and used or freed on another are never raced
-            # (at most one unit's wait, on the trainer thread).
-            self._last_stream.synchronize()
+        order_after(compute_stream, self._last_stream)
         self._last_stream = compute_stream
         events = None
         if self.record_device_events:
@@ -582,7 +591,21 @@ class LayerSplitTrainer:
                           unit.micro_batch, num_tokens, elapsed * 1e3, load_s * 1e3, events)
 
     def _optimizer_unit(self, step: _Step) -> None:
-        loss = float(torch.stack(step.losses).sum()) if step.losses else 0.0
+        clip = bool(self.max_grad_norm and self.max_grad_norm > 0)
+        # One process's gradients (no every-step fleet, no tensor parallelism): the norm is
+        # computed, and the gradients clipped, before the loss is checked, so a single read
+        # of the device brings both (a non-finite loss still raises before the update).
+        local = self.tp is None and (self.fleet is None or self._fleet_periodic)
+        loss_on_device = torch.stack(step.losses).sum().float() if step.losses else None
+        norm_on_device = (torch.nn.utils.clip_grad_norm_(self.trainable_params, self.max_grad_norm)
+                          if local and clip else None)
+        if loss_on_device is None:
+            loss = 0.0
+        elif norm_on_device is None:
+            loss = float(loss_on_device)
+        else:
+            loss, step.grad_norm = torch.stack([loss_on_device, norm_on_device.float()]).tolist()
+        step.loss = loss
         if not math.isfinite(loss):
             # Before the update: the weights stay those of the last good step, which is what
             # run() checkpoints on the way out.
@@ -597,14 +620,13 @@ class LayerSplitTrainer:
                 f"learning_rate: step {step.step + 1} has a non-finite loss ({loss}); training stopped before "
                 f"the update, the checkpoint keeps step {step.step} (lower learning_rate, or check the data)")
         self._in_optimizer_update = True
-        step.grad_norm = None
         if self.fleet is not None and not self._fleet_periodic:
             step.fleet_loss, _ = self.fleet.sum_gradients(self.trainable_params, step.num_label_tokens, loss)
         if self._fleet_periodic:
             self._set_fleet_lr(step.data_step)
         if self.tp is not None:
             self.sharded.sum_replicated_gradients()
-        if self.max_grad_norm and self.max_grad_norm > 0:
+        if clip and not local:
             if self.tp is not None:
                 step.grad_norm = self.sharded.clip_grad_norm(self.trainable_params, self.max_grad_norm)
             else:
@@ -618,7 +640,7 @@ class LayerSplitTrainer:
         self._in_optimizer_update = False
 
     def _finish_step(self, step: _Step) -> None:
-        loss = float(torch.stack(step.losses).sum()) if step.losses else float("nan")
+        loss = step.loss if step.losses else float("nan")
         if step.fleet_loss is not None:
             loss = step.fleet_loss
         tokens = sum(mb.num_tokens for mb in step.micro_batches)
