@@ -29,12 +29,14 @@ HELP = "co-locate a LoRA job with an SGLang decode server on a slice of the Azur
 
 
 def add_arguments(parser) -> None:
+    from harvest.replay.trace import TRACE_HELP  # standard library only: cheap
+
     parser.add_argument("--requests", type=int, default=120, help="trace requests to replay (default 120)")
     parser.add_argument("--time-scale", type=float, default=0.02, help="multiply trace inter-arrival times (default 0.02)")
     parser.add_argument("--max-context", type=int, default=256, help="cap context tokens per request (default 256)")
     parser.add_argument("--max-output", type=int, default=32, help="cap generated tokens per request (default 32)")
     parser.add_argument("--target-tpot-ms", type=float, default=40.0, help="QoS target per decode step (default 40)")
-    parser.add_argument("--trace", type=Path, default=None, help="trace CSV (default: ../shared/traces or the bundled sample)")
+    parser.add_argument("--trace", type=Path, default=None, help=TRACE_HELP + " (--requests takes its first N)")
     parser.add_argument("--model-path", type=Path, default=None, help="model to serve (default: the tiny local Llama)")
     parser.add_argument("--profile", type=Path, default=None, help="latency profile for --model-path")
     parser.add_argument("--out-dir", type=Path, default=Path("out/demo"), help="where the report and PNG go (default out/demo)")
@@ -42,7 +44,7 @@ def add_arguments(parser) -> None:
 
 def run(args) -> int:
     from harvest import colocation_config
-    from harvest.replay.trace import FULL_TRACE, SAMPLE_TRACE, TraceError, read_trace
+    from harvest.replay.trace import SAMPLE_TRACE, TraceError, read_trace
     from harvest.sglang import server
     from harvest.tiny_model import TINY_LLAMA, ensure_tiny_model
 
@@ -50,7 +52,7 @@ def run(args) -> int:
     if problem is not None:
         print(f"harvest demo: {problem}", file=sys.stderr)
         return 2
-    trace_path = args.trace or (FULL_TRACE if FULL_TRACE.is_file() else SAMPLE_TRACE)
+    trace_path = args.trace or SAMPLE_TRACE
     try:
         trace = read_trace(trace_path, limit=args.requests)
     except (OSError, TraceError) as exc:

@@ -155,6 +155,9 @@ def _trainer_alone_tp(job_path: Path, seconds: float, cpu_threads: int, tp: int,
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print only the JSON result line")
+    parser.add_argument("--trace", type=Path, default=None,
+                        help="Azure-format trace CSV (default: the bundled sample; the full trace is "
+                             "data/AzureLLMInferenceTrace_conv.csv of github.com/Azure/AzurePublicDataset)")
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--time-scale", type=float, default=0.02)
     parser.add_argument("--max-context", type=int, default=256)
@@ -179,12 +182,12 @@ def main() -> int:
 
     from harvest import colocation_config
     from harvest.metrics.percentile import nearest_rank
-    from harvest.replay.trace import FULL_TRACE, SAMPLE_TRACE, read_trace
+    from harvest.replay.trace import SAMPLE_TRACE, read_trace
     from harvest.sglang import server
     from harvest.tiny_model import ensure_tiny_model
 
     log = (lambda *a: None) if args.json else print
-    trace = read_trace(FULL_TRACE if FULL_TRACE.is_file() else SAMPLE_TRACE, limit=args.requests)
+    trace = read_trace(args.trace or SAMPLE_TRACE, limit=args.requests)
     model = ensure_tiny_model()
     work = Path(tempfile.mkdtemp(prefix="harvest-bench-colocate-"))
     # As a decode instance: batch capped and no radix cache (finished requests' prefixes

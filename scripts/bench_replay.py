@@ -104,7 +104,8 @@ def _robustness(requests, settings) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--trace", type=Path, default=None, help="trace CSV (default: the full Azure trace, else the bundled sample)")
+    parser.add_argument("--trace", type=Path, default=None, help="trace CSV (default: the bundled sample; the benchmark is meant for the full Azure trace: "
+                        "download data/AzureLLMInferenceTrace_conv.csv of github.com/Azure/AzurePublicDataset)")
     parser.add_argument("--profile", default=None, help="profile JSON or 'synthetic-a100' (default: see the module doc)")
     parser.add_argument("--repeats", type=int, default=3, help="timed repeats (default 3)")
     parser.add_argument("--target-tpot-ms", type=float, default=40.0)
@@ -115,9 +116,9 @@ def main() -> int:
     from harvest.replay.command import SYNTHETIC_A100
     from harvest.replay.report import headline
     from harvest.replay.simulator import DecodeLimits
-    from harvest.replay.trace import FULL_TRACE, SAMPLE_TRACE, read_trace
+    from harvest.replay.trace import SAMPLE_TRACE, read_trace
 
-    trace = args.trace or (FULL_TRACE if FULL_TRACE.is_file() else SAMPLE_TRACE)
+    trace = args.trace or SAMPLE_TRACE
     requests = read_trace(trace)
     profile = _choose_profile(args.profile)
     settings = comparison.ReplaySettings(limits=DecodeLimits(256, 160_000), target_tpot_ms=args.target_tpot_ms)

@@ -45,6 +45,23 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="session")
+def full_trace():
+    """The full one-hour Azure conversation trace, which the repository does not ship:
+    the path in HARVEST_FULL_TRACE (the downloaded AzureLLMInferenceTrace_conv.csv of
+    github.com/Azure/AzurePublicDataset); the test is skipped when it is not set."""
+    from pathlib import Path
+
+    value = os.environ.get("HARVEST_FULL_TRACE")
+    if not value:
+        pytest.skip("HARVEST_FULL_TRACE is not set (the path of the full Azure trace, "
+                    "data/AzureLLMInferenceTrace_conv.csv of github.com/Azure/AzurePublicDataset)")
+    path = Path(value)
+    if not path.is_file():
+        pytest.fail(f"HARVEST_FULL_TRACE={value}: no such file")
+    return path
+
+
+@pytest.fixture(scope="session")
 def tiny_llama_path():
     from harvest.tiny_model import TINY_LLAMA, ensure_tiny_model
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from harvest.replay.trace import FULL_TRACE, SAMPLE_TRACE, TraceError, read_trace
+from harvest.replay.trace import SAMPLE_TRACE, TraceError, read_trace
 
 
 def test_sample_trace_is_shipped_and_sane():
@@ -17,10 +17,8 @@ def test_sample_trace_is_shipped_and_sane():
     assert requests[1].arrival_s == pytest.approx(4.314579, abs=1e-6)
 
 
-def test_full_trace_when_present():
-    if not FULL_TRACE.is_file():
-        pytest.skip(f"full Azure trace not found at {FULL_TRACE}")
-    requests = read_trace(FULL_TRACE)
+def test_full_trace_when_present(full_trace):
+    requests = read_trace(full_trace)
     # 19,366 rows (the trace README says 19,365; its last row has no trailing newline).
     assert len(requests) == 19366
     assert 3500 < requests[-1].arrival_s < 3700  # one hour

@@ -3,8 +3,8 @@
 //
 // Note [SM ladder]
 // Rationale: harvest gives the finetune trainer the SMs that decode does not need at this
-// step (DESIGN.md §4, Harli §6-§7). Green contexts partition a GPU's streaming
-// multiprocessors (SMs) inside one process, and work launched on a stream of a green
+// step (docs/design.md §4, Harli (arXiv:2511.11729) §6-§7). Green contexts partition a
+// GPU's streaming multiprocessors (SMs) inside one process, and work launched on a stream of a green
 // context runs only on that context's SMs. Creating contexts is far too slow for the
 // decode step (a split plus two cuGreenCtxCreate per level, milliseconds), so every
 // partition that may be used is created once at start-up: the *ladder*.

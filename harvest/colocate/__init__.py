@@ -2,7 +2,7 @@
 
 :func:`~harvest.colocate.assemble.assemble` builds it from a ``harvest.yaml`` and the
 engine's adapter (the SGLang runtime and scripts/colocate_gpu.py both do). One decode step
-reads like the spec (STYLE.md), in :meth:`~harvest.colocate.colocation.Colocation.run_step`:
+reads like the rule (docs/design.md, "Architecture"), in :meth:`~harvest.colocate.colocation.Colocation.run_step`:
 ``control.before_step(load)`` (predict every level, let the QoS scheduler decide, select
 the SM level, open or close the trainer's gate), the engine runs the step on the level's
 decode stream, ``control.after_step(measured)`` (feedback to the scheduler, the online

@@ -231,7 +231,7 @@ def lending_policy(config, kv: KvPool):
     num_chunks = min(g.num_chunks, math.ceil((kv.num_tokens + 1) / g.tokens_per_chunk))
     reserve = config.memory.reserve_tokens
     if reserve is None:
-        # Harli §4.4 with T_swap taken as two steps (a trainer layer swaps out within a
+        # Harli (arXiv:2511.11729) §4.4 with T_swap taken as two steps (a trainer layer swaps out within a
         # unit boundary; units are shorter than a step): reserve = 2 * max_bs tokens,
         # capped at a quarter of the pool (SGLang's max_running_requests default on a
         # CPU is 4096, far above any real decode batch there).

@@ -1,4 +1,4 @@
-"""Per-decode-step control: predict, decide, apply, measure (Harli §5-§6).
+"""Per-decode-step control: predict, decide, apply, measure (Harli (arXiv:2511.11729) §5-§6).
 
     decision = control.before_step(StepLoad(batch_size, sum_context, is_decode))
     ... the engine runs the step on control.decode_stream, timed under decision.step ...

@@ -27,7 +27,7 @@ job needs. Why threads and not one loop over the jobs: a job's ``run`` keeps its
 does, with no new state in the trainer.
 
 Two threads share the GIL. While a trainer runs, the interpreter's switch interval is
-lowered (DESIGN.md "Process model": the default 5 ms would let a busy trainer hold off a
+lowered (docs/design.md "Process model": the default 5 ms would let a busy trainer hold off a
 decode step for an eighth of a 40 ms TPOT) and restored at shutdown. Each job's torch CPU
 operations run on ``cpu_threads`` intra-op threads and its thread's priority is lowered
 by ``nice``, on its own thread only (:mod:`harvest.train.trainer_cpu` says why).
@@ -497,7 +497,7 @@ class TrainerHost:
             return self._idle_state()
         if self._operator_paused:
             return TrainerState.PAUSED
-        # Starved = running but its next stage is still being copied in (Harli §6.2: then
+        # Starved = running but its next stage is still being copied in (Harli (arXiv:2511.11729) §6.2: then
         # decode takes every SM this step). A parked trainer loads what it needs when it
         # runs, so it is runnable, not starved.
         ready = self._starved_fn

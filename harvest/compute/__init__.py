@@ -1,4 +1,4 @@
-"""SM partitioning between decode and the finetune trainer (DESIGN.md §4).
+"""SM partitioning between decode and the finetune trainer (docs/design.md §4).
 
 ``ladder`` plans the levels (pure Python, returning harvest.ladder's types),
 ``greenctx_lib`` binds csrc/greenctx, ``partitioner`` defines the interface and the

@@ -32,7 +32,7 @@ DEFAULT_NUM_LEVELS = 6
 MIN_GREEN_CONTEXT_DRIVER = 12040  # cuGreenCtxCreate and the split API: driver 12.4
 
 # Compute capability major -> (minimum partition SMs, step SMs) when the driver does not
-# report them. 7.x-9.x as DESIGN.md §4 and the CUDA 13 cuda.h green-context notes give
+# report them. 7.x-9.x as docs/design.md §4 and the CUDA 13 cuda.h green-context notes give
 # them (9.0+ covers Blackwell too). 6.x is 1/1 as SGLang's pdmux_context uses it; the
 # CUDA 13 header says 2/2 for 6.x, but CUDA 13 no longer targets Pascal and any driver
 # that can build the ladder reports its own numbers on 13.0+.

@@ -1,4 +1,4 @@
-"""harvest.memory: the unified KV / trainer memory allocator (Harli §4).
+"""harvest.memory: the unified KV / trainer memory allocator (Harli (arXiv:2511.11729) §4).
 
 Backed by libharvest_vmm (csrc/vmm_allocator): one pool of physical pages behind
 SGLang's KV buffers, whole free KV chunks lent to the trainer's general arena and taken

@@ -1,8 +1,8 @@
 """Exceptions raised by harvest.memory, one per failure kind of libharvest_vmm.
 
 Misconfiguration and bad input raise; a pool that is exhausted *right now* is not an
-exception but a value (``None``) the caller backs off on (DESIGN.md, "two kinds of
-failure"). Every message comes from the C++ side and names the call or the argument.
+exception but a value (``None``) the caller backs off on (docs/design.md, "Code-level
+decisions": two kinds of failure). Every message comes from the C++ side and names the call or the argument.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """When to lend KV chunks to the trainer and when to take them back (pure policy).
 
 Inputs are counts the serving side already has: free token slots per chunk and which
-chunks are lent. The rule (Harli §4.4, DESIGN.md §1):
+chunks are lent. The rule (Harli (arXiv:2511.11729) §4.4, docs/design.md §1):
 
 - Free *mapped* slots (free slots in chunks that are not lent) must stay at or above the
   reserve. Below it, reclaim enough lent chunks to get back over it: at once, whatever

@@ -1,6 +1,6 @@
 """Harli's reserve: free KV memory kept mapped so decode never waits for a reclaim.
 
-Harli §4.4: reclaiming memory from the trainer takes as long as swapping one trainer
+Harli (arXiv:2511.11729) §4.4: reclaiming memory from the trainer takes as long as swapping one trainer
 layer's frozen weights out (T_swap). Decode must be able to run that long on memory it
 already has, so the allocator keeps
 

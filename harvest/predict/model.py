@@ -1,4 +1,4 @@
-"""The two-stage latency model and its run-time predictor (Harli §5, DESIGN.md §3).
+"""The two-stage latency model and its run-time predictor (Harli (arXiv:2511.11729) §5, docs/design.md §3).
 
 Stage 1, per ladder level s:   L_solo(s) = b0·bs + c0 + k0·Σctx
 Stage 2, per (model, job):     L_colo(s) = (SM_infer(s)·b1 + SM_ft(s)·k1) · L_solo(s)

@@ -44,8 +44,10 @@ def _key_value(text: str) -> tuple[str, object]:
 
 
 def add_arguments(parser) -> None:
+    from harvest.replay.trace import TRACE_HELP  # standard library only: cheap
+
     g = parser.add_argument_group("input")
-    g.add_argument("--trace", type=Path, default=None, help="Azure-format trace CSV (default: ../shared/traces/azure_llm_2023_conv.csv, else the bundled 300-request sample)")
+    g.add_argument("--trace", type=Path, default=None, help=TRACE_HELP)
     g.add_argument("--profile", default=None, help=f"latency profile JSON (default: a GPU profile in profiles/, else a CPU one); '{SYNTHETIC_A100}': the labelled synthetic Harli-shaped A100 profile")
     g.add_argument("--start-s", type=float, default=0.0, help="window start, seconds into the trace (default 0)")
     g.add_argument("--duration-s", type=float, default=None, help="window length in trace seconds (default: to the end)")
@@ -113,9 +115,9 @@ def run(args) -> int:
     from harvest.predict.schema import ProfileError
     from harvest.replay import comparison, fleet, fleet_report, plots, report, router, trainer_model, workload
     from harvest.replay.simulator import DecodeLimits
-    from harvest.replay.trace import FULL_TRACE, SAMPLE_TRACE, TraceError, read_trace
+    from harvest.replay.trace import SAMPLE_TRACE, TraceError, read_trace
 
-    trace_path = args.trace or (FULL_TRACE if FULL_TRACE.is_file() else SAMPLE_TRACE)
+    trace_path = args.trace or SAMPLE_TRACE
     try:
         window = workload.TraceWindow(
             args.start_s, args.duration_s, args.max_requests, args.time_scale, args.rate_scale, args.rate_scale_sizes == "resample"

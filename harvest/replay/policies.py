@@ -34,7 +34,7 @@ from harvest.schedule import QoSController, SchedulerConfig, SchedulerInput, Tra
 
 DECODE_ONLY, SEPARATE, STATIC, HARVEST = "decode-only", "separate", "static", "harvest"
 ALL_POLICIES = (HARVEST, SEPARATE, STATIC, DECODE_ONLY)
-STATIC_DECODE_FRACTION = 0.6  # Harli §8.1: 60 % of the SMs and of the memory to inference
+STATIC_DECODE_FRACTION = 0.6  # Harli (arXiv:2511.11729) §8.1: 60 % of the SMs and of the memory to inference
 MIN_NOISE_FACTOR = 0.1
 # No decode step takes an hour: a longer one comes from a broken profile (a coefficient
 # off by orders of magnitude) or an absurd --error-scale/--error-noise, and such steps

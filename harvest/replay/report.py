@@ -20,12 +20,12 @@ def normalisation(tp_size: int) -> str:
     if tp_size == 1:
         return (
             "finetune throughput is per GPU: every policy serves the whole trace on one decode instance; separate uses 2 "
-            "GPUs (decode alone + trainer alone = 1.0), the co-located policies 1 (Harli §8.1-8.2 compares on equal GPU counts)"
+            "GPUs (decode alone + trainer alone = 1.0), the co-located policies 1 (Harli, arXiv:2511.11729, §8.1-8.2, compares on equal GPU counts)"
         )
     return (
         f"finetune throughput is per GPU: every policy serves the whole trace on one decode instance of tp={tp_size} "
         f"({tp_size} GPUs, every rank co-running as the profile's rank 0 did); separate uses {2 * tp_size} GPUs ({tp_size} "
-        f"decoding alone + {tp_size} training alone = {tp_size}.0), the co-located policies {tp_size} (Harli §8.1-8.2 "
+        f"decoding alone + {tp_size} training alone = {tp_size}.0), the co-located policies {tp_size} (Harli, arXiv:2511.11729, §8.1-8.2, "
         "compares on equal GPU counts); per instance, multiply by the GPUs"
     )
 

@@ -46,7 +46,7 @@ A100_LADDER = Ladder(
 )
 # SGLang's default CUDA-graph capture sizes on a large GPU (1, 2, 4, 8, then every 8 to 256).
 SGLANG_BUCKETS = BatchSizeBuckets((1, 2, 4, 8) + tuple(range(16, 257, 8)))
-HARLI_GRID = Grid((4, 16, 64), (64, 128, 256, 512))  # Harli §8.8: batch sizes 4, 16, 64, seqlen up to 512
+HARLI_GRID = Grid((4, 16, 64), (64, 128, 256, 512))  # Harli (arXiv:2511.11729) §8.8: batch sizes 4, 16, 64, seqlen up to 512
 _EXACT = FitQuality(num_samples=1, mape=0.0, max_error=0.0, cv_mape=None)
 
 

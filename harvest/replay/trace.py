@@ -23,8 +23,14 @@ from pathlib import Path
 
 REQUIRED_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 SAMPLE_TRACE = Path(__file__).resolve().parent.parent / "data" / "azure_llm_2023_conv_sample.csv"
-# The full one-hour trace, where the shared checkout keeps it (../shared/traces next to the project).
-FULL_TRACE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "azure_llm_2023_conv.csv"
+# The full one-hour trace (19,366 requests) is not shipped: a user downloads it and passes
+# its path. The bundled sample is its first 300 requests (harvest/data/README.md).
+FULL_TRACE_SOURCE = "data/AzureLLMInferenceTrace_conv.csv of https://github.com/Azure/AzurePublicDataset"
+TRACE_HELP = (
+    "Azure-format trace CSV (default: the bundled sample, the first 300 requests of the Azure LLM inference "
+    "trace 2023, conversation service). For the full one-hour trace, download " + FULL_TRACE_SOURCE
+    + " (CC-BY 4.0) and pass its path here"
+)
 # Token counts are int32 in SGLang and torch; a larger one is no request, and the
 # simulator's int64 step arrays must hold a batch's sum of them.
 MAX_TOKENS = 2**31 - 1

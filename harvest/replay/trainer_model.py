@@ -24,7 +24,7 @@ fraction of the solo rate):
 
 - a level whose decode and trainer SMs are disjoint (green-context split): the trainer
   runs at ``trainer_sms / total_sms`` of its solo rate. An upper bound: memory-bandwidth
-  contention with decode (Harli §5.2.2) slows the trainer too, and that is not modelled;
+  contention with decode (Harli (arXiv:2511.11729) §5.2.2) slows the trainer too, and that is not modelled;
 - SMs both tasks use (the one shared level of a device without partitioning): time
   sharing — decode is slowed by the stage-2 factor ``F = L_colo / L_solo`` and the
   trainer gets the time decode lost, ``1 − 1/F`` of those SMs;

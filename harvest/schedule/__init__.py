@@ -1,6 +1,6 @@
-"""The QoS scheduler (Harli §6.2, DESIGN.md §4): before every decode step, choose the SM
-level whose predicted co-located latency is closest under the TPOT target, or pause the
-trainer. Pure policy: standard library only (no torch, numpy or scikit-learn)."""
+"""The QoS scheduler (Harli (arXiv:2511.11729) §6.2, docs/design.md §4): before every
+decode step, choose the SM level whose predicted co-located latency is closest under the
+TPOT target, or pause the trainer. Pure policy: standard library only (no torch, numpy or scikit-learn)."""
 
 from harvest.schedule.config import SchedulerConfig
 from harvest.schedule.controller import QoSController, SchedulerStats

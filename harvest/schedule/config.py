@@ -22,7 +22,7 @@ class SchedulerConfig:
 
     - ``target_tpot_ms``: the per-token decode latency target (Harli evaluates 40 ms).
     - ``initial_margin``: decisions aim under ``target × (1 − margin)``. 5% covers the
-      stage-2 predictor's reported error (Harli §8.4: < 5%). It is also the margin's
+      stage-2 predictor's reported error (Harli (arXiv:2511.11729) §8.4: < 5%). It is also the margin's
       lower bound: feedback only ever adds to it.
     - ``max_margin``: the feedback margin never exceeds this, so one bad stretch cannot
       shut the trainer out indefinitely.

@@ -1,8 +1,9 @@
 """Fair share of the trainer's time between the jobs of one server (pure policy).
 
 Several finetune jobs run on one decode server; one trainer unit runs at a time, so the
-jobs share the trainer's time. The rule is FlexLLM's virtual token counters
-(``../shared/papers/flexllm.txt`` §5), counted in trainer seconds instead of tokens
+jobs share the trainer's time. The rule is FlexLLM's virtual token counters (Oliaro et
+al., "FlexLLM: Token-Level Co-Serving of LLM Inference and Finetuning with SLO
+Guarantees", NSDI 2026, arXiv:2402.18789, appendix C), counted in trainer seconds instead of tokens
 (what an operator's weights mean: "job B gets three times A's trainer time", whatever
 either's tokens cost):
 
@@ -15,7 +16,7 @@ either's tokens cost):
   ``v`` of the jobs already running, as FlexLLM's counters do: it gets its share from
   now on, not the back-pay of the time before it existed (which would shut the others
   out for as long);
-- **starvation guard** (HyGen's, in time): a runnable job that has waited
+- **starvation guard** (HyGen's, arXiv:2501.14808, in time): a runnable job that has waited
   ``starvation_s`` since its last slice gets the next one, whatever the counters say
   (a weight of 0.01 beside 100 still runs every ``starvation_s``);
 - a weight change counts from the moment it is made (the job's virtual time stays where

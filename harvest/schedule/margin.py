@@ -1,6 +1,6 @@
 """The feedback margin: how a measured step moves the headroom the rule keeps.
 
-The predictor is wrong sometimes (Harli §8.4: stage 2 within 5% on average, more on
+The predictor is wrong sometimes (Harli (arXiv:2511.11729) §8.4: stage 2 within 5% on average, more on
 unseen loads, and a Python trainer thread adds GIL noise the profile never saw). A
 measured violation of a co-located step adds ``margin_growth``; a co-located step within
 target removes ``margin_decay``; the margin stays within [initial_margin, max_margin].

@@ -1,13 +1,13 @@
 """The scheduling rule as pure functions: ``choose`` a decision for one decode step and
 ``advance`` the scheduler's state past it. Nothing here mutates anything, so the whole
-policy can be replayed and tested step by step (STYLE: query first, mutate second).
+policy can be replayed and tested step by step (query first, mutate second).
 
 Harli's rule (§6.2): predict each SM level's co-located decode latency and run the level
 closest to, but under, the QoS target; if none fits, pause the trainer and give decode
 the whole device (the ladder's last level); if the trainer is starved waiting on a swap-in, give decode every SM for
 that step. "Closest under" is the throughput choice: finetune throughput is highest when
 decode runs just under its target, because decode then leaves the most memory bandwidth
-to the trainer (§5.2.3). harvest adds (DESIGN.md, "Beyond Harli"):
+to the trainer (§5.2.3). harvest adds (docs/design.md, "Beyond Harli"):
 
 - a feedback margin: "under" means under ``target × (1 − margin)`` (see ``margin.py``);
 - hysteresis: a level change QoS requires (the level in force no longer fits) happens at

@@ -1,7 +1,7 @@
 """What the QoS scheduler reads and returns: the per-step input snapshot, the decision,
 and the scheduler's own state between steps.
 
-The ladder (harvest.ladder.Ladder) is fixed at start-up (DESIGN.md §4: the green-context
+The ladder (harvest.ladder.Ladder) is fixed at start-up (docs/design.md §4: the green-context
 ladder is created once) and validated then; the per-step :class:`SchedulerInput` carries
 only what changes every step — one predicted latency per level and the trainer's state.
 Building it costs one small tuple per step, where a dataclass per level would cost
@@ -31,7 +31,7 @@ class TrainerState(str, enum.Enum):
 
     RUNNING = "running"  # a job is active and has ready work; it runs whenever a decision lets it
     PAUSED = "paused"  # the operator paused the job (control endpoint) until resumed
-    STARVED = "starved"  # waiting on a swap-in: no unit is ready this step (Harli §6.2)
+    STARVED = "starved"  # waiting on a swap-in: no unit is ready this step (Harli (arXiv:2511.11729) §6.2)
     BUILDING = "building"  # a job's model and data are loading on the trainer thread
     FINISHED = "finished"  # every job ran to its end
     STOPPED = "stopped"  # stopped by the operator or a signal (after its checkpoint)
@@ -48,9 +48,9 @@ class DecisionReason(str, enum.Enum):
     FITS = "fits"  # Harli's rule: the level closest under target × (1 − margin)
     HYSTERESIS_HOLD = "hysteresis_hold"  # a better level exists but QoS does not require the move yet
     FLOOR = "floor"  # minimum-progress floor: run on the safest level under the relaxed target
-    NONE_FITS = "none_fits"  # no level predicts under budget: trainer paused (Harli §6.2)
+    NONE_FITS = "none_fits"  # no level predicts under budget: trainer paused (Harli (arXiv:2511.11729) §6.2)
     QOS_BACKOFF = "qos_backoff"  # violations the margin could not absorb: trainer paused for a while
-    TRAINER_STARVED = "trainer_starved"  # trainer waits on a swap-in: decode takes all SMs (Harli §6.2)
+    TRAINER_STARVED = "trainer_starved"  # trainer waits on a swap-in: decode takes all SMs (Harli (arXiv:2511.11729) §6.2)
     TRAINER_PAUSED = "trainer_paused"  # operator pause
     TRAINER_STOPPED = "trainer_stopped"
     NO_TRAINER = "no_trainer"

@@ -4,7 +4,8 @@ Mechanism only; the rule is :mod:`harvest.memory.lending`. SGLang's token alloca
 (``TokenToKVPoolAllocator``; pages of one token) keeps free slots in ``free_pages`` and,
 when ``need_sort`` (decode instances), recently freed ones in ``release_pages``, merged
 and sorted on demand, so allocation takes the lowest free slots and high chunks empty out
-(FineServe's "fill partial slabs first"; the controller turns ``need_sort`` on).
+(FineServe's "fill partial slabs first", arXiv:2509.06261; the controller turns
+``need_sort`` on).
 
 One source of truth per fact:
 

@@ -1,8 +1,8 @@
 """The served model's weights as the trainer's frozen weights (same-base-model mode).
 
 When the finetune job's base model is the checkpoint SGLang serves, the trainer need not
-hold a second copy (FlexLLM's insight, DESIGN.md "Beyond Harli"): SGLang's parameters are
-used in place. SGLang fuses projections that Hugging Face keeps apart, in a fixed row
+hold a second copy (FlexLLM's observation, arXiv:2402.18789; docs/design.md "Beyond
+Harli"): SGLang's parameters are used in place. SGLang fuses projections that Hugging Face keeps apart, in a fixed row
 order, so row slices of the fused tensors are the HF tensors (views, no copy):
 
     qkv_proj   [q | k | v] rows   -> q_proj, k_proj, v_proj   (weight, and bias for Qwen2)

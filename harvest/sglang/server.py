@@ -22,7 +22,8 @@ from pathlib import Path
 
 
 def cpu_server_args(model_path: str | Path, *, decode_instance: bool = False, max_total_tokens: int = 16384) -> list[str]:
-    """SGLang flags that serve ``model_path`` on CPU (see ../shared/notes/sglang-on-cpu.md)."""
+    """SGLang flags that serve ``model_path`` on CPU (why each: docs/sglang-integration.md,
+    "SGLang on a CPU"); the process also needs :func:`cpu_server_env`."""
     args = [
         "--model-path", str(model_path),
         "--device", "cpu",

@@ -10,7 +10,7 @@ import pytest
 
 from harvest.cli import main
 from harvest.replay import synthetic
-from harvest.replay.trace import FULL_TRACE, SAMPLE_TRACE
+from harvest.replay.trace import SAMPLE_TRACE
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -123,13 +123,25 @@ def test_command_module_is_cheap_to_import():
     assert "matplotlib" not in out.stdout and "torch" not in out.stdout
 
 
-@pytest.mark.timeout(120)
-def test_full_trace_when_present(profile_path, capsys):
-    if not FULL_TRACE.is_file():
-        pytest.skip(f"full Azure trace not found at {FULL_TRACE}")
-    code = main(["replay", "--profile", str(profile_path), "--json", "--no-plots", "--policies", "harvest,separate,static"])
+def test_default_trace_is_the_bundled_sample(profile_path, capsys):
+    """No --trace: the sample shipped in the package, whatever lies next to the checkout;
+    --help says where the full trace comes from."""
+    code = main(["replay", "--profile", str(profile_path), "--json", "--no-plots", "--max-requests", "20",
+                 "--policies", "decode-only"])
     data = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert code == 0 and data["trace"] == str(FULL_TRACE)
+    assert code == 0 and data["trace"] == str(SAMPLE_TRACE)
+    with pytest.raises(SystemExit):
+        main(["replay", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "github.com/Azure/AzurePublicDataset" in help_text and "AzureLLMInferenceTrace_conv.csv" in help_text
+
+
+@pytest.mark.timeout(120)
+def test_full_trace_when_present(full_trace, profile_path, capsys):
+    code = main(["replay", "--trace", str(full_trace), "--profile", str(profile_path), "--json", "--no-plots",
+                 "--policies", "harvest,separate,static"])
+    data = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert code == 0 and data["trace"] == str(full_trace)
     run = data["runs"][0]
     assert run["num_requests"] == 19366 and 3500 < run["horizon_s"] < 3700
     harvest = run["policies"]["harvest"]["metrics"]

@@ -1,4 +1,4 @@
-"""`harvest profile`: offline calibration of the latency predictor (Harli §5, §8.8).
+"""`harvest profile`: offline calibration of the latency predictor (Harli (arXiv:2511.11729) §5, §8.8).
 
 For each ladder level: decode steps of the served model over a grid of batch sizes and
 context lengths, alone (stage 1) and with the finetune job running on the trainer's side

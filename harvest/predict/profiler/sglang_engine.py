@@ -67,7 +67,8 @@ def server_argv(config: EngineConfig, max_total_tokens: int) -> list[str]:
     if config.tp_size > 1:
         argv += ["--tp-size", str(config.tp_size)]
     if config.device == "cpu":
-        # No AMX on the CPUs harvest tests on; see ../shared/notes/sglang-on-cpu.md.
+        # SGLang's x86 default attention backend (intel_amx) needs AMX, which the CPUs
+        # harvest tests on lack; no CUDA graphs on a CPU (docs/sglang-integration.md).
         argv += ["--attention-backend", "torch_native", "--disable-cuda-graph"]
     else:
         argv += ["--cuda-graph-max-bs-decode", str(config.max_batch_size)]
