@@ -7,11 +7,11 @@ export HF_HUB_OFFLINE := 1
 export DISABLE_VERSION_CHECK := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: venv demo test test-fast test-gpu gpu-env native clean help
+.PHONY: venv test-tools demo test test-fast test-gpu gpu-env native clean help
 
 help:
 	@echo "make demo   - set up .venv if needed, then run harvest's CPU demo"
-	@echo "make test   - set up .venv if needed, then run the whole test suite"
+	@echo "make test   - set up .venv (and prometheus, shellcheck: apt-get) if needed, then run the whole test suite"
 	@echo "make gpu-env - on a GPU server: build .venv-cuda (SGLang 0.5.23 on CUDA; README, Running on a GPU)"
 
 venv:
@@ -20,7 +20,13 @@ venv:
 demo: venv
 	$(VENV)/bin/harvest demo
 
-test: venv
+# System programs some tests run for real (prometheus, promtool, shellcheck), installed with
+# apt-get when missing and possible; otherwise it names the tests that will be skipped and
+# the run goes on (docs/testing.md).
+test-tools:
+	@bash scripts/ensure_test_tools.sh
+
+test: venv test-tools
 	$(PYTHON) -m pytest -q -ra tests
 
 # Policy and mechanism tests only (no SGLang server start-ups): seconds, for iteration.

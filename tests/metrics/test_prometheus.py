@@ -11,8 +11,9 @@ empty, or when it duplicates or merges series: fleet panels give one series; eve
 series carries its ``instance`` (and per-job ones their ``job_name``), no two series share
 their labels, and every selected server is there.
 
-Run: ``apt install prometheus``, then
-``.venv/bin/python -m pytest -m prometheus tests/metrics/test_prometheus.py`` (a few minutes).
+``make test`` installs Prometheus (the Debian package, 2.42 on bookworm) when it is missing
+(scripts/ensure_test_tools.sh); alone: ``.venv/bin/python -m pytest -m prometheus
+tests/metrics/test_prometheus.py`` (about 2 minutes).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from harvest.sglang import server
 pytestmark = [
     pytest.mark.prometheus, pytest.mark.slow, pytest.mark.sglang, pytest.mark.timeout(900),
     pytest.mark.skipif(shutil.which("prometheus") is None,
-                       reason="the prometheus binary is not on PATH (apt install prometheus)"),
+                       reason="the prometheus binary is not on PATH (scripts/ensure_test_tools.sh installs it: apt-get install prometheus)"),
 ]
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "harvest" / "metrics" / "dashboards" / "harvest.json"
