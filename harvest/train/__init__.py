@@ -1,4 +1,4 @@
-"""harvest.train: the layer-split LoRA trainer (DESIGN.md §2, Harli §4.3, §6.1).
+"""harvest.train: the layer-split LoRA trainer (docs/design.md §2; Harli, arXiv:2511.11729, §4.3 and §6.1).
 
 Import the pieces from their modules; this package imports nothing heavy by itself.
 Entry points: `job.load_job` (LlamaFactory job file -> `TrainJob`), `build.build_trainer`

@@ -95,7 +95,8 @@ class WeightWindow:
         self._resident: dict[int, _Resident] = {}
         self._range_starts: list[int] = []  # sorted buffer start addresses, for the pack hook
         self._range_entries: list[tuple[int, int, int]] = []  # (start, end, stage) in the same order
-        self._keep_order: list[int] = []
+        self._next: tuple[int, Iterable[int]] | None = None  # the last prepare's (stage, upcoming)
+        self._keep: list[int] | None = None  # the stages to keep, from _next, made when first needed
         self._copy_stream = None
         if self.device.type == "cuda" and not source.device_resident:
             self._copy_stream = torch.cuda.Stream(device=self.device)
@@ -139,7 +140,7 @@ class WeightWindow:
         self._capacity = self._check_capacity(capacity)
         if self.source.device_resident:
             return
-        keep = self._keep_order[: self._capacity]
+        keep = set(self._keep_order())
         for stage in [s for s in self._resident if s not in keep]:
             self._evict(stage)
 
@@ -159,15 +160,15 @@ class WeightWindow:
         Raises `WindowMemoryUnavailable` (transient) if `stage` cannot be made resident."""
         if self.source.device_resident:
             return 0.0
-        keep = [stage]
-        for upcoming_stage in upcoming:
-            if len(keep) >= self._capacity:
-                break
-            if upcoming_stage not in keep:
-                keep.append(upcoming_stage)
-        self._keep_order = keep
-        for resident in [s for s in self._resident if s not in keep]:
-            self._evict(resident)
+        self._next, self._keep = (stage, upcoming), None
+        keep: list[int] = []
+        if len(self._resident) < len(self.stages) or self._capacity < len(self.stages):
+            # Otherwise every stage is resident and stays so: nothing to evict or load, and
+            # the order is worked out only if the window shrinks before the next unit.
+            keep = self._keep_order()
+            keep_set = set(keep)
+            for resident in [s for s in self._resident if s not in keep_set]:
+                self._evict(resident)
         waited = 0.0
         if stage not in self._resident:
             started = time.perf_counter()
@@ -213,6 +214,22 @@ class WeightWindow:
                 self._evict(stage)
 
     # -- internals ---------------------------------------------------------------------
+    def _keep_order(self) -> list[int]:
+        """The next W distinct stages: the last prepared one first, then its upcoming ones."""
+        if self._keep is None:
+            if self._next is None:
+                return []
+            stage, upcoming = self._next
+            keep, seen = [stage], {stage}
+            for upcoming_stage in upcoming:
+                if len(keep) >= self._capacity:
+                    break
+                if upcoming_stage not in seen:
+                    keep.append(upcoming_stage)
+                    seen.add(upcoming_stage)
+            self._keep = keep
+        return self._keep[: self._capacity]
+
     def _check_capacity(self, capacity: int) -> int:
         if not isinstance(capacity, int) or capacity < 1:
             raise ValueError(f"window capacity must be an integer >= 1 stage, got {capacity!r}")
