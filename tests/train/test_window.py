@@ -190,3 +190,29 @@ def test_weights_used_in_place_need_no_saved_tensor_hooks():
         y = layer(x)
     y.sum().backward()
     assert packed == [] and x.grad is not None
+
+
+def test_shrinking_a_full_window_keeps_the_stages_needed_soonest():
+    """With every stage resident, prepare() works out no order; a shrink before the next
+    unit still keeps the prepared stage and those right after it."""
+    from torch import nn
+
+    from harvest.train.weights import HostCopyWeightSource
+    from harvest.train.window import StageLayout, WeightWindow
+    from harvest.train.window_memory import TorchWindowAllocator
+
+    layers = [nn.Linear(4, 4, bias=False).requires_grad_(False) for _ in range(5)]
+    entries = [[(f"l{i}.weight", layer, "weight", layer.weight.detach().clone())] for i, layer in enumerate(layers)]
+    layouts = [StageLayout.build(i, f"layer.{i}", e) for i, e in enumerate(entries)]
+    window = WeightWindow(layouts, HostCopyWeightSource({e[0][0]: e[0][3] for e in entries}),
+                          TorchWindowAllocator("cpu"), capacity=5)
+    window.prepare(0, iter([1, 2, 3, 4]))
+    assert window.resident_stages() == [0, 1, 2, 3, 4]
+    loads = window.num_loads
+    window.prepare(3, iter([3, 4, 4, 2, 1, 0]))  # all resident: nothing to do
+    assert window.num_loads == loads and window.num_evictions == 0
+    window.set_capacity(3)
+    assert window.resident_stages() == [2, 3, 4]  # 3, then 4, then 2: the next three distinct
+    window.prepare(4, iter([2, 1, 0]))  # W = 3 < 5: the order is kept at once
+    window.set_capacity(2)
+    assert window.resident_stages() == [2, 4]
