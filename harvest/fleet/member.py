@@ -56,7 +56,7 @@ POLL_S = 0.02
 
 
 class FleetTrainer(Protocol):
-    """What a member needs of its trainer (harvest.train.trainer.LayerSplitTrainer)."""
+    """What a member needs of its trainer (harvest.train.fleet_link.FleetLink)."""
 
     def fleet_snapshot(self) -> tuple[Any, int, list[int]]: ...  # (flat weights, tokens, steps) since the last round
 

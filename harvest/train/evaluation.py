@@ -1,4 +1,5 @@
-"""Evaluation on the trainer's own units: when it is due, and one pass over the eval sets.
+"""Evaluation on the trainer's own units: when it is due, one pass over the eval sets, and
+running a pass's units between the trainer's steps.
 
 The Hugging Face Trainer's semantics (``DefaultFlowCallback``): ``eval_strategy: steps``
 evaluates after every ``eval_steps`` steps (a fraction < 1 of the run; unset: the logging
@@ -16,15 +17,18 @@ uses no random numbers and changes no weights: training is the same with or with
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import itertools
 import math
+import time
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
 from harvest.train.data import IGNORE_INDEX
 from harvest.train.split_model import MicroBatch
-from harvest.train.stats import Unit, UnitKind
+from harvest.train.stats import Unit, UnitKind, UnitRecord
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,3 +115,94 @@ class EvalPass:
 
     def metrics(self) -> dict[str, float]:
         return {f"{prefix}_loss": total / count for prefix, (total, count) in self._sums.items() if count}
+
+
+class EvalRunner:
+    """A trainer's evaluations (harvest.train.trainer.LayerSplitTrainer): whether one is
+    owed, the pass in progress and its units, and the last metrics. An owed evaluation's
+    units run before the next step's; ``evaluation`` None: never evaluates."""
+
+    def __init__(self, trainer, evaluation: Evaluation | None):
+        self.trainer = trainer
+        self.evaluation = evaluation
+        self.owed = evaluation is not None and evaluation.due_after(0)  # eval_on_start
+        self.eval_pass: EvalPass | None = None  # the evaluation in progress
+        self.done_step: int | None = None  # the step after which the last evaluation completed
+        self.last_metrics: dict[str, float] = {}
+
+    @property
+    def in_progress(self) -> bool:
+        return self.owed or self.eval_pass is not None
+
+    def step_done(self, step: int) -> None:
+        """After optimizer step ``step``: owe an evaluation when one is due."""
+        if self.evaluation is not None and self.evaluation.due_after(step):
+            self.owed = True
+
+    def resumed(self, step: int, done_step: int | None) -> bool:
+        """From a checkpoint of ``step`` whose last evaluation completed after ``done_step``:
+        an evaluation due after ``step`` that had not completed runs again. Returns whether
+        one is owed."""
+        self.done_step = done_step
+        self.owed = self.evaluation is not None and self.evaluation.due_after(step) and done_step != step
+        self.eval_pass = None
+        return self.owed
+
+    def next_unit(self) -> Unit:
+        eval_pass = self.eval_pass
+        if eval_pass is None:
+            return Unit(UnitKind.EVAL, 0, 0)  # built by the unit itself, on the trainer's stream
+        plan, cursor = eval_pass.plan, eval_pass.cursor
+        # A lock-free peek (the decode thread) can land between the last unit's cursor
+        # step and the pass's end: the pass's last unit stands for it.
+        return plan[min(cursor, len(plan) - 1)]
+
+    def run_unit_locked(self, compute_stream, events) -> UnitRecord:
+        """Run the pass's next unit, as the trainer's `_run_unit_locked` runs a training unit."""
+        t = self.trainer
+        started = time.perf_counter()
+        with torch.cuda.stream(compute_stream) if compute_stream is not None else contextlib.nullcontext():
+            if self.eval_pass is None:
+                self.eval_pass = self.evaluation.new_pass(t.split.num_stages, t.device)
+                self.owed = False
+            eval_pass = self.eval_pass
+            unit = eval_pass.plan[eval_pass.cursor]
+            upcoming = (u.stage for u in eval_pass.plan[eval_pass.cursor + 1:])
+            load_s = t.window.prepare(unit.stage, itertools.chain(upcoming, t._pass_stages), compute_stream)
+            if events:
+                events[0].record()
+            mb = eval_pass.micro_batch(unit.micro_batch)
+            model = t.split.peft_model
+            was_training = model.training
+            model.eval()  # no LoRA dropout, as the Hugging Face Trainer evaluates
+            try:
+                with t._autocast():
+                    t.split.evaluate(unit.stage, mb)
+            finally:
+                model.train(was_training)
+            if unit.stage == t.split.head_stage:
+                eval_pass.head_done(unit.micro_batch)
+            if events:
+                events[1].record()
+        eval_pass.cursor += 1
+        elapsed = time.perf_counter() - started
+        with t._stats_lock:
+            t._counters["units_run"] += 1
+            t._counters["load_wait_s"] += load_s
+        if eval_pass.done:
+            self._finish(eval_pass)
+        return UnitRecord(t.global_step, unit.kind, unit.stage, t.split.stage_names[unit.stage],
+                          unit.micro_batch, mb.num_tokens, elapsed * 1e3, load_s * 1e3, events)
+
+    def _finish(self, eval_pass: EvalPass) -> None:
+        t = self.trainer
+        metrics = eval_pass.metrics()
+        self.eval_pass = None
+        self.done_step = t.global_step
+        self.last_metrics = metrics
+        if t.train_log is not None:
+            t.train_log.log(metrics)
+        entry = {**metrics, "step": t.global_step}
+        for callback in t.eval_callbacks:
+            callback(entry)
+        t._finalize_if_done()
