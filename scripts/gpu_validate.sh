@@ -151,7 +151,7 @@ command_for() {
         --out "$OUT_DIR/bench-vmm.json") ;;
     gpu-tests) CMD=("$PYTHON" -m pytest -m gpu -s -rA -p no:cacheprovider --continue-on-collection-errors
       --junitxml="$OUT_DIR/gpu-tests.xml" tests/memory tests/test_native.py tests/train tests/test_gpu_scripts.py
-      tests/compute/test_level_graphs.py) ;;
+      tests/engines) ;;
     profile)
       rm -f "$PROFILE" # never co-locate with a stale profile (an interrupted run resumes from its .partial.jsonl)
       local grid=(--dtype bfloat16 --batch-sizes "4,16,32" --context-lengths "64,256,512" --warmup 2 --repeats 8

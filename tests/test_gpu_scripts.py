@@ -2,18 +2,15 @@
 
 - scripts/gpu_validate.sh parses, is shellcheck-clean, refuses bad arguments, and its
   step runner records failures and keeps going (run here with a fake python);
-- scripts/colocate_gpu.py: its ragged decode batch gives every request the logits it
-  would get decoding alone (joins, left padding, trims on leave); its trainer, built
-  without LlamaFactory on the decode model's own weights, matches plain PEFT; and a
-  short run of every mode on CPU, with sglang and llamafactory unimportable (as on the
-  GPU machine), ends with the JSON line the docs describe.
-
-The trainer and batch checks run on CUDA too (``gpu``), where gpu_validate.sh runs them.
+- scripts/colocate_gpu.py: a short run of every mode on CPU, with sglang and
+  llamafactory unimportable (as on the GPU machine), ends with the JSON line the docs
+  describe; --graphs on serves through the slot batch (eager on CPU); results are written
+  as they exist and an interrupt keeps them. The engine pieces it runs (batches, per-level
+  graphs, the shared-weight trainer) are tested in tests/engines/, on CUDA too (``gpu``).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -27,33 +24,6 @@ ROOT = Path(__file__).resolve().parent.parent
 VALIDATE = ROOT / "scripts" / "gpu_validate.sh"
 COLOCATE = ROOT / "scripts" / "colocate_gpu.py"
 CPU_PROFILE = ROOT / "profiles" / "cpu-tiny-llama-sglang.json"
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
-
-
-@pytest.fixture(scope="module")
-def colocate():
-    spec = importlib.util.spec_from_file_location("colocate_gpu", COLOCATE)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop(spec.name, None)
-
-
-@pytest.fixture
-def one_thread():
-    import torch
-
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
-
-
-def _model(path, device):
-    from harvest.predict.profiler.hf_engine import load_causal_lm
-
-    return load_causal_lm(str(path), device, "float32", False).requires_grad_(False)
 
 
 # -- gpu_validate.sh ---------------------------------------------------------------------
@@ -226,147 +196,6 @@ def test_llama3_8b_config_has_the_8b_shape(tmp_path):
     assert round(sum(p.numel() for p in model.parameters()) / 1e9, 2) == 8.03
 
 
-# -- colocate_gpu.py pieces -----------------------------------------------------------------
-def _solo_logits(model, prompt, steps, device):
-    import torch
-
-    with torch.inference_mode():
-        out = model(input_ids=torch.tensor([prompt], device=device), use_cache=True)
-        cache, length, rows = out.past_key_values, len(prompt), []
-        next_id = out.logits[:, -1].argmax(-1, keepdim=True)
-        for _ in range(steps):
-            out = model(input_ids=next_id, past_key_values=cache, position_ids=torch.tensor([[length]], device=device),
-                        use_cache=True)
-            rows.append(out.logits[0, -1].float().cpu())
-            next_id, cache, length = out.logits[:, -1].argmax(-1, keepdim=True), out.past_key_values, length + 1
-    return rows
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_ragged_batch_decodes_each_request_as_if_alone(colocate, tiny_llama_path, device, one_thread):
-    import torch
-
-    model = _model(tiny_llama_path, device)
-    prompts = {1: [5 + 7 * j % 300 for j in range(5)], 2: [9 + 11 * j % 300 for j in range(9)], 3: [3, 4, 5]}
-    batch = colocate.RaggedDecodeBatch(model, device)
-    seen = {rid: [] for rid in prompts}
-
-    def steps(count):
-        for _ in range(count):
-            batch.step()
-            for row, rid in enumerate(batch.request_ids):
-                seen[rid].append(batch.last_logits[row].float().cpu())
-            assert batch.padded_length == max(batch.lengths)
-            assert batch.sum_context() == sum(batch.lengths) + batch.num_requests
-            assert batch.padded_sum_context() == batch.num_requests * (batch.padded_length + 1)
-
-    def join(rid):
-        batch.join([rid], [len(prompts[rid])], prompts=[prompts[rid]])
-
-    join(1)
-    steps(2)
-    join(2)  # longer than the batch: the cache grows on the left
-    steps(2)
-    join(3)  # shorter: padded on the left
-    steps(2)
-    batch.leave([2])  # the longest leaves: padding columns are trimmed
-    assert batch.padded_length == max(batch.lengths) == 5 + 6
-    steps(2)
-    batch.leave([1, 3])
-    assert batch.num_requests == 0
-    for rid, rows in seen.items():
-        reference = _solo_logits(model, prompts[rid], len(rows), device)
-        assert torch.allclose(torch.stack(rows), torch.stack(reference), atol=1e-4, rtol=1e-4), rid
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_slot_batch_decodes_each_request_as_if_alone(colocate, tiny_llama_path, device, one_thread):
-    """The graphs-on serving batch: requests join free slots and leave (the last slots move
-    into the holes), steps compute the smallest bucket holding them, and the shared write
-    column wraps around its ring twice; every request gets the logits it would decoding
-    alone."""
-    import torch
-
-    model = _model(tiny_llama_path, device)
-    prompts = {1: [5 + 7 * j % 300 for j in range(5)], 2: [9 + 11 * j % 300 for j in range(9)], 3: [3, 4, 5],
-               4: [200, 17, 33, 8]}
-    batch = colocate.SlotDecodeBatch(model, device, 4, 9, 6, buckets=[1, 2])
-    assert batch.buckets == [1, 2, 4] and batch.max_length == 15
-    seen = {rid: [] for rid in prompts}
-    buckets = []
-
-    def steps(count):
-        for _ in range(count):
-            buckets.append(batch.bucket)
-            batch.step()
-            for slot, rid in enumerate(batch.request_ids):
-                seen[rid].append(batch.last_logits[slot].float().cpu().clone())  # a static buffer
-            assert batch.sum_context() == sum(batch.lengths) + batch.num_requests
-            assert batch.padded_sum_context() == batch.bucket * batch.max_length
-
-    def join(*rids):
-        batch.join(rids, [len(prompts[r]) for r in rids], prompts=[prompts[r] for r in rids])
-
-    join(1)
-    steps(2)
-    join(2, 3)
-    steps(2)
-    batch.leave([1])  # slot 0 freed: request 3 (slot 2) moves there
-    assert batch.request_ids == [3, 2]
-    steps(3)
-    join(4)
-    steps(1)
-    batch.leave([2, 3])
-    assert batch.request_ids == [4]
-    steps(4)
-    assert buckets == [1, 1, 4, 4, 2, 2, 2, 4, 1, 1, 1, 1]  # the write column went round its ring of 6 twice
-    with pytest.raises(RuntimeError, match="outstays"):
-        steps(2)  # request 4's sixth step fits, a seventh would overwrite its first ring column
-    batch.leave([4])
-    assert batch.num_requests == 0 and [len(rows) for rows in seen.values()] == [4, 6, 6, 6]
-    for rid, rows in seen.items():
-        reference = _solo_logits(model, prompts[rid], len(rows), device)
-        assert torch.allclose(torch.stack(rows), torch.stack(reference), atol=1e-4, rtol=1e-4), rid
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_shared_weight_trainer_matches_plain_peft(colocate, tiny_llama_path, device, one_thread):
-    """One optimizer step (two micro-batches) gives plain PEFT's LoRA gradients and loss,
-    with the decode model's tensors as frozen weights (none copied, none changed)."""
-    import copy
-
-    import torch
-    from peft import LoraConfig, get_peft_model
-
-    from tests.train.trainer_helpers import full_batch, lora_grads, max_abs_diff, run_until_optimizer
-
-    model = _model(tiny_llama_path, device)
-    before = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
-    trainer = colocate.build_shared_trainer(model, device, lora_rank=4, seq_len=16, samples_per_step=2, micro_batch=1)
-    assert trainer.stats().window_bytes == 0
-    q_proj = trainer.split.decoder.layers[0].self_attn.q_proj.base_layer.weight
-    assert q_proj.data_ptr() == model.model.layers[0].self_attn.q_proj.weight.data_ptr()
-
-    reference = get_peft_model(copy.deepcopy(model).cpu(), LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
-                                                                       target_modules="all-linear", task_type="CAUSAL_LM"))
-    trained = dict(trainer.split.peft_model.named_parameters())
-    with torch.no_grad():
-        for name, param in reference.named_parameters():
-            if param.requires_grad:
-                param.copy_(trained[name].cpu())
-    batch = full_batch(trainer, 0)
-    output = reference(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"])
-    output.loss.backward()
-    run_until_optimizer(trainer)
-    grads = {name: grad.cpu() for name, grad in lora_grads(trainer.split.peft_model).items()}
-    tolerance = 1e-5 if device == "cpu" else 1e-4  # CUDA vs CPU kernels, fp32
-    assert max_abs_diff(grads, lora_grads(reference)) <= tolerance
-    trainer.run_one_unit()
-    assert trainer.global_step == 1 and abs(trainer.stats().loss - float(output.loss.detach())) <= tolerance
-    after = model.state_dict()
-    assert all(torch.equal(after[name], value) for name, value in before.items()), "frozen weights changed"
-
-
 # -- colocate_gpu.py end to end ---------------------------------------------------------------
 def _run_colocate(args, timeout=240):
     launcher = ("import runpy, sys; sys.modules.update(sglang=None, llamafactory=None); "
@@ -427,7 +256,6 @@ def test_colocate_runs_every_mode_on_cpu(tiny_llama_path, tmp_path):
     assert all(row["itl_s"] >= row["tpot_s"] > 0 for rows in logged.values() for row in rows)
 
 
-
 @pytest.mark.timeout(300)
 def test_colocate_serves_with_graphs_on_and_falls_back_to_eager_on_cpu(tiny_llama_path, tmp_path):
     """--graphs on: the slot batch serves every request through the graph step, eager on
@@ -454,224 +282,6 @@ def test_colocate_serves_with_graphs_on_and_falls_back_to_eager_on_cpu(tiny_llam
         assert mode["graphs"] is False and mode["graphs_reason"] == captured["unavailable"]
         assert mode["graph_steps"] == 0 and mode["eager_steps"] >= mode["steps"] > 0
         assert "slot batch" in mode["decode_engine"] and set(mode["violation_rate_at"]) == {"target", "tight"}
-
-
-def test_graph_step_replays_the_chosen_levels_graph_for_the_batchs_bucket(colocate, tiny_llama_path, one_thread):
-    """With (emulated) graphs captured per (level, bucket) on an empty slot batch, the serving
-    step replays the graph of the partitioner's level and the batch's bucket, and decodes
-    what the eager step decodes."""
-    import torch
-
-    from harvest.ladder import GREEN_CONTEXTS, Ladder, Level
-
-    class Partitioner:
-        ladder = Ladder(2, (Level(1, 1), Level(2, 0)), GREEN_CONTEXTS)
-        current_index = 1
-
-    model = _model(tiny_llama_path, "cpu")
-    prompts = [[5 + 7 * j % 300 for j in range(6)], [9, 8, 7], [4, 4, 4, 4]]
-    runs = {}
-    for graphs_on in (True, False):
-        batch = colocate.SlotDecodeBatch(model, "cpu", 4, 8, 5, buckets=[2])
-        graphs = _emulated_graphs()(Partitioner.ladder.levels)
-        if graphs_on:
-            report = colocate.capture_serving_graphs(batch, graphs, Partitioner.ladder)
-            assert report["captured"] == 4 and sorted(graphs.captures) == [(0, 2), (0, 4), (1, 2), (1, 4)]
-        step, rows = colocate.GraphStep(batch, graphs, Partitioner()), []
-        batch.join([1, 2], [6, 3], prompts=prompts[:2])
-        for joining in ([3], []):  # buckets 2, then 4
-            for _ in range(2):
-                step()
-                rows.append(batch.last_logits[:batch.num_requests].clone())
-            if joining:
-                batch.join(joining, [4], prompts=prompts[2:])
-        runs[graphs_on] = rows, step.graph_steps, step.eager_steps
-    assert runs[True][1:] == (4, 0) and runs[False][1:] == (0, 4)
-    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(runs[True][0], runs[False][0]))
-
-# -- per-level CUDA graphs of a static-cache decode step (claim c) ----------------------------
-HOST_READS = {"_local_scalar_dense", "nonzero", "masked_select", "_unique2", "unique_dim", "unique_consecutive",
-              "repeat_interleave"}
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_static_batch_decodes_each_request_as_if_alone(colocate, tiny_llama_path, device, one_thread):
-    import torch
-
-    model = _model(tiny_llama_path, device)
-    prompts = [[5 + 7 * j % 300 for j in range(6)], [9 + 11 * j % 300 for j in range(6)]]
-    batch = colocate.StaticDecodeBatch(model, device, 2, 6, max_steps=3, prompts=prompts)
-    seen = []
-    for _ in range(5):  # the cache holds 3 new tokens: the fourth step starts over from the context
-        batch.run(None, 0, None, graph=False)
-        seen.append(batch.last_logits.float().cpu().clone())
-    for row, prompt in enumerate(prompts):
-        reference = _solo_logits(model, prompt, 3, device)
-        got = [seen[0][row], seen[1][row], seen[2][row]]
-        assert torch.allclose(torch.stack(got), torch.stack(reference), atol=1e-4, rtol=1e-4), row
-    assert batch.length == 8 and batch.steps_left == 1
-
-
-def test_a_static_decode_step_reads_nothing_back_to_the_host(colocate, tiny_llama_path, one_thread):
-    """What would break a CUDA graph capture (a sync: .item(), bool(tensor), nonzero, ...)
-    shows on CPU as the aten op that reads a value to the host."""
-    import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class HostReads(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.seen = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.__name__.split(".")[0] in HOST_READS:
-                self.seen.append(func.__name__)
-            return func(*args, **(kwargs or {}))
-
-    batch = colocate.StaticDecodeBatch(_model(tiny_llama_path, "cpu"), "cpu", 3, 8, max_steps=4)
-    with HostReads() as mode:
-        batch.decode_step()
-        batch.decode_step()
-    assert mode.seen == []
-    slots = colocate.SlotDecodeBatch(batch.model, "cpu", 4, 8, 2, buckets=[2])
-    slots.join([1], [5])
-    with HostReads() as mode:  # the serving step, both buckets, the write column wrapping round
-        for bucket in (2, 4, 2):
-            slots.decode_step(bucket)
-    assert mode.seen == []
-    with HostReads() as mode:  # the detector does see one
-        bool(torch.ones(1).any())
-    assert mode.seen == ["_local_scalar_dense.default"]
-
-
-class EmulatedGraphBackend:
-    """'Graphs' that re-run the captured step (CPU): the measurement's capture, replay,
-    check and report run as on a GPU."""
-
-    unavailable = None
-
-    def __init__(self):
-        self.next_run, self.used = None, 0
-
-    def new_pool(self):
-        return "pool"
-
-    def new_graph(self):
-        return {"run": None}
-
-    def capture(self, graph, stream, pool):
-        import contextlib
-
-        graph["run"] = self.next_run
-        return contextlib.nullcontext()
-
-    def on_stream(self, stream):
-        import contextlib
-
-        return contextlib.nullcontext()
-
-    def wait(self, stream, other):
-        pass
-
-    def synchronize(self, stream):
-        pass
-
-    def replay(self, graph):
-        graph["run"]()
-
-    def memory(self):
-        self.used += 1 << 20
-        return self.used // 2, self.used
-
-
-def _emulated_graphs():
-    from harvest.compute.level_graphs import LevelGraphs
-
-    class EmulatedGraphs(LevelGraphs):
-        def __init__(self, levels):
-            super().__init__(levels, EmulatedGraphBackend())
-
-        def capture(self, level, batch_size, run):
-            self.backend.next_run = run
-            return super().capture(level, batch_size, run)
-
-    return EmulatedGraphs
-
-
-def test_level_graph_measurement_compares_graph_eager_and_whole_gpu(colocate, tiny_llama_path, monkeypatch, one_thread):
-    import argparse
-
-    from harvest.compute import level_graphs
-    from harvest.ladder import GREEN_CONTEXTS, Ladder, Level
-
-    class TwoLevels:
-        ladder = Ladder(2, (Level(1, 1), Level(2, 0)), GREEN_CONTEXTS)
-
-    monkeypatch.setattr(level_graphs, "LevelGraphs", _emulated_graphs())
-    sink = colocate.ResultSink(None, "x")
-    ctx = {"partitioner": TwoLevels(), "model": _model(tiny_llama_path, "cpu"), "device_type": "cpu", "device": "cpu",
-           "sink": sink}
-    args = argparse.Namespace(graph_batch_sizes=[2, 3], graph_context=8, graph_repeats=3, seed=0)
-    result = colocate.measure_level_graphs(args, ctx)
-    assert result["graphs_unavailable"] is None and "skipped" not in result
-    for bs in ("2", "3"):
-        partial, whole = result["batch_sizes"][bs]["levels"]
-        for row in (partial, whole):
-            assert row["eager_ms"] > 0 and row["graph_ms"] > 0 and row["graph_max_abs_diff_vs_eager"] == 0.0
-        assert whole["graph_over_whole_graph"] == 1.0 and "verdict" not in whole
-        assert partial["partition_respected"] is None or isinstance(partial["partition_respected"], bool)
-        assert partial["capture_reserved_bytes"] > 0
-    per_level = {"graphs": 2, "allocated_bytes": 2 * (1 << 19), "reserved_bytes": 2 * (1 << 20)}  # 2 batch sizes
-    assert result["memory_by_level"] == {"0": per_level, "1": per_level}
-
-
-@pytest.mark.parametrize("decode_sms, graph, respected, words", [
-    (24, 2.07, True, "keeps to"), (104, 1.10, True, "keeps to"), (56, 1.02, False, "escapes"),
-    (66, 1.05, False, "escapes"), (104, 1.05, None, "inconclusive")])
-def test_graph_verdict(colocate, decode_sms, graph, respected, words):
-    """A graph no slower than on the whole GPU ran on every SM: on half the SMs or fewer
-    that is an escape; on a larger level a memory-bound step may just not need them."""
-    whole = {"eager_ms": 40.0, "graph_ms": 13.0, "decode_sms": 132}
-    row = {"eager_ms": 45.0, "graph_ms": 13.0 * graph, "decode_sms": decode_sms}
-    verdict = colocate.graph_verdict(row, whole, 132)
-    assert verdict[0] is respected and words in verdict[1], verdict
-
-
-def test_graph_verdict_does_not_lean_on_a_launch_bound_eager_step(colocate):
-    """H100, batch 8 of an 8B model: eager 32 ms on the whole GPU against a 13 ms graph, and
-    eager no slower on 80 SMs; the graph's own x1.12 decides."""
-    whole = {"eager_ms": 32.0, "graph_ms": 12.9, "decode_sms": 132}
-    respected, words = colocate.graph_verdict({"eager_ms": 31.0, "graph_ms": 14.5, "decode_sms": 80}, whole, 132)
-    assert respected is True and "x1.12" in words and "eager x0.97" in words
-
-
-@pytest.mark.gpu
-def test_each_levels_graph_replays_the_eager_step_on_its_own_stream(colocate, tiny_llama_path):
-    """On the GPU: one graph per level of a real ladder, each replayed on its level's
-    stream, gives the logits of the eager step (the measurement's correctness half)."""
-    import torch
-
-    from harvest.compute import create_partitioner
-    from harvest.compute.level_graphs import LevelGraphs
-
-    model = _model(tiny_llama_path, "cuda:0")
-    with create_partitioner("cuda:0", levels=4) as partitioner:
-        graphs = LevelGraphs(partitioner.ladder.levels)
-        batch = colocate.StaticDecodeBatch(model, "cuda:0", 4, 16, max_steps=8)
-        for index, level in enumerate(partitioner.ladder.levels):
-            with torch.cuda.stream(level.decode_stream):
-                batch.reset()
-                batch.decode_step()
-            level.decode_stream.synchronize()
-            eager = batch.last_logits.clone()
-            assert graphs.capture(index, 4, batch.decode_step) is not None
-            with torch.cuda.stream(level.decode_stream):
-                batch.reset()
-            assert graphs.replay(index, 4) is True
-            level.decode_stream.synchronize()
-            assert torch.equal(batch.last_logits, eager), index
-        assert set(graphs.memory_by_level()) == set(range(len(partitioner.ladder.levels)))
-        graphs.close()
 
 
 # -- results written as they exist -------------------------------------------------------------
@@ -724,41 +334,6 @@ def test_bench_vmm_writes_each_measurement_as_it_has_it(tmp_path):
     assert written == json.loads(result.stdout.strip().splitlines()[-1]) and written["complete"] is True
     assert written["under_load_fault"] is None and written["under_load_checksum_ok"] is True
     assert written["under_load_passes"] >= 1 and 0 < written["under_load_busy_fraction"] <= 1
-
-
-@pytest.mark.gpu
-def test_profilers_graph_steps_decode_what_eager_static_steps_decode(tiny_llama_path):
-    """`harvest profile --graphs on` (the transformers engine): each timed step is the
-    captured graph of the grid point's static batch, replayed on the current stream; it
-    decodes the tokens the same batch decodes eagerly, and reports the cache it reads."""
-    import torch
-
-    from harvest.compute.static_decode import StaticDecodeBatch
-    from harvest.predict.profiler.engines import EngineConfig
-    from harvest.predict.profiler.hf_engine import TransformersDecodeEngine
-
-    config = EngineConfig(str(tiny_llama_path), "cuda:0", "float32", False, 4, 64, graphs=True, steps_per_point=6)
-    engine = TransformersDecodeEngine(config)
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        engine.prepare(4, 16)
-        sums = []
-        for _ in range(5):
-            sums.append(engine.begin_step())
-            engine.step()
-        stream.synchronize()
-        replayed = engine._static.ids.clone()
-        reference = StaticDecodeBatch(engine.model, "cuda:0", 4, 16, max_steps=6, seed=config.seed + 1)
-        for _ in range(5):
-            reference.decode_step()
-        stream.synchronize()
-    assert torch.equal(replayed, reference.ids)
-    assert sums == [4.0 * (16 + 6)] * 5
-    with torch.cuda.stream(stream):
-        engine.step()
-        with pytest.raises(Exception, match="more than the 6 steps"):
-            engine.begin_step()
-    engine.close()
 
 
 def test_bench_layer_unit_times_eager_units():

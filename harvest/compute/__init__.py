@@ -3,7 +3,8 @@
 ``ladder`` plans the levels (pure Python, returning harvest.ladder's types),
 ``greenctx_lib`` binds csrc/greenctx, ``partitioner`` defines the interface and the
 whole-device fallback, ``green_partitioner`` builds the ladder with CUDA green contexts,
-``factory`` picks one, and ``level_graphs`` keeps decode CUDA graphs per level.
+and ``factory`` picks one. Decode CUDA graphs per level are the engines' own:
+harvest.engines.transformers.captured_graphs, and SGLang's harvest.sglang.level_graphs.
 Nothing here imports torch at module level.
 """
 

@@ -55,7 +55,7 @@ class LevelCapture:
     extra_bytes: int  # device memory this level's graphs and attention metadata took
 
 
-class LevelGraphs:
+class SglangLevelGraphs:
     """SGLang's decode graphs, one set per ladder level; :meth:`select` picks the set the
     next decode forward replays."""
 
@@ -83,7 +83,8 @@ class LevelGraphs:
                 f"memory beyond SGLang's one set: {per_level}")
 
 
-def capture_level_graphs(model_runner, ladder, *, memory_in_use=None, sglang=importlib.import_module) -> LevelGraphs | None:
+def capture_level_graphs(model_runner, ladder, *, memory_in_use=None,
+                         sglang=importlib.import_module) -> SglangLevelGraphs | None:
     """Recapture ``model_runner``'s decode CUDA graphs once per level of ``ladder``, each
     on the level's decode stream. None when there is nothing to recapture: no decode
     graphs (``--disable-cuda-graph``, a CPU device: eager decode already launches on the
@@ -133,7 +134,7 @@ def capture_level_graphs(model_runner, ladder, *, memory_in_use=None, sglang=imp
     # level sets are the same shapes, and the pool is shared).
     share = total_extra // len(ladder.levels)
     captures = tuple(LevelCapture(i, level.decode_sms, share) for i, level in enumerate(ladder.levels))
-    graphs = LevelGraphs(pdmux.set_current_stream_idx, len(ladder.levels), captures, seconds)
+    graphs = SglangLevelGraphs(pdmux.set_current_stream_idx, len(ladder.levels), captures, seconds)
     graphs.selected = ladder.whole_device_index
     logger.info("%s", graphs.describe())
     return graphs

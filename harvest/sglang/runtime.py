@@ -52,7 +52,7 @@ class HarvestRuntime:
         self.endpoint = None  # harvest.sglang.control_endpoint.EndpointProcess
         self._run_dir = None
         self.shutdown_signals = None
-        self.level_graphs = None  # harvest.sglang.level_graphs.LevelGraphs once captured
+        self.level_graphs = None  # harvest.sglang.level_graphs.SglangLevelGraphs once captured
         self._whole_device_index = colocation.partitioner.ladder.whole_device_index
         self._passthrough_modes, self._decode_modes = forward_mode_sets()
 

@@ -8,39 +8,24 @@ made with this engine says so in ``provenance.engine`` and predicts an SGLang se
 only approximately.
 
 With ``graphs`` (on a GPU) a step is what a server runs: the step of a
-:class:`~harvest.compute.static_decode.StaticDecodeBatch` captured as a CUDA graph on the
-stream the grid point runs on (the level's decode stream, so the graph keeps to its SMs)
-and replayed. Eager steps of an 8B model on a GPU are bound by the host's kernel launches
-(measured on an H100: a whole-GPU eager step 24 ms, its graph 13 ms, and eager latency
-independent of batch size and context), so an eager profile describes Python, not the
-GPU a served step runs on. The cache holds the grid point's context plus the steps the
-point takes (attention reads all of it, which is the Σctx the step reports), so the cost
-follows the context as it does in a paged server.
+:class:`~harvest.engines.transformers.static_batch.StaticDecodeBatch` captured as a CUDA
+graph on the stream the grid point runs on (the level's decode stream, so the graph keeps
+to its SMs) and replayed. Eager steps of an 8B model on a GPU are bound by the host's
+kernel launches (measured on an H100: a whole-GPU eager step 24 ms, its graph 13 ms, and
+eager latency independent of batch size and context), so an eager profile describes
+Python, not the GPU a served step runs on. The cache holds the grid point's context plus
+the steps the point takes (attention reads all of it, which is the Σctx the step
+reports), so the cost follows the context as it does in a paged server.
+
+The model, the static batch and the graph capture are the transformers engine's
+(harvest.engines.transformers), the ones the GPU co-location experiment serves with; this
+module adapts them to the profiler's engine interface.
 """
 
 from __future__ import annotations
 
+from harvest.engines.transformers.model import DTYPES, load_causal_lm
 from harvest.predict.profiler.engines import BaseDecodeEngine, EngineConfig, EngineError, synthetic_token_ids
-
-_DTYPES = {"float32", "bfloat16", "float16"}
-
-
-def load_causal_lm(model_path: str, device: str, dtype: str, random_weights: bool):
-    """A HF causal LM on ``device`` in eval mode; from config alone with ``random_weights``."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    if dtype not in _DTYPES:
-        raise EngineError(f"--dtype={dtype!r}: one of {', '.join(sorted(_DTYPES))}")
-    torch_dtype = getattr(torch, dtype)
-    if random_weights:
-        config = AutoConfig.from_pretrained(model_path)
-        with torch.device(device):
-            model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype).to(device)
-    return model.eval()
-
 
 class TransformersDecodeEngine(BaseDecodeEngine):
     name = "transformers"
@@ -51,6 +36,8 @@ class TransformersDecodeEngine(BaseDecodeEngine):
 
         if config.tp_size != 1:  # the command refuses --tp > 1 first, naming the flag
             raise EngineError(f"the transformers engine runs one process: tp_size={config.tp_size} needs --engine sglang")
+        if config.dtype not in DTYPES:
+            raise EngineError(f"--dtype={config.dtype!r}: one of {', '.join(sorted(DTYPES))}")
         self._torch = torch
         self.config = config
         self.model = load_causal_lm(config.model_path, config.device, config.dtype, config.random_weights)
@@ -95,7 +82,8 @@ class TransformersDecodeEngine(BaseDecodeEngine):
     def _prepare_graph(self, batch_size: int, context_length: int) -> None:
         """A static batch of random KV (a step's cost does not depend on its values), its
         step warmed up and captured on the current stream, then put back to the context."""
-        from harvest.compute.static_decode import StaticDecodeBatch
+        from harvest.engines.transformers.captured_graphs import TorchGraphBackend
+        from harvest.engines.transformers.static_batch import StaticDecodeBatch
 
         torch = self._torch
         # Room for the steps this point takes and no more: the attention of a step reads
@@ -108,9 +96,10 @@ class TransformersDecodeEngine(BaseDecodeEngine):
         for _ in range(self.CAPTURE_WARMUP):
             batch.decode_step()
         stream.synchronize()
-        graph = torch.cuda.CUDAGraph()
+        backend = TorchGraphBackend()
+        graph = backend.new_graph()
         # thread_local: the co-run trainer's CUDA calls on its own thread do not spoil the capture.
-        with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+        with backend.capture(graph, stream, pool=None):
             batch.decode_step()
         batch.reset()
         stream.synchronize()

@@ -15,9 +15,9 @@ random in-vocabulary tokens: a step's cost depends on shapes, not values.
 
 from __future__ import annotations
 
+from harvest.engines.transformers.model import load_causal_lm
 from harvest.predict.profiler.corun import CoRunError, UnitLoopWorkload
 from harvest.predict.profiler.engines import synthetic_token_ids
-from harvest.predict.profiler.hf_engine import load_causal_lm
 
 
 def shape_problem(lora_rank: int, micro_batch_size: int, sequence_length: int) -> str | None:

@@ -5,14 +5,16 @@ Why per level: a graph captured from a green context's stream keeps that context
 when it is replayed, so a graph captured on the whole GPU would run decode on every SM
 whatever level the scheduler chose (and one captured on level k stays on level k's SMs).
 An engine that replays decode graphs therefore keeps one set per level, and the ladder is
-short for that reason (harvest.compute.ladder, MAX_LEVELS).
+short for that reason (harvest.compute.ladder, MAX_LEVELS). (SGLang's own decode graphs,
+recaptured per level inside SGLang, are harvest.sglang.level_graphs.SglangLevelGraphs.)
 
-- :meth:`LevelGraphs.capture` runs ``run()`` a few times eagerly on the level's decode
-  stream (lazy allocations, library handles), then captures it there into the pool all
-  graphs share (one graph runs at a time, so captures reuse the pool's blocks), and
-  records what the capture added to the device's memory;
-- :meth:`LevelGraphs.replay` replays the level's own graph on the level's stream; with
-  none for that (level, batch size), or without CUDA, ``eager()`` runs on that stream;
+- :meth:`CapturedLevelGraphs.capture` runs ``run()`` a few times eagerly on the level's
+  decode stream (lazy allocations, library handles), then captures it there into the
+  pool all graphs share (one graph runs at a time, so captures reuse the pool's blocks),
+  and records what the capture added to the device's memory;
+- :meth:`CapturedLevelGraphs.replay` replays the level's own graph on the level's stream;
+  with none for that (level, batch size), or without CUDA, ``eager()`` runs on that
+  stream;
 - a capture or replay on another stream than the previous one first waits for that
   stream's work: the graphs share the pool, and the caller's static input and output
   buffers.
@@ -94,9 +96,10 @@ class TorchGraphBackend:
         return self._torch.cuda.memory_allocated(), self._torch.cuda.memory_reserved()
 
 
-class LevelGraphs:
-    """The decode graphs of one ladder (``levels``: harvest.ladder Levels with their
-    decode streams), keyed by (level index, batch size)."""
+class CapturedLevelGraphs:
+    """The decode graphs harvest captures itself (torch.cuda graphs through ``backend``)
+    for one ladder (``levels``: harvest.ladder Levels with their decode streams), keyed by
+    (level index, batch size)."""
 
     def __init__(self, levels: Sequence[Any], backend: Any = None, *, warmup: int = 2) -> None:
         self.levels = tuple(levels)

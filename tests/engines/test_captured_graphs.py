@@ -1,7 +1,7 @@
-"""harvest.compute.level_graphs with a fake graph/stream backend (no CUDA): the level's own
-graph is the one replayed, on the level's stream; captures run on the level's stream
-into one shared pool; a missing (level, batch size) runs eagerly there; memory is
-accounted per capture and per level."""
+"""harvest.engines.transformers.captured_graphs with a fake graph/stream backend (no
+CUDA): the level's own graph is the one replayed, on the level's stream; captures run on
+the level's stream into one shared pool; a missing (level, batch size) runs eagerly
+there; memory is accounted per capture and per level."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import itertools
 
 import pytest
 
-from harvest.compute.level_graphs import LevelGraphs
+from harvest.engines.transformers.captured_graphs import CapturedLevelGraphs
 from harvest.ladder import Level
 
 
@@ -86,7 +86,7 @@ LEVELS = (Level(24, 108, "s24", "t24"), Level(80, 52, "s80", "t80"), Level(132, 
 
 def test_capture_runs_on_the_levels_stream_into_one_shared_pool():
     backend = FakeBackend()
-    graphs = LevelGraphs(LEVELS, backend, warmup=2)
+    graphs = CapturedLevelGraphs(LEVELS, backend, warmup=2)
     for level in range(3):
         for bs in (8, 32):
             record = graphs.capture(level, bs, backend.step(f"L{level}b{bs}"))
@@ -102,7 +102,7 @@ def test_capture_runs_on_the_levels_stream_into_one_shared_pool():
 
 def test_replay_runs_the_levels_own_graph_on_its_stream():
     backend = FakeBackend()
-    graphs = LevelGraphs(LEVELS, backend, warmup=0)
+    graphs = CapturedLevelGraphs(LEVELS, backend, warmup=0)
     made = {(level, 16): graphs.capture(level, 16, backend.step(f"L{level}")) for level in range(3)}
     assert all(made.values())
     backend.log.clear()
@@ -117,7 +117,7 @@ def test_replay_runs_the_levels_own_graph_on_its_stream():
 
 def test_a_missing_level_or_batch_size_runs_eagerly_on_the_levels_stream():
     backend = FakeBackend()
-    graphs = LevelGraphs(LEVELS, backend, warmup=0)
+    graphs = CapturedLevelGraphs(LEVELS, backend, warmup=0)
     graphs.capture(1, 32, backend.step("captured"))
     backend.log.clear()
     assert graphs.replay(1, 8, eager=backend.step("eager-b8")) is False  # batch size not captured
@@ -133,7 +133,7 @@ def test_a_missing_level_or_batch_size_runs_eagerly_on_the_levels_stream():
 
 def test_a_switch_of_stream_waits_for_the_previous_one():
     backend = FakeBackend()
-    graphs = LevelGraphs(LEVELS, backend, warmup=0)
+    graphs = CapturedLevelGraphs(LEVELS, backend, warmup=0)
     for level in range(3):
         graphs.capture(level, 4, backend.step(f"L{level}"))
     backend.log.clear()
@@ -145,7 +145,7 @@ def test_a_switch_of_stream_waits_for_the_previous_one():
 
 def test_memory_is_accounted_per_capture_and_per_level():
     backend = FakeBackend(growth=(100, 2 << 20))
-    graphs = LevelGraphs(LEVELS, backend, warmup=0)
+    graphs = CapturedLevelGraphs(LEVELS, backend, warmup=0)
     graphs.capture(0, 8, backend.step("a"))
     graphs.capture(0, 32, backend.step("b"))
     backend.growth = (100, 0)  # the shared pool already holds what level 1 needs
@@ -157,7 +157,7 @@ def test_memory_is_accounted_per_capture_and_per_level():
 
 def test_without_cuda_nothing_is_captured_and_every_step_is_eager():
     backend = FakeBackend(unavailable="CUDA graphs need a CUDA device")
-    graphs = LevelGraphs((Level(1, 1),), backend)
+    graphs = CapturedLevelGraphs((Level(1, 1),), backend)
     assert graphs.capture(0, 4, backend.step("x")) is None and graphs.unavailable == "CUDA graphs need a CUDA device"
     assert not graphs.has(0, 4) and backend.pools == []
     assert graphs.replay(0, 4, eager=backend.step("eager")) is False
@@ -166,7 +166,7 @@ def test_without_cuda_nothing_is_captured_and_every_step_is_eager():
 
 def test_close_drops_the_graphs():
     backend = FakeBackend()
-    graphs = LevelGraphs(LEVELS, backend, warmup=0)
+    graphs = CapturedLevelGraphs(LEVELS, backend, warmup=0)
     graphs.capture(0, 4, backend.step("x"))
     graphs.close()
     assert not graphs.has(0, 4)
@@ -177,13 +177,13 @@ def test_close_drops_the_graphs():
 def test_the_torch_backend_imports_lazily_and_says_why_it_cannot_capture_on_cpu():
     import torch
 
-    from harvest.compute.level_graphs import TorchGraphBackend
+    from harvest.engines.transformers.captured_graphs import TorchGraphBackend
 
     backend = TorchGraphBackend()
     if torch.cuda.is_available():
         assert backend.unavailable is None
     else:
         assert "CUDA graphs need a CUDA device" in backend.unavailable
-        graphs = LevelGraphs((Level(1, 1),))
+        graphs = CapturedLevelGraphs((Level(1, 1),))
         ran = []
         assert graphs.replay(0, 1, eager=lambda: ran.append(1)) is False and ran == [1]

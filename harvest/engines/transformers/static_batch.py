@@ -1,29 +1,16 @@
 """Decode batches whose step is a CUDA graph: every tensor a step reads or writes keeps
 its address and a step reads nothing back to the host, so one capture per (ladder level,
-batch size) replays on that level's decode stream (harvest.compute.level_graphs).
+batch size) replays on that level's decode stream (:mod:`.captured_graphs`).
 
 Used where harvest decodes through transformers instead of SGLang: the profiler's
 transformers engine (decode steps timed as graph replays, as SGLang serves them) and
-scripts/colocate_gpu.py (the GPU co-location experiment). torch and transformers are
+the GPU co-location experiment (scripts/colocate_gpu.py). torch and transformers are
 imported by the classes, not by this module.
 """
 
 from __future__ import annotations
 
-import contextlib
-
-
-def _on_stream(stream):
-    if stream is None:
-        return contextlib.nullcontext()
-    import torch
-
-    return torch.cuda.stream(stream)
-
-
-def _cache_layers(cache) -> list[tuple]:
-    """(keys, values) of every layer of a transformers cache."""
-    return [(keys, values) for keys, values, *_ in cache]
+from harvest.engines.transformers.model import cache_layers, on_stream
 
 
 class SlotDecodeBatch:
@@ -32,7 +19,7 @@ class SlotDecodeBatch:
     step reads or writes keeps its address (token ids, per-slot positions, a 4-D boolean
     attention mask per slot, the cache and its write column), and a step reads nothing
     back to the host, so :meth:`decode_step` can be captured once per (ladder level,
-    bucket) and replayed (harvest.compute.level_graphs).
+    bucket) and replayed (:mod:`.captured_graphs`).
 
     Layout. ``StaticLayer`` writes one column for the whole batch (its
     ``cumulative_length``, a device scalar; the same class in transformers 5.17 and 5.19),
@@ -144,7 +131,7 @@ class SlotDecodeBatch:
                     if len(prompts[i]) != length:
                         raise ValueError(f"prompt {i}: {len(prompts[i])} tokens, context length {length}")
                     out = self.model(input_ids=torch.tensor([prompts[i]], device=self.device), use_cache=True)
-                    for layer, (keys, values) in zip(self.cache.layers, _cache_layers(out.past_key_values)):
+                    for layer, (keys, values) in zip(self.cache.layers, cache_layers(out.past_key_values)):
                         layer.keys[slot, :, :length].copy_(keys[0])
                         layer.values[slot, :, :length].copy_(values[0])
                     self.ids[slot].copy_(out.logits[0, -1].argmax(-1, keepdim=True))
@@ -252,12 +239,12 @@ class StaticDecodeBatch(SlotDecodeBatch):
         there is none, or with ``graph=False``) on ``stream``, the level's decode stream.
         Returns whether a graph ran."""
         if self.steps_left <= 0:
-            with _on_stream(stream):
+            with on_stream(stream):
                 self.reset()
         if graph:
             replayed = graphs.replay(level_index, self.batch_size, eager=self.decode_step)
         else:
-            with _on_stream(stream):
+            with on_stream(stream):
                 self.decode_step()
             replayed = False
         self.length += 1
