@@ -26,7 +26,7 @@ Example (every key is optional; ``harvest config-schema`` lists them all)::
       nice: 2                   # the trainer thread's nice increment: decode wins a contended core
       compile: auto             # decoder layers compiled (torch.compile); auto: on CUDA, not on a CPU
     memory:
-      reserve_tokens: auto      # free KV slots kept mapped; auto = Harli's formula
+      reserve_tokens: auto      # free KV slots kept mapped; auto = the demand seen within a reclaim, Harli's formula as floor
       hysteresis_chunks: 1      # lend only this many chunks above the reserve
       max_lend_fraction: 0.8    # never lend more than this share of the KV pool
     metrics:
@@ -67,8 +67,18 @@ class ConfigError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class MemoryConfig:
-    reserve_tokens: int | None = setting(None, "free KV slots kept mapped for decode; auto: Harli's reserve formula",
+    reserve_tokens: int | None = setting(None, "free KV slots kept mapped for decode; auto: what decode allocated "
+                                         "within one reclaim, never below Harli's formula",
                                          Integer(minimum=0), words={"auto": None})
+    reserve_percentile: float = setting(99.0, "auto reserve: the percentile of the demand seen that it covers",
+                                        Number(minimum=1.0, maximum=100.0))
+    reserve_window_s: float = setting(60.0, "auto reserve: how far back allocations count, in seconds",
+                                      Number(minimum=1.0))
+    reserve_lower_after_s: float = setting(30.0, "auto reserve: how long a lower demand must last before the "
+                                           "reserve falls, in seconds (it rises at once)", Number(minimum=0.0))
+    reclaim_ms_per_chunk: float = setting(7.0, "the driver's time to reclaim one KV chunk, in ms (the reclaim "
+                                          "horizon of the auto reserve; 5-7 ms per 128 MiB chunk on an H100)",
+                                          Number(minimum=0.0))
     hysteresis_chunks: int = setting(1, "free slots kept above the reserve, in chunks, before anything is lent "
                                      "(hysteresis)", Integer(minimum=0))
     max_lend_fraction: float = setting(0.8, "never lend more than this share of the KV pool",

@@ -127,7 +127,12 @@ def _assemble(config, engine: EngineAdapter, partitioner, jobs: tuple):
         from harvest.memory.lent_budget import LentMemoryBudget
 
         budget = LentMemoryBudget()
-        lending = engine.kv.lending_controller(lending_policy(config, engine.kv), budget, config.memory, metrics)
+        policy = lending_policy(config, engine.kv)
+        lending = engine.kv.lending_controller(policy, budget, config.memory, metrics)
+        if config.memory.reserve_tokens is None and hasattr(lending, "reserve"):
+            lending.reserve = demand_reserve(config, policy, engine.kv)
+        if metrics is not None:
+            metrics.set_reserve(policy.reserve_tokens)
         # Lend and reclaim unmap KV pages only after the kernels queued on these streams
         # have passed them (cuMemUnmap does not wait for queued work).
         engine.kv.allocator.set_fence_streams(kv_fence_streams(partitioner.ladder, engine.device,
@@ -243,6 +248,20 @@ def lending_policy(config, kv: KvPool):
                          max_lend_fraction=config.memory.max_lend_fraction)
 
 
+def demand_reserve(config, policy, kv: KvPool):
+    """The auto reserve (harvest.memory.demand): the demand decode's allocations show, over
+    one reclaim horizon (the trainer's acknowledgement, at most a step, plus the driver's
+    time per chunk), with the policy's reserve (Harli's formula) as its floor."""
+    from harvest.memory.demand import AllocationDemand, DemandReserve
+
+    memory = config.memory
+    return DemandReserve(floor_tokens=policy.reserve_tokens, cap_tokens=max(policy.reserve_tokens, kv.num_tokens // 2),
+                         tokens_per_chunk=policy.tokens_per_chunk, ack_s=config.qos.target_tpot_ms / 1e3,
+                         reclaim_s_per_chunk=memory.reclaim_ms_per_chunk / 1e3, percentile=memory.reserve_percentile,
+                         lower_after_s=memory.reserve_lower_after_s,
+                         demand=AllocationDemand(window_s=memory.reserve_window_s))
+
+
 def job_file_builder(allocator, device: str, budget=None, weight_source_for: Callable | None = None, tp=None,
                      compile_layers: str = "auto"):
     """``build(job_path)`` for the trainer thread: the job file through LlamaFactory, its
@@ -280,7 +299,7 @@ def job_file_builder(allocator, device: str, budget=None, weight_source_for: Cal
 def job_specs(paths) -> list:
     """The queue's view of harvest.yaml's job files (their name, weight, served name):
     two with one name or one output folder are refused here, at start-up."""
-    from harvest.colocate.trainer_host import JobRefused, JobSpec, spec_clash
+    from harvest.colocate.job_queue import JobRefused, JobSpec, spec_clash
     from harvest.train.job import job_identity
 
     specs = []

@@ -197,6 +197,9 @@ class HarvestMetrics:
         self.kv_lends_total = counter("harvest_kv_lends_total", "KV chunks lent to the trainer.")
         self.kv_reclaims_total = counter("harvest_kv_reclaims_total", "KV chunks taken back from the trainer.")
         self.kv_reclaim_seconds = Histogram("harvest_kv_reclaim_seconds", "Time to reclaim one KV chunk (window shrink to remap).", registry=r, buckets=RECLAIM_BUCKETS_S)
+        self.kv_urgent_reclaims_total = counter("harvest_kv_urgent_reclaims_total", "Times decode waited for lent KV memory: an allocation found too few free slots and lent chunks had to come back first.")
+        self.kv_urgent_reclaim_seconds = Histogram("harvest_kv_urgent_reclaim_seconds", "How long decode waited for lent KV memory, per urgent reclaim.", registry=r, buckets=RECLAIM_BUCKETS_S)
+        self.kv_reserve_tokens = gauge("harvest_kv_reserve_tokens", "Free KV slots kept mapped for decode (the lending reserve).")
         self.allocator_fragmentation_bytes = gauge("harvest_allocator_fragmentation_bytes", "Bytes mapped to the trainer's arena but unused inside partly used chunks.")
         self.gpu_busy_ratio = gauge("harvest_gpu_busy_ratio", "NVML utilization.gpu: share of the last sample period in which any kernel ran on the GPU (0..1). Not SM occupancy.")
         self.gpu_memory_busy_ratio = gauge("harvest_gpu_memory_busy_ratio", "NVML utilization.memory: share of the last sample period in which device memory was read or written (0..1).")
@@ -264,7 +267,7 @@ class HarvestMetrics:
         self.trainer_resident_bytes.set(resident_bytes)
 
     def set_jobs(self, jobs: Iterable[Mapping]) -> None:
-        """Every job the trainer host lists (harvest.colocate.trainer_host JobRun.report()).
+        """Every job the trainer host lists (harvest.colocate.job_status.job_line()).
 
         Counters advance by the increase of each job instance's running totals
         (``tokens_trained``, ``samples_trained``, ``steps_trained``, ``trainer_s``, and a
@@ -350,6 +353,13 @@ class HarvestMetrics:
         self.kv_reclaims_total.inc(num_chunks)
         for _ in range(num_chunks):
             self.kv_reclaim_seconds.observe(seconds_each)
+
+    def urgent_reclaim(self, seconds: float) -> None:
+        self.kv_urgent_reclaims_total.inc()
+        self.kv_urgent_reclaim_seconds.observe(seconds)
+
+    def set_reserve(self, tokens: int) -> None:
+        self.kv_reserve_tokens.set(tokens)
 
     # --- GPU telemetry ---------------------------------------------------------------
     def set_gpu(self, *, busy_ratio: float, memory_busy_ratio: float, memory_used_bytes: int) -> None:

@@ -244,6 +244,9 @@ def _kv(status: dict):
     kv = status.get("kv") if isinstance(status.get("kv"), dict) else {}
     lent, total = _number(kv.get("chunks_lent")), _number(kv.get("chunks_total"))
     text = Text("-" if total is None else f"{'-' if lent is None else int(lent)}/{int(total)}")
+    urgent = _number(kv.get("urgent_reclaims_total"))
+    if urgent:  # decode waited for lent memory: the reserve did not cover an arrival
+        text.append(f" {int(urgent)} urgent", style="yellow")
     if kv.get("integrity_error"):
         text.append(" INTEGRITY", style="bold red")
     return text

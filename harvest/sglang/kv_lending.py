@@ -54,6 +54,7 @@ where the hooks on that allocator find it.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 
@@ -111,6 +112,13 @@ class KvLendingController:
         self.num_reclaimed_total = 0
         self.reclaim_s_total = 0.0
         self.num_integrity_checks = 0
+        self.num_urgent_reclaims_total = 0  # allocations that waited for lent chunks to come back
+        self.urgent_reclaim_s_total = 0.0
+        # harvest.memory.demand.DemandReserve (reserve_tokens: auto, one rank): the reserve
+        # follows the demand seen, at every lending pass. None: the policy's stays.
+        self.reserve = None
+        self.reserve_reason = "memory.reserve_tokens"
+        self._reserve_updated = -math.inf
         self._last_lend = -math.inf  # monotonic() starts near 0 at boot
         self._last_integrity_check = -math.inf
         # harvest.colocate.rank_sync.RankSync on a tensor-parallel instance: every rank's
@@ -182,6 +190,8 @@ class KvLendingController:
         elif not self.enabled or (not force and now - self._last_lend < self.lend_interval_s):
             return
         self._last_lend = now
+        if tick is None:
+            self._follow_demand(now)
         if self.returning:
             if self.num_taken:
                 self.reclaim(self.num_taken, wait=False)  # what the trainer let go of since
@@ -195,13 +205,43 @@ class KvLendingController:
 
     def ensure_available(self, need_tokens: int) -> bool:
         """Urgent path, before an allocation of ``need_tokens``: if it would fail, take lent
-        chunks back, waiting for the trainer if it holds them. Returns whether any came back."""
+        chunks back, waiting for the trainer if it holds them (counted and timed: decode
+        waits). Returns whether any came back."""
         if not self.num_taken:
             return False
         short = need_tokens - self.tokens.available_size()
         if short <= 0:
             return False
-        return bool(self.reclaim(min(self.num_taken, math.ceil(short / self.tokens_per_chunk))))
+        started = time.perf_counter()
+        took = bool(self.reclaim(min(self.num_taken, math.ceil(short / self.tokens_per_chunk))))
+        waited = time.perf_counter() - started
+        self.num_urgent_reclaims_total += 1
+        self.urgent_reclaim_s_total += waited
+        if self.metrics is not None:
+            self.metrics.urgent_reclaim(waited)
+        return took
+
+    RESERVE_INTERVAL_S = 1.0  # the auto reserve is worked out at most this often (a few ms at most)
+
+    def record_allocation(self, tokens: int) -> None:
+        """SGLang allocated ``tokens`` slots (decode's growth or an arrival's prompt): the
+        demand the auto reserve follows."""
+        if self.reserve is not None:
+            self.reserve.demand.record(time.monotonic(), tokens)
+
+    def _follow_demand(self, now: float) -> None:
+        """The auto reserve, from the demand recorded (one rank: tensor-parallel ranks keep
+        the reserve they started with, which every rank has alike)."""
+        if self.reserve is None or self.ranks is not None or now - self._reserve_updated < self.RESERVE_INTERVAL_S:
+            return
+        self._reserve_updated = now
+        decision = self.reserve.update(now)
+        self.reserve_reason = decision.reason
+        if decision.tokens != self.policy.reserve_tokens:
+            logger.info("KV reserve %d -> %d tokens: %s", self.policy.reserve_tokens, decision.tokens, decision.reason)
+            self.policy = dataclasses.replace(self.policy, reserve_tokens=decision.tokens)
+            if self.metrics is not None:
+                self.metrics.set_reserve(decision.tokens)
 
     def after_pool_cleared(self) -> None:
         """SGLang's ``clear()`` (``/flush_cache``, a weight update) just made every slot of
@@ -512,6 +552,8 @@ class KvLendingController:
         return {
             "chunks_total": self.policy.num_chunks, "chunks_lent": self.num_lent, "chunks_lending": self.num_lending,
             "tokens_per_chunk": self.tokens_per_chunk, "reserve_tokens": self.policy.reserve_tokens,
+            "reserve_reason": self.reserve_reason, "urgent_reclaims_total": self.num_urgent_reclaims_total,
+            "urgent_reclaim_s_total": round(self.urgent_reclaim_s_total, 6),
             "lends_total": self.num_lent_total, "reclaims_total": self.num_reclaimed_total,
             "lends_cancelled_total": self.num_lends_cancelled_total,
             "integrity_checks_total": self.num_integrity_checks,

@@ -482,3 +482,37 @@ def test_returning_takes_back_what_a_trainer_lets_go_of_later(kv):
     held.free()
     lending.maybe_lend(force=True)  # the next tick takes it
     assert lending.num_lent == 0
+
+
+def test_an_urgent_reclaim_is_counted_and_timed(kv):
+    tokens, lending = kv
+    lending.maybe_lend(force=True)
+    assert lending.num_lent > 0 and lending.stats()["urgent_reclaims_total"] == 0
+    fits = hooks._token_alloc(TokenToKVPoolAllocator.alloc, tokens, 3)
+    assert lending.stats()["urgent_reclaims_total"] == 0  # it fitted: decode did not wait
+    tokens.free(fits)
+    out = hooks._token_alloc(TokenToKVPoolAllocator.alloc, tokens, tokens.available_size() + 1)
+    stats = lending.stats()
+    assert out is not None and stats["urgent_reclaims_total"] == 1 and stats["urgent_reclaim_s_total"] > 0
+
+
+def test_the_auto_reserve_follows_the_allocations_seen_and_lends_less_after_a_burst(kv):
+    from harvest.memory.demand import AllocationDemand, DemandReserve
+
+    tokens, lending = kv
+    lending.reserve = DemandReserve(floor_tokens=TOKENS_PER_CHUNK, cap_tokens=NUM_CHUNKS * TOKENS_PER_CHUNK,
+                                    tokens_per_chunk=TOKENS_PER_CHUNK, ack_s=0.04, reclaim_s_per_chunk=0.005,
+                                    demand=AllocationDemand(window_s=60.0))
+    lending.maybe_lend(force=True)  # no demand seen: Harli's formula, and as much lent as before
+    assert lending.policy.reserve_tokens == TOKENS_PER_CHUNK and "Harli" in lending.stats()["reserve_reason"]
+    lent_before = lending.num_lent
+    lending.reclaim(lending.num_lent, wait=False)
+    # A burst: three prompts of 150 tokens within a few milliseconds (through SGLang's alloc hook).
+    burst = [hooks._token_alloc(TokenToKVPoolAllocator.alloc, tokens, 150) for _ in range(3)]
+    for slots in burst:
+        tokens.free(slots)
+    lending._reserve_updated = -float("inf")  # a second later
+    lending.maybe_lend(force=True)
+    assert lending.policy.reserve_tokens == 450
+    assert "p99" in lending.stats()["reserve_reason"]
+    assert tokens.available_size() >= 450 and lending.num_lent < lent_before

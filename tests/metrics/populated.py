@@ -9,7 +9,7 @@ from harvest.metrics.registry import HarvestMetrics
 
 
 def job(instance=1, name="alpaca", **fields) -> dict:
-    """One job's dict as harvest.colocate.trainer_host reports it (JobRun.report())."""
+    """One job's dict as the trainer host reports it (harvest.colocate.job_status.job_line())."""
     return {"instance": instance, "name": name, "state": "running", "weight": 1.0, "global_step": 3, "total_steps": 10,
             "progress": 0.3, "eta_s": 12.0, "loss": 2.0, "eval_loss": 2.2, "tokens_trained": 0, "samples_trained": 0,
             "steps_trained": 0, "trainer_s": 0.0, "deficit_s": 0.25, **fields}
@@ -37,6 +37,8 @@ def populated(**kwargs) -> HarvestMetrics:
     m.set_kv_chunks(mapped=10, lent=6, fragmentation_bytes=1 << 20)
     m.lent(6)
     m.reclaimed(0.002)
+    m.urgent_reclaim(0.012)
+    m.set_reserve(4096)
     m.set_gpu(busy_ratio=0.5, memory_busy_ratio=0.25, memory_used_bytes=1 << 30)
     return m
 

@@ -59,6 +59,9 @@ EXPECTED = {
     "harvest_kv_lends": "counter",
     "harvest_kv_reclaims": "counter",
     "harvest_kv_reclaim_seconds": "histogram",
+    "harvest_kv_urgent_reclaims": "counter",
+    "harvest_kv_urgent_reclaim_seconds": "histogram",
+    "harvest_kv_reserve_tokens": "gauge",
     "harvest_allocator_fragmentation_bytes": "gauge",
     "harvest_gpu_busy_ratio": "gauge",
     "harvest_gpu_memory_busy_ratio": "gauge",
@@ -381,6 +384,10 @@ def test_memory_metrics():
     assert value(m, "harvest_kv_lends_total") == 6 and value(m, "harvest_kv_reclaims_total") == 2
     assert value(m, "harvest_kv_reclaim_seconds_count") == 2
     assert value(m, "harvest_allocator_fragmentation_bytes") == 1 << 20
+    m.urgent_reclaim(0.012)
+    m.set_reserve(4096)
+    assert value(m, "harvest_kv_urgent_reclaims_total") == 1 and value(m, "harvest_kv_urgent_reclaim_seconds_count") == 1
+    assert value(m, "harvest_kv_reserve_tokens") == 4096
 
 
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool (Prometheus's tool; apt install prometheus) is not on PATH")

@@ -166,13 +166,14 @@ def test_violation_integrity_stale_and_error_rows_are_marked():
     hot = copy.deepcopy(FULL)
     hot["tpot_ms"]["p99"] = 55.0
     hot["kv"]["integrity_error"] = "chunk 3 mapped twice"
+    hot["kv"]["urgent_reclaims_total"] = 4  # decode waited for lent memory four times
     hot["snapshot_age_s"] = 30.0
     hot["trainer"]["jobs"][0]["adapter"] = {"name": "alpaca", "state": "failed", "error": "rank too large"}
     results = [top.ServerResult("http://hot:18400", status=hot),
                top.ServerResult("http://dead:18400", error="connection refused"),
                top.ServerResult("http://locked:18400", error="401 unauthorized (--api-key or HARVEST_API_KEY)")]
     text = text_of(results)
-    assert "12/64 INTEGRITY" in row_of(text, "hot:18400", "Qwen")
+    assert "12/64 4 urgent INTEGRITY" in row_of(text, "hot:18400", "Qwen")
     assert "connection refused" in row_of(text, "dead:18400") and "401 unauthorized" in row_of(text, "locked:18400")
     assert "alpaca failed" in row_of(text, "alpaca-lora", "running") and "alpaca-lora adapter: rank too large" in text
     assert "servers 1 up, 2 down · jobs 1 running · 1 violating TPOT target" in text

@@ -1,0 +1,156 @@
+"""A reserve sized from what decode allocates (pure policy: numpy, no torch).
+
+Harli's reserve (:mod:`harvest.memory.reserve`) covers decode's own growth, one token per
+request per step, for as long as a reclaim takes. What empties a decode instance's free
+pool faster is arrivals: a request admitted with its whole prompt's KV (from the prefill
+side, or its own prefill) takes thousands of slots at once. So the reserve follows the
+demand the server has seen:
+
+- Every allocation is recorded (time, tokens): decode's growth and arrivals alike.
+- The reclaim horizon is how long decode would wait for lent memory: the trainer's
+  acknowledgement (at most one unit) plus the driver's reclaim time per chunk, for the
+  chunks the demand itself needs.
+- The reserve is the chosen percentile, over the recorded window, of the tokens allocated
+  within any one horizon, never below Harli's formula (the floor), never above the cap.
+- It rises at once and falls only after staying lower for ``lower_after_s`` and by more
+  than a chunk (hysteresis): a quiet minute after a burst does not lend memory that the
+  next burst needs.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class ReserveDecision:
+    tokens: int
+    reason: str  # one line, for /harvest/status and the log
+
+
+class AllocationDemand:
+    """Allocations of the last ``window_s`` seconds (at most ``max_records``), and the
+    tokens allocated within any interval of a given length."""
+
+    def __init__(self, window_s: float = 60.0, max_records: int = 4096):
+        if not (window_s > 0 and math.isfinite(window_s)):
+            raise ValueError(f"window_s={window_s!r}: must be a positive number of seconds")
+        if max_records < 1:
+            raise ValueError(f"max_records={max_records!r}: must be >= 1")
+        self.window_s = window_s
+        self._records: collections.deque[tuple[float, int]] = collections.deque(maxlen=max_records)
+        self._arrays = None  # (times, cumulative tokens) of the records, made when first needed
+
+    def record(self, now: float, tokens: int) -> None:
+        if tokens > 0:
+            self._records.append((now, tokens))
+            self._arrays = None
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def forget_before(self, now: float) -> None:
+        while self._records and self._records[0][0] < now - self.window_s:
+            self._records.popleft()
+            self._arrays = None
+
+    def within(self, span_s: float, percentile: float) -> int:
+        """The ``percentile`` (0-100) over the recorded allocations of the tokens allocated
+        in ``[t, t + span_s]``, ``t`` each allocation's time (0 when nothing is recorded).
+        O(n log n) in numpy: a few milliseconds for a full window."""
+        if not self._records:
+            return 0
+        if self._arrays is None:
+            times = np.fromiter((at for at, _ in self._records), dtype=np.float64, count=len(self._records))
+            tokens = np.fromiter((n for _, n in self._records), dtype=np.int64, count=len(self._records))
+            self._arrays = (times, np.concatenate(([0], np.cumsum(tokens))))
+        times, cumulative = self._arrays
+        first = np.searchsorted(times, times, side="left")
+        end = np.searchsorted(times, times + span_s, side="right")
+        sums = np.sort(cumulative[end] - cumulative[first])
+        rank = min(len(sums) - 1, max(0, math.ceil(percentile / 100.0 * len(sums)) - 1))
+        return int(sums[rank])
+
+
+@dataclasses.dataclass
+class DemandReserve:
+    """The reserve in tokens, from the demand seen, with Harli's formula as its floor.
+
+    ``ack_s``: longest wait for the trainer to let go of lent chunks (one unit);
+    ``reclaim_s_per_chunk``: the driver's time to reclaim one chunk (the profile's figure);
+    ``cap_tokens``: the most the reserve may be (a share of the pool)."""
+
+    floor_tokens: int
+    cap_tokens: int
+    tokens_per_chunk: int
+    ack_s: float
+    reclaim_s_per_chunk: float
+    percentile: float = 99.0
+    lower_after_s: float = 30.0
+    demand: AllocationDemand = dataclasses.field(default_factory=AllocationDemand)
+
+    def __post_init__(self) -> None:
+        for name in ("floor_tokens", "cap_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"DemandReserve.{name}={getattr(self, name)}: must be >= 0")
+        if self.tokens_per_chunk <= 0:
+            raise ValueError(f"DemandReserve.tokens_per_chunk={self.tokens_per_chunk}: must be > 0")
+        for name in ("ack_s", "reclaim_s_per_chunk", "lower_after_s"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"DemandReserve.{name}={value!r}: must be a finite number >= 0")
+        if not 0 < self.percentile <= 100:
+            raise ValueError(f"DemandReserve.percentile={self.percentile!r}: must be in (0, 100]")
+        self.current = ReserveDecision(min(self.floor_tokens, self.cap_tokens), "Harli's formula (no demand seen yet)")
+        self._lower_since: float | None = None
+
+    def horizon_s(self, tokens: int) -> float:
+        """How long decode would wait to get ``tokens`` back from the trainer."""
+        return self.ack_s + math.ceil(tokens / self.tokens_per_chunk) * self.reclaim_s_per_chunk
+
+    def wanted(self) -> ReserveDecision:
+        """The reserve the recorded demand asks for now (no hysteresis)."""
+        horizon = self.horizon_s(self.tokens_per_chunk)  # at least one chunk comes back
+        demand, converged = 0, False
+        for _ in range(8):  # the demand's chunks lengthen the horizon: its least fixed point, from below
+            demand = self.demand.within(horizon, self.percentile)
+            longer = self.horizon_s(max(demand, self.tokens_per_chunk))
+            if longer <= horizon:
+                converged = True
+                break
+            horizon = longer
+        if not converged:  # what arrives within a reclaim keeps outgrowing it: reclaims cannot keep pace
+            return ReserveDecision(self.cap_tokens, f"allocations arrive about as fast as chunks can be reclaimed "
+                                                    f"({demand} tokens within {horizon * 1e3:.0f} ms and growing); "
+                                                    f"capped at {self.cap_tokens} tokens")
+        if demand <= self.floor_tokens:
+            tokens, reason = self.floor_tokens, (f"Harli's formula ({self.floor_tokens} tokens) covers the "
+                                                 f"p{self.percentile:g} demand within {horizon * 1e3:.0f} ms "
+                                                 f"({demand} tokens)")
+        else:
+            tokens, reason = demand, (f"p{self.percentile:g} of tokens allocated within one reclaim horizon "
+                                      f"({horizon * 1e3:.0f} ms) over the last {self.demand.window_s:g} s")
+        if tokens > self.cap_tokens:
+            tokens, reason = self.cap_tokens, f"{reason}; capped at {self.cap_tokens} tokens"
+        return ReserveDecision(tokens, reason)
+
+    def update(self, now: float) -> ReserveDecision:
+        """The reserve to apply now: up at once, down only after ``lower_after_s`` below
+        the current one by more than a chunk."""
+        self.demand.forget_before(now)
+        wanted = self.wanted()
+        if wanted.tokens >= self.current.tokens:
+            self._lower_since = None
+            if wanted.tokens > self.current.tokens or wanted.reason != self.current.reason:
+                self.current = wanted
+        elif self.current.tokens - wanted.tokens <= self.tokens_per_chunk:
+            self._lower_since = None
+        elif self._lower_since is None:
+            self._lower_since = now
+        elif now - self._lower_since >= self.lower_after_s:
+            self.current, self._lower_since = wanted, None
+        return self.current
