@@ -61,7 +61,7 @@ def _text(args: dict, key: str, *, required: bool = True) -> str | None:
 
 # -- the queue ---------------------------------------------------------------------------
 def submit(colocation, args: dict) -> tuple[int, dict]:
-    from harvest.colocate.trainer_host import JobRefused, JobSpec
+    from harvest.colocate.job_queue import JobRefused, JobSpec
     from harvest.train.errors import JobError
     from harvest.train.job import job_identity
 
@@ -92,7 +92,7 @@ def submit(colocation, args: dict) -> tuple[int, dict]:
 
 
 def cancel(colocation, args: dict) -> tuple[int, dict]:
-    from harvest.colocate.trainer_host import JobRefused
+    from harvest.colocate.job_queue import JobRefused
 
     host, refusal = _host_or_refusal(colocation)
     if refusal:

@@ -151,7 +151,7 @@ def _job_file(path: Path, **keys) -> Path:
 
 def test_start_up_refuses_two_jobs_with_one_name_or_one_output_folder(tmp_path):
     from harvest.colocate.assemble import job_specs
-    from harvest.colocate.trainer_host import JobRefused
+    from harvest.colocate.job_queue import JobRefused
 
     a = _job_file(tmp_path / "a.yaml", output_dir="out/a")
     same_name = _job_file(tmp_path / "other" / "x.yaml", output_dir="b", harvest={"name": "a"})

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from harvest.colocate.trainer_host import JobRefused, JobSpec, TrainerHost
+from harvest.colocate.job_queue import JobRefused, JobSpec
+from harvest.colocate.trainer_host import TrainerHost
 from harvest.schedule import TrainerState
 from harvest.train.gate import GateAction
 from tests.metrics.test_control import wait_for as wait_until
@@ -269,7 +270,8 @@ def test_a_periodic_fleet_jobs_line_counts_this_servers_steps_and_the_fleets_eta
     import dataclasses
     import types
 
-    from harvest.colocate.trainer_host import JobRun
+    from harvest.colocate.job_queue import JobRun
+    from harvest.colocate.job_status import job_line
     from harvest.train.stats import TrainerStats
 
     fields = {**{f: 0 for f in TrainerStats.__dataclass_fields__}, "state": "running", "loss": 1.0}
@@ -277,10 +279,10 @@ def test_a_periodic_fleet_jobs_line_counts_this_servers_steps_and_the_fleets_eta
     stats = TrainerStats(**{**fields, "global_step": 40, "total_steps": 100, "fleet": fleet})
     run = JobRun(0, spec("f"))
     run.state, run.running_since, run.trainer = "running", time.monotonic() - 1.0, types.SimpleNamespace(stats=lambda: stats)
-    line = run.report(active=True, host_paused=False, starved=False, share=1.0, deficit_s=0.0)
+    line = job_line(run, active=True, host_paused=False, starved=False, share=1.0, deficit_s=0.0)
     # Progress is the fleet's (40 of 100), the steps trained are this server's, the ETA the fleet's pace.
     assert (line["progress"], line["steps_trained"], line["eta_s"], line["fleet"]) == (0.4, 7, 12.5, fleet)
     solo = dataclasses.replace(stats, fleet=None)
     run.trainer = types.SimpleNamespace(stats=lambda: solo)
-    line = run.report(active=True, host_paused=False, starved=False, share=1.0, deficit_s=0.0)
+    line = job_line(run, active=True, host_paused=False, starved=False, share=1.0, deficit_s=0.0)
     assert line["steps_trained"] == 40 and line["eta_s"] == pytest.approx(1.5, rel=0.5) and line["fleet"] is None

@@ -96,7 +96,7 @@ def _rank_main(rank: int, size: int, store_file: str, model_path: str, output_di
 
     import torch.distributed as dist
 
-    from harvest.colocate.trainer_host import _FaultInjectingGate
+    from harvest.colocate.job_gates import FaultInjectingGate
     from harvest.train.gate import Gate
     from harvest.train.tensor_parallel import PeerTrainerFault, TensorParallel
 
@@ -117,7 +117,7 @@ def _rank_main(rank: int, size: int, store_file: str, model_path: str, output_di
     result = {"rank": rank}
     gate = Gate()
     if rank == fault_rank:
-        gate = _FaultInjectingGate(gate, FAULT_AFTER_UNITS)
+        gate = FaultInjectingGate(gate, FAULT_AFTER_UNITS)
     elif fault_rank >= 0:
         def watch():  # the runtime's step agreement, in miniature
             fault_event.wait()
