@@ -79,7 +79,12 @@ class Colocation:
         # scheduler moves the forward onto a stream of its own inside the step); False:
         # run_step's whole ``run`` is the forward.
         self.engine_places_forward = engine_places_forward
-        self._step_tag: int | None = None  # the running step's decision number, until its forward ran
+        # The engine's decode graphs, one set per SM level (harvest.sglang.level_graphs), or
+        # None: ``select(index)`` once per step, for the plan's level, before its forward.
+        self.level_graphs = None
+        # The running step's plan until its forward ran (``engine_places_forward``): the one
+        # thing the step hands its forward, which SGLang calls from inside the step.
+        self._forward_plan = None
         self.profiler = StepProfiler()
         self.idle_gc_collections = 0
         self.integrity_error: str | None = None  # the first failed idle integrity check's message
@@ -127,19 +132,19 @@ class Colocation:
                 self._attend()
             self._feed_back()  # a late timer's (CUDA events) earlier steps: before this decision
             if self.ranks is None:
-                tag = self.control.before_step(load).step
+                plan = self.control.before_step(load)
                 lend_tick = None
             else:
-                tag, lend_tick = self._agree(load)
+                plan, lend_tick = self._agree(load)
             lap("decide")
-            if self.engine_places_forward:
-                self._step_tag = tag
+            if self.engine_places_forward:  # the engine calls run_forward inside ``run``
+                self._forward_plan = plan
                 try:
                     result = run(*args, **kwargs)
                 finally:
-                    self._step_tag = None
+                    self._forward_plan = None
             else:
-                result = self.timer.time(tag, self.control.decode_stream, run, *args, **kwargs)
+                result = self.timer.time(plan.step, plan.stream, run, *args, **kwargs)
             lap("engine")
             self._feed_back()
             lap("feedback")
@@ -161,18 +166,24 @@ class Colocation:
     @property
     def forward_pending(self) -> bool:
         """Inside run_step, before the step's forward ran (``engine_places_forward``)."""
-        return self._step_tag is not None
+        return self._forward_plan is not None
 
     def run_forward(self, run, *args, **kwargs):
         """The forward of the running step, for an engine that calls it itself
-        (``engine_places_forward``): on the chosen level's decode stream, timed as the
-        step. The first forward of a step is the step's; any other call (outside a step,
-        or a second forward in one) runs as the engine placed it."""
-        tag = self._step_tag
-        if tag is None:
+        (``engine_places_forward``): the plan's decode graphs, on the plan's decode stream,
+        timed as the step. The first forward of a step is the step's; any other call
+        (outside a step, or a second forward in one) runs as the engine placed it, with the
+        whole-device level's graphs."""
+        plan = self._forward_plan
+        graphs = self.level_graphs
+        if plan is None:
+            if graphs is not None:
+                graphs.select(self.partitioner.ladder.whole_device_index)
             return run(*args, **kwargs)
-        self._step_tag = None
-        return self.timer.time(tag, self.control.decode_stream, run, *args, **kwargs)
+        self._forward_plan = None
+        if graphs is not None:
+            graphs.select(plan.level)
+        return self.timer.time(plan.step, plan.stream, run, *args, **kwargs)
 
     def _feed_back(self) -> None:
         if self.ranks is not None:  # rank 0 takes the slowest rank's, after the exchange
@@ -182,15 +193,17 @@ class Colocation:
             self.control.after_step(tag, measured_s)
 
     # -- tensor parallel: the ranks' agreement ------------------------------------------------
-    def _agree(self, load: StepLoad | None) -> tuple[int, bool]:
+    def _agree(self, load: StepLoad | None):
         """Rank 0 decides (the step's level and gate, or the idle tick's); every rank
-        applies that decision and what else the exchange says. Returns (the step's tag,
-        whether to look for chunks to lend)."""
+        applies that decision and what else the exchange says. Returns (the step's plan,
+        None on an idle tick; whether to look for chunks to lend)."""
         ranks = self.ranks
         row = new_row()
+        plan = None
         if ranks.leader:
             if load is not None:
-                row[Field.TAG] = self.control.before_step(load).step
+                plan = self.control.before_step(load)
+                row[Field.TAG] = plan.step
             else:
                 self.control.on_idle()
             row[Field.LEVEL], row[Field.RUN] = self.control.applied
@@ -210,10 +223,12 @@ class Colocation:
         if ranks.leader:
             for tag, seconds in self._slowest.add(agreed.measurements):
                 self.control.after_step(tag, seconds)
+        elif load is not None:
+            plan = self.control.follow(agreed.tag, agreed.level, agreed.run)
         elif agreed.level >= 0:
             self.control.apply_decision(agreed.level, agreed.run)
         self._apply_agreement(agreed)
-        return agreed.tag, agreed.lend_tick
+        return plan, agreed.lend_tick
 
     def _apply_agreement(self, agreed) -> None:
         host = self.trainer_host

@@ -1,8 +1,8 @@
 """Per-decode-step control: predict, decide, apply, measure (Harli (arXiv:2511.11729) §5-§6).
 
-    decision = control.before_step(StepLoad(batch_size, sum_context, is_decode))
-    ... the engine runs the step on control.decode_stream, timed under decision.step ...
-    control.after_step(decision.step, measured_s)  # or later, when a CUDA-event timer completes
+    plan = control.before_step(StepLoad(batch_size, sum_context, is_decode))
+    ... the engine runs the step on plan.stream with the decode graphs of plan.level, timed under plan.step ...
+    control.after_step(plan.step, measured_s)  # or later, when a CUDA-event timer completes
 
 Measurements are paired with their decision by its step number: a step whose measurement
 never comes (the timer dropped it, the engine raised) is given up when a later step's
@@ -25,7 +25,7 @@ import collections
 import math
 import threading
 import time
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from harvest.logs import get_logger
 from harvest.schedule import QoSController, SchedulerInput, TrainerAction, TrainerState
@@ -39,14 +39,19 @@ class StepLoad(NamedTuple):
     is_decode: bool
 
 
-class _Pending(NamedTuple):
-    step: int  # the QoS decision's step number
-    load: StepLoad
-    level: int
+class StepPlan(NamedTuple):
+    """One decode step as decided, :meth:`StepController.before_step`'s answer: what the
+    step runs on, read from here alone, and what its measurement is booked with. The
+    same tuple waits for that measurement (one allocation per step)."""
+
+    step: int  # the QoS decision's number: the step is timed under it, its measurement paired by it
+    level: int  # the SM level's index in the ladder; also names the level's decode-graph set
+    stream: Any  # the level's decode stream (None: the engine thread's current stream)
+    load: StepLoad | None  # None: a tensor-parallel rank following rank 0's plan
     phase: str | None  # trainer phase co-running; None: decode alone
     predicted_s: float
     trainer_ran: bool
-    reason: object  # the QoS decision's DecisionReason
+    decision: Any  # the QoS Decision (harvest.schedule); None on a rank following rank 0
 
 
 class StepRecord(NamedTuple):
@@ -82,9 +87,9 @@ class StepController:
         self._colo_model = predictor.worst_phase if predictor is not None else 0
         # Decisions waiting for their measurement, oldest first; bounded, so an engine that
         # never reports a step cannot grow it.
-        self._pending: collections.deque[_Pending] = collections.deque(maxlen=self.MAX_UNMEASURED)
+        self._pending: collections.deque[StepPlan] = collections.deque(maxlen=self.MAX_UNMEASURED)
         self.unmeasured_steps = 0  # decisions given up without a measurement
-        self._unrecorded: collections.deque = collections.deque()  # (end time, _Pending, measured_s)
+        self._unrecorded: collections.deque = collections.deque()  # (end time, StepPlan, measured_s)
         self._record_lock = threading.Lock()
         self._recent_steps: collections.deque[StepRecord] = collections.deque(maxlen=8192)
         self.num_recorded = 0  # sequence number of the newest record in recent_steps
@@ -94,12 +99,10 @@ class StepController:
         self.last_decision = None  # the QoS decision of the latest before_step
         self._last_decision_step = -1
 
-    @property
-    def decode_stream(self):
-        return self.level.decode_stream
-
     # -- before the step ------------------------------------------------------------------
-    def before_step(self, load: StepLoad):
+    def before_step(self, load: StepLoad) -> StepPlan:
+        """Predict every level, let the QoS scheduler decide, select the level and open or
+        close the trainer's gate: the step's plan."""
         trainer_state = self.trainer.scheduler_state() if self.trainer is not None else TrainerState.ABSENT
         colo_ms = self._no_prediction
         whole_ms = math.nan
@@ -130,8 +133,9 @@ class StepController:
         self._last_decision_step = decision.step
         if len(self._pending) == self.MAX_UNMEASURED:
             self.unmeasured_steps += 1  # the append drops the oldest
-        self._pending.append(_Pending(decision.step, load, index, phase, predicted_s, run, decision.reason))
-        return decision
+        plan = StepPlan(decision.step, index, self.level.decode_stream, load, phase, predicted_s, run, decision)
+        self._pending.append(plan)
+        return plan
 
     # -- after the step (measurements may arrive one step late, in order) -----------------
     MAX_UNMEASURED = 1024
@@ -175,7 +179,7 @@ class StepController:
                 load = pending.load
                 self._recent_steps.append(StepRecord(end_time, load.batch_size, measured_s * 1e3, pending.predicted_s * 1e3,
                                                      pending.level, pending.trainer_ran, load.is_decode,
-                                                     pending.reason.value))
+                                                     pending.decision.reason.value))
                 self.num_recorded += 1
                 if refiner is not None and load.is_decode:
                     refiner.observe(pending.level, load.batch_size, load.sum_context, measured_s, phase=pending.phase,
@@ -226,3 +230,9 @@ class StepController:
         if self.trainer is not None:
             self.trainer.apply(run, self.level.trainer_stream)
         self.applied = (index, run)
+
+    def follow(self, step: int, index: int, run: bool) -> StepPlan:
+        """A tensor-parallel rank other than 0: rank 0's plan for ``step``, applied here
+        (measured here and booked on rank 0, so nothing waits for it on this rank)."""
+        self.apply_decision(index, run)
+        return StepPlan(step, index, self.level.decode_stream, None, None, math.nan, run, None)

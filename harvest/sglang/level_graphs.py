@@ -10,7 +10,7 @@ gives each stream its own decode attention backend (``decode_attn_backend_group`
 graphs' metadata buffers), and replays the set of
 ``pdmux_context.get_current_stream_idx()``. harvest switches that on for the decode graph
 runner alone (not SGLang's global PD-multiplexing mode), with one stream group per ladder
-level, the level's decode stream, and selects the level's set before each forward.
+level, the level's decode stream; the Colocation selects the step plan's set before its forward.
 
 The level sets share SGLang's global graph memory pool: one decode step runs at a time,
 and consecutive steps on different levels' streams are ordered through the engine's

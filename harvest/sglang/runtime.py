@@ -5,11 +5,13 @@ It describes SGLang to the composition root (:func:`harvest.colocate.assemble.as
 the device and model, the KV pool (already on harvest's allocator: harvest.sglang.kv_backing)
 with the lending mechanism for SGLang's token allocator, and the trainer's builder (on the
 served weights in place when the job's base model is the served one). Then it passes
-every decode step to :meth:`Colocation.run_step`, the step's forward (the target model's
+every decode step to :meth:`Colocation.run_step`, which decides the step's plan (its
+level, that level's decode stream and decode CUDA graphs: harvest.sglang.level_graphs,
+handed to the Colocation once at start-up); the step's forward (the target model's
 ``forward_batch_generation``, which SGLang's overlap scheduler runs on a stream of its
-own) to :meth:`Colocation.run_forward`, which launches it on the chosen level's decode
-stream with that level's decode CUDA graphs (harvest.sglang.level_graphs), each idle
-tick to ``on_idle``, and serves the control endpoint, stop signals and shutdown.
+own) straight through to :meth:`Colocation.run_forward`, which launches it as the plan
+says; each idle tick to ``on_idle``; and serves the control endpoint, stop signals and
+shutdown.
 
 (A step's KV slots were allocated before the step, when SGLang prepared the batch; the
 hooks on the token allocator's ``check_decode_capacity`` and ``alloc`` take lent chunks
@@ -53,7 +55,6 @@ class HarvestRuntime:
         self._run_dir = None
         self.shutdown_signals = None
         self.level_graphs = None  # harvest.sglang.level_graphs.SglangLevelGraphs once captured
-        self._whole_device_index = colocation.partitioner.ladder.whole_device_index
         self._passthrough_modes, self._decode_modes = forward_mode_sets()
 
     # -- start-up ---------------------------------------------------------------------
@@ -74,7 +75,8 @@ class HarvestRuntime:
             runtime = cls(colocation)
             from harvest.sglang.level_graphs import capture_level_graphs
 
-            runtime.level_graphs = capture_level_graphs(scheduler.tp_worker.model_runner, colocation.partitioner.ladder)
+            runtime.use_level_graphs(capture_level_graphs(scheduler.tp_worker.model_runner,
+                                                          colocation.partitioner.ladder))
             if colocation.ranks is None or colocation.ranks.leader:  # rank 0 speaks for the instance
                 runtime._start_control(config, server_args)
         except BaseException:
@@ -138,14 +140,16 @@ class HarvestRuntime:
                 self._publish()
 
     def run_forward(self, original, worker, *args, **kwargs):
-        """The step's forward: on the chosen level's stream, replaying that level's decode
-        graphs (a forward outside a harvest step replays the whole-device level's, on
+        """The step's forward, straight through: the Colocation runs it as the step's plan
+        says (a forward outside a harvest step replays the whole-device level's graphs, on
         SGLang's stream)."""
-        colocation = self.colocation
-        if self.level_graphs is not None:
-            in_step = colocation.forward_pending
-            self.level_graphs.select(colocation.partitioner.current_index if in_step else self._whole_device_index)
-        return colocation.run_forward(original, worker, *args, **kwargs)
+        return self.colocation.run_forward(original, worker, *args, **kwargs)
+
+    def use_level_graphs(self, graphs) -> None:
+        """SGLang's decode graphs per SM level (None: none to select): the Colocation
+        selects the plan's set before each step's forward."""
+        self.level_graphs = graphs
+        self.colocation.level_graphs = graphs
 
     def on_idle(self) -> None:
         self.colocation.on_idle()

@@ -47,8 +47,9 @@ def controller(target_ms, host, phases=True, margin=0.05):
 def run_steps(control, n, measured_s=0.002, load=StepLoad(10, 500, True)):
     decisions = []
     for _ in range(n):
-        decisions.append(control.before_step(load))
-        control.after_step(decisions[-1].step, measured_s)
+        plan = control.before_step(load)
+        decisions.append(plan.decision)
+        control.after_step(plan.step, measured_s)
     return decisions
 
 

@@ -145,7 +145,7 @@ def test_the_chosen_levels_graph_is_the_one_replayed_on_its_stream():
                             lending=NoKvLending(), timer=CudaStepTimer(cuda=cuda), metrics=None, refiner=None,
                             engine_places_forward=True)
     runtime = HarvestRuntime(colocation)
-    runtime.level_graphs = graphs
+    runtime.use_level_graphs(graphs)
     graph_runner = runner.decode_cuda_graph_runner
 
     def forward(worker, bs):  # TpModelWorker.forward_batch_generation -> the graph runner
@@ -154,11 +154,11 @@ def test_the_chosen_levels_graph_is_the_one_replayed_on_its_stream():
     chosen = []
 
     def before_step(load, level_index):  # the QoS decision, forced to a level
-        decision = StepController.before_step(control, load)
+        plan = StepController.before_step(control, load)
         partitioner.select(level_index)
         control.level = partitioner.current
         chosen.append(level_index)
-        return decision
+        return plan._replace(level=level_index, stream=control.level.decode_stream)
 
     control.before_step = lambda load: before_step(load, next(levels))
     levels = iter([0, 1, 2, 0])

@@ -105,11 +105,15 @@ class Control:
     def before_step(self, load):
         self.steps += 1
         self.applied = (2, True)
-        return types.SimpleNamespace(step=100 + self.steps)
+        return types.SimpleNamespace(step=100 + self.steps, level=2, stream=None)
 
     def apply_decision(self, level, run):
         self.applied = (level, run)
         self.decisions.append((level, run))
+
+    def follow(self, step, level, run):
+        self.apply_decision(level, run)
+        return types.SimpleNamespace(step=step, level=level, stream=None)
 
     def after_step(self, tag, seconds):
         self.measured.append((tag, seconds))
@@ -119,8 +123,6 @@ class Control:
 
     def forget_unmeasured(self):
         pass
-
-    decode_stream = None
 
 
 class Timer:

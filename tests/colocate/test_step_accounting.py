@@ -39,7 +39,6 @@ class _Clock:
 
 
 class _Control:
-    decode_stream = None
     unmeasured_steps = 0
     level = types.SimpleNamespace(index=0, decode_sms=1, trainer_sms=1)
     qos = types.SimpleNamespace(stats=lambda: types.SimpleNamespace(to_dict=dict),
@@ -53,7 +52,7 @@ class _Control:
     def before_step(self, load):
         self.loads.append(load)
         self.clock.spend(DECIDE_US)
-        return types.SimpleNamespace(step=len(self.loads))
+        return types.SimpleNamespace(step=len(self.loads), level=0, stream=None)
 
     def after_step(self, step, measured_s):
         self.measured.append(measured_s)
