@@ -13,6 +13,9 @@ through every policy, and the finetune gains and QoS the replay predicts.
   else the committed CPU profile, else the labelled synthetic Harli-shaped A100 profile
   (``profile_kind`` says which). ``synthetic_a100`` repeats the gains with that synthetic
   profile for reference when the main profile is not it.
+- ``steps_outside_profile_fraction``: the largest fraction of one policy's decode steps
+  outside the profile's measured range (``steps_outside_profile_policy``: whose), where the
+  replay extrapolates the profile; `harvest replay` warns over 5 %.
 - ``robustness_synthetic_a100``: harvest's violations and gains when the true co-located
   latency is 10 % over the prediction plus 5 % noise, with the scheduler's feedback
   margin and with the margin fixed (synthetic A100 profile); ``beyond_margin``: 2.5x
@@ -114,7 +117,7 @@ def main() -> int:
 
     from harvest.replay import comparison, synthetic, profile_source
     from harvest.replay.command import SYNTHETIC_A100
-    from harvest.replay.report import headline
+    from harvest.replay.report import headline, outside_of
     from harvest.replay.simulator import DecodeLimits
     from harvest.replay.trace import SAMPLE_TRACE, read_trace
 
@@ -125,6 +128,7 @@ def main() -> int:
     result, wall, policy_wall = _replay(requests, profile, settings, max(1, args.repeats))
     numbers = headline(result)
     harvest = result.results["harvest"]
+    outside = outside_of([result])
     out = {
         "trace_requests": len(requests),
         "replay_wall_s": wall,
@@ -135,6 +139,8 @@ def main() -> int:
         "profile": profile.label,
         "profile_kind": _kind(profile),
         "profile_description": profile.description,
+        "steps_outside_profile_fraction": outside.fraction,
+        "steps_outside_profile_policy": outside.policy,
         "trace": str(trace),
         "target_tpot_ms": args.target_tpot_ms,
         "policy_wall_s": policy_wall,
@@ -167,6 +173,7 @@ def main() -> int:
         }[out["profile_kind"]]
         print(f"bench_replay: {len(requests)} requests from {trace}; profile {profile.label}: {note}", file=sys.stderr)
         print(f"  replay of all policies: {wall:.2f} s (median of {out['repeats']}); per policy {policy_wall}", file=sys.stderr)
+        print(f"  steps outside the profiled range: {100 * outside.fraction:.1f} % ({outside.policy}'s)", file=sys.stderr)
     print(json.dumps(out))
     return 0
 

@@ -183,6 +183,9 @@ def run(args) -> int:
             (args.out_dir / "replay.json").write_text(json.dumps(data, indent=1) + "\n")
     except OSError as exc:  # the disk filled, or --out-dir changed under the replay
         return _fail(f"--out-dir {args.out_dir}: cannot write {exc.filename or ''}: {exc.strerror or exc}")
+    warning = report.outside_warning(output.outside_of(replays), profile, trace_label)
+    if warning is not None:
+        print(f"harvest replay: {warning}", file=sys.stderr)
     if args.json:
         print(json.dumps(data))
     else:

@@ -192,6 +192,7 @@ def fleet_result(name: str, servers: Sequence[Comparison], target_ms: float, tra
     tokens = sum(m["decode_tokens"] for m in metrics)
     # the rates are counts over the server's steps or tokens: the products are those counts
     steps_over = sum(round(m["step_violation_rate"] * m["decode_steps"]) for m in metrics)
+    steps_outside = sum(round(m["steps_outside_profile_fraction"] * m["decode_steps"]) for m in metrics)
     tokens_over = sum(round(m["violation_rate"] * m["decode_tokens"]) for m in metrics)
     spread = {"min": min(finetune), "median": statistics.median(finetune), "max": max(finetune)}
     tokens_per_s = trainer.to_tokens(total)
@@ -208,6 +209,7 @@ def fleet_result(name: str, servers: Sequence[Comparison], target_ms: float, tra
         "step_violation_rate": steps_over / steps if steps else 0.0,
         "violation_rate": tokens_over / tokens if tokens else 0.0,
         "servers_violating": int((p99[measured] > target_ms).sum()),
+        "steps_outside_profile_fraction": steps_outside / steps if steps else 0.0,
         "decode_steps": steps,
         "decode_tokens": tokens,
         "requests_finished": sum(m["requests_finished"] for m in metrics),

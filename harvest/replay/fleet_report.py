@@ -8,8 +8,8 @@ from typing import Any, Sequence
 from harvest.replay.comparison import ReplaySettings
 from harvest.replay.fleet import FleetComparison, RoutedFleet
 from harvest.replay.profile_source import ReplayProfile
-from harvest.replay.report import fmt, setup_dict, setup_lines
-from harvest.replay.results import BASELINES, jsonable
+from harvest.replay.report import fmt, outside_dict, outside_summary, setup_dict, setup_lines
+from harvest.replay.results import BASELINES, OutsideProfile, jsonable, steps_outside_profile
 from harvest.replay.trainer_model import TrainerModel
 from harvest.replay.workload import TraceWindow
 
@@ -66,7 +66,7 @@ def text(
     first = fleets[0]
     lines = [
         f"harvest replay: a fleet of {first.num_servers} decode servers, {first.num_requests} requests from {trace_label} "
-        f"({window.describe()}); {first.horizon_s:.1f} s simulated; seed {first.seed}",
+        f"({window.describe()}); {first.horizon_s:.1f} s simulated; seed {first.seed}; {outside_summary(outside_of(fleets))}",
         f"  {load_note(first.num_servers, window)}",
         *setup_lines(profile, trainer, settings),
         f"router: least-loaded estimates each server's decode load, what its running requests add to a step "
@@ -105,6 +105,12 @@ def _across(fleets: Sequence[FleetComparison]) -> dict[str, dict[str, list[float
     return out
 
 
+def outside_of(fleets: Sequence[FleetComparison]) -> OutsideProfile:
+    """The steps outside the profiled range over every seed's and router's fleet (each
+    policy's fraction over all its servers' steps)."""
+    return steps_outside_profile(routed.results for fleet in fleets for routed in fleet.routers.values())
+
+
 def as_dict(
     fleets: Sequence[FleetComparison],
     profile: ReplayProfile,
@@ -118,6 +124,7 @@ def as_dict(
     return jsonable(
         {
             **setup_dict(profile, trainer, settings, window, trace_label),
+            **outside_dict(outside_of(fleets)),
             "fleet": {
                 "num_servers": first.num_servers,
                 "routers": list(first.routers),

@@ -8,7 +8,7 @@ from typing import Any, Sequence
 
 from harvest.replay.comparison import Comparison, ReplaySettings
 from harvest.replay.profile_source import ReplayProfile
-from harvest.replay.results import BASELINES, jsonable
+from harvest.replay.results import BASELINES, OUTSIDE_PROFILE_WARN_FRACTION, OutsideProfile, jsonable, steps_outside_profile
 from harvest.replay.trainer_model import TrainerModel
 from harvest.replay.workload import TraceWindow
 
@@ -48,6 +48,34 @@ def headline(comparison: Comparison) -> dict[str, float | None]:
     }
 
 
+def profiled_range_text(profile: ReplayProfile) -> str:
+    r = profile.profiled_range
+    return f"batch sizes {r.min_batch_size}..{r.max_batch_size}, Σctx {r.min_sum_context:.0f}..{r.max_sum_context:.0f} tokens"
+
+
+def outside_summary(outside: OutsideProfile) -> str:
+    """For the report's first line: how many steps the profile did not measure."""
+    if outside.policy is None:
+        return "no decode step replayed"
+    share = f"{100 * outside.fraction:.1f} %"
+    if outside.warns:
+        return (f"WARNING: {share} of {outside.policy}'s steps outside the profiled range (over "
+                f"{100 * OUTSIDE_PROFILE_WARN_FRACTION:g} %): their latencies are extrapolated")
+    return f"{share} of steps outside the profiled range"
+
+
+def outside_warning(outside: OutsideProfile, profile: ReplayProfile, trace_label: str) -> str | None:
+    """The warning for stderr when too many steps lie outside the profiled range, else None."""
+    if not outside.warns:
+        return None
+    return (
+        f"warning: {100 * outside.fraction:.1f} % of {outside.policy}'s decode steps lie outside the range {profile.label} "
+        f"measured ({profiled_range_text(profile)}): the replay extrapolates their latencies, so its QoS and gains describe the "
+        f"profile's extrapolation, not the device; profile a grid that covers the trace: "
+        f"harvest profile --grid-from-trace {trace_label} ..."
+    )
+
+
 def setup_lines(profile: ReplayProfile, trainer: TrainerModel, settings: ReplaySettings) -> list[str]:
     """The report's lines on the profile, the decode instance and the trainer model."""
     limits = settings.limits
@@ -56,6 +84,7 @@ def setup_lines(profile: ReplayProfile, trainer: TrainerModel, settings: ReplayS
     return [
         f"profile: {profile.label}: {profile.description}" + ("  [SYNTHETIC, not measured]" if profile.synthetic else ""),
         f"  ladder: {profile.ladder.describe()}; stage 2: " + ("present" if profile.has_stage2 else f"MISSING ({profile.stage2_missing})"),
+        f"  profiled range: {profiled_range_text(profile)}",
         f"decode instance: {tp}max batch {limits.max_batch_size}, KV capacity {limits.kv_capacity_tokens} tokens "
         f"({kv_gib:.1f} GiB at {settings.kv_bytes_per_token} B/token); TPOT target {settings.target_tpot_ms:g} ms",
         *(
@@ -80,9 +109,10 @@ def text(
     plots: Sequence[str] = (),
 ) -> str:
     first = comparisons[0]
+    outside = outside_of(comparisons)
     lines = [
         f"harvest replay: {first.num_requests} requests from {trace_label} ({window.describe()}); "
-        f"{first.horizon_s:.1f} s simulated; seed {first.seed}",
+        f"{first.horizon_s:.1f} s simulated; seed {first.seed}; {outside_summary(outside)}",
         *setup_lines(profile, trainer, settings),
         "",
         f"{'policy':<12}{'GPUs':>5}{'finetune/GPU':>14}{'vs separate':>13}{'vs static':>11}"
@@ -112,7 +142,7 @@ def text(
             f"{name}: {result.level}; {m['decode_steps']} steps, mean batch {m['batch_size_mean']:.1f} (max {m['batch_size_max']}), "
             f"busy {100 * m['busy_fraction']:.0f} %; KV held mean {m['kv_held_mean_gib']:.2f} GiB, peak {m['kv_held_peak_gib']:.2f} "
             f"of {m['kv_capacity_gib']:.2f} GiB; {m['requests_finished']} requests finished, {m['requests_dropped']} dropped "
-            f"(larger than the KV capacity); steps outside the profiled range: {100 * m['extrapolated_step_fraction']:.0f} %"
+            f"(larger than the KV capacity); steps outside the profiled range: {100 * m['steps_outside_profile_fraction']:.1f} %"
         )
         scheduler = result.extra.get("scheduler")
         if scheduler:
@@ -155,6 +185,7 @@ def setup_dict(
             "synthetic": profile.synthetic,
             "device_kind": profile.device_kind,
             "ladder": profile.ladder.to_dict(),
+            "profiled_range": profile.profiled_range.to_dict(),
             "stage2_missing": profile.stage2_missing,
             "corun_trainer_units": [
                 {"level": r.level, "points": r.num_points, "units": r.trainer_units, "units_per_s": r.units_per_s}
@@ -176,6 +207,20 @@ def setup_dict(
     }
 
 
+def outside_of(comparisons: Sequence[Comparison]) -> OutsideProfile:
+    """The steps outside the profiled range over every seed's replay."""
+    return steps_outside_profile(c.results for c in comparisons)
+
+
+def outside_dict(outside: OutsideProfile) -> dict[str, Any]:
+    """The JSON form's keys on the steps outside the profiled range."""
+    return {
+        "steps_outside_profile_fraction": outside.fraction,
+        "steps_outside_profile_policy": outside.policy,
+        "steps_outside_profile_warning": outside.warns,
+    }
+
+
 def as_dict(
     comparisons: Sequence[Comparison],
     profile: ReplayProfile,
@@ -192,6 +237,7 @@ def as_dict(
     return jsonable(
         {
             **setup_dict(profile, trainer, settings, window, trace_label),
+            **outside_dict(outside_of(comparisons)),
             "headline": headline(comparisons[0]),
             "across_seeds": summary,
             "runs": [c.to_dict() for c in comparisons],

@@ -25,13 +25,17 @@ Definitions:
   finetune figures are then those of N = 1 with the profile's latencies; per instance, N
   times them.
 - ``gain_vs[b] = per-GPU throughput / baseline b's per-GPU throughput − 1``.
+- ``steps_outside_profile_fraction``: the fraction of the policy's decode steps whose
+  batch size or Σctx lies outside the profile's ``profiled_range`` (what `harvest profile`
+  measured): their latencies are extrapolated. Over OUTSIDE_PROFILE_WARN_FRACTION for any
+  policy, the replay warns and its report says so on its first line.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 import numpy as np
 
@@ -40,6 +44,32 @@ from harvest.replay.profile_source import ReplayProfile
 from harvest.replay.simulator import DecodeRun
 
 BASELINES = (SEPARATE, STATIC)
+# Over this fraction of a policy's steps outside the profile's measured range, the replay
+# warns: those steps' latencies are the profile's extrapolations, not measurements.
+OUTSIDE_PROFILE_WARN_FRACTION = 0.05
+
+
+@dataclasses.dataclass(frozen=True)
+class OutsideProfile:
+    """The largest fraction of a policy's decode steps outside the profiled range (over
+    the policies that ran, every seed and router), and whose."""
+
+    fraction: float
+    policy: str | None
+
+    @property
+    def warns(self) -> bool:
+        return self.fraction > OUTSIDE_PROFILE_WARN_FRACTION
+
+
+def steps_outside_profile(results_per_run: Iterable[Mapping[str, Any]]) -> OutsideProfile:
+    """From PolicyResults (or a fleet's FleetPolicyResults), one mapping per replay."""
+    worst = OutsideProfile(0.0, None)
+    for results in results_per_run:
+        for name, result in results.items():
+            if result.refused is None and (worst.policy is None or result.metrics["steps_outside_profile_fraction"] > worst.fraction):
+                worst = OutsideProfile(result.metrics["steps_outside_profile_fraction"], name)
+    return worst
 
 
 def weighted_percentile(values: np.ndarray, weights: np.ndarray, q: float) -> float:
@@ -143,7 +173,7 @@ def summarise(
         "kv_held_mean_gib": held_time / horizon_s * kv_bytes_per_token / 2**30 if horizon_s > 0 else 0.0,
         "kv_held_peak_gib": (int(run.step_sum_context.max()) if run.num_steps else 0) * kv_bytes_per_token / 2**30,
         "steps_by_level": {str(int(lv)): int(c) for lv, c in zip(levels, counts)},
-        "extrapolated_step_fraction": float(1.0 - inside.mean()) if run.num_steps else 0.0,
+        "steps_outside_profile_fraction": float(1.0 - inside.mean()) if run.num_steps else 0.0,
         "trainer_idle_share": policy.idle_share,
         "end_s": run.end_s,
     }

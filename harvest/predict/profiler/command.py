@@ -19,6 +19,14 @@ from harvest.train.trainer_cpu import TrainerConfig
 HELP = "measure decode latencies per SM level (alone and beside the trainer) and fit the latency predictor"
 
 TINY_MODELS = ("tiny-llama", "tiny-qwen2")
+DEFAULT_BATCH_SIZES = (4, 16, 64)
+DEFAULT_CONTEXT_LENGTHS = (64, 128, 256, 512)
+DEFAULT_MAX_BATCH_SIZE = 256  # harvest replay's decode instance (harvest.predict.profiler.trace_grid)
+DEFAULT_KV_CAPACITY_TOKENS = 160_000
+
+
+def _join(values) -> str:
+    return ",".join(str(v) for v in values)
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -41,8 +49,12 @@ def add_arguments(parser) -> None:
     parser.add_argument("--device", default="auto", help="cpu, cuda or cuda:N (auto: cuda when available)")
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto", help="auto: float32 on CPU, bfloat16 on GPU")
     parser.add_argument("--random-weights", action="store_true", help="build the model from config.json with random weights (latency does not depend on them)")
-    parser.add_argument("--batch-sizes", type=_int_list, default=(4, 16, 64), help="decode batch sizes (default 4,16,64)")
-    parser.add_argument("--context-lengths", type=_int_list, default=(64, 128, 256, 512), help="tokens per request (default 64,128,256,512)")
+    parser.add_argument("--batch-sizes", type=_int_list, default=None, help=f"decode batch sizes (default {_join(DEFAULT_BATCH_SIZES)}, or chosen by --grid-from-trace)")
+    parser.add_argument("--context-lengths", type=_int_list, default=None, help=f"tokens per request (default {_join(DEFAULT_CONTEXT_LENGTHS)}, or chosen by --grid-from-trace)")
+    parser.add_argument("--grid-from-trace", type=Path, default=None, metavar="TRACE", help="choose the grid from the decode steps this Azure-format trace produces on one decode instance, as `harvest replay` simulates it (its recorded rate, every policy): batch sizes at the steps' quantiles 0, 1/3, 2/3, 1; context lengths from the smallest and largest step's Σctx and the steps' median tokens per request (at most 12 points); prints the grid and why. --batch-sizes or --context-lengths given with it are kept and the other axis chosen around them; --max-batch-size and --kv-capacity-tokens are the simulated instance's, so no point exceeds them")
+    parser.add_argument("--grid-profile", default=None, metavar="PROFILE", help="with --grid-from-trace: the latency profile (JSON, or synthetic-a100) that times the trace's steps (default: the one `harvest replay` picks, else synthetic-a100)")
+    parser.add_argument("--max-batch-size", type=int, default=None, help=f"the decode instance's most requests per batch, as `harvest replay --max-batch-size` (with --grid-from-trace default {DEFAULT_MAX_BATCH_SIZE}); a grid with a larger batch size is refused")
+    parser.add_argument("--kv-capacity-tokens", type=int, default=None, help=f"the decode instance's KV cache in tokens, as `harvest replay --kv-capacity-tokens` (with --grid-from-trace default {DEFAULT_KV_CAPACITY_TOKENS}); a grid whose largest point (largest batch size x largest context length) holds more is refused")
     parser.add_argument("--warmup", type=int, default=3, help="untimed decode steps per grid point (default 3)")
     parser.add_argument("--repeats", type=int, default=10, help="timed decode steps per grid point (default 10)")
     parser.add_argument("--trim", type=float, default=0.2, help="fraction of slowest and of fastest steps dropped per grid point (default 0.2)")
@@ -77,8 +89,13 @@ def run(args) -> int:
         measure = MeasureConfig(args.warmup, args.repeats, args.trim)
     except ValueError as exc:
         return _fail(str(exc))
-    if len(args.batch_sizes) < 2 or len(args.context_lengths) < 2:
+    if any(given is not None and len(given) < 2 for given in (args.batch_sizes, args.context_lengths)):
         return _fail("stage 1 has three coefficients per level: give at least 2 --batch-sizes and 2 --context-lengths")
+    for flag, value in (("--max-batch-size", args.max_batch_size), ("--kv-capacity-tokens", args.kv_capacity_tokens)):
+        if value is not None and value < 1:
+            return _fail(f"{flag}={value}: must be an integer >= 1")
+    if args.grid_profile is not None and args.grid_from_trace is None:
+        return _fail(f"--grid-profile {args.grid_profile}: times the steps of --grid-from-trace; give --grid-from-trace TRACE with it")
     if args.switch_interval_ms is not None and args.switch_interval_ms <= 0:
         return _fail(f"--switch-interval-ms={args.switch_interval_ms}: must be > 0")
     if not (math.isfinite(args.trainer_alone_s) and args.trainer_alone_s > 0):
@@ -102,7 +119,16 @@ def run(args) -> int:
     model_path = _resolve_model(args.model_path)
     if not (Path(model_path) / "config.json").is_file():
         return _fail(f"--model-path {args.model_path}: no config.json there")
-    problem = _check_before_loading(args)
+    if args.grid_from_trace is not None:
+        from harvest.predict.profiler.trace_grid import TraceGridError
+
+        try:
+            what = _grid_from_trace(args, measure)
+        except TraceGridError as exc:
+            return _fail(str(exc))
+    else:
+        what = _grid_source(args)
+    problem = _check_before_loading(args) or _grid_problem(args, model_path, measure, engine, what)
     if problem is not None:
         return _fail(problem)
 
@@ -110,6 +136,57 @@ def run(args) -> int:
         return session.profile(args, model_path, measure)
     except session.ProfilingFailed as exc:
         return _fail(str(exc), 1)
+
+
+def _grid_source(args) -> str:
+    """Fill the grid axes not given with the defaults; return how a problem with the grid
+    names it (the flags and their values)."""
+    named = []
+    for flag, attr, default in (("--batch-sizes", "batch_sizes", DEFAULT_BATCH_SIZES),
+                                ("--context-lengths", "context_lengths", DEFAULT_CONTEXT_LENGTHS)):
+        given = getattr(args, attr)
+        setattr(args, attr, given or default)
+        named.append(f"{flag} {_join(given or default)}" + ("" if given else " (default)"))
+    return " x ".join(named)
+
+
+def _grid_from_trace(args, measure) -> str:
+    """Fill ``args``' missing grid axes from the trace's steps (TraceGridError naming the
+    file or flag); print the grid and why; return how a problem names it."""
+    from harvest.predict.profiler.trace_grid import choose_grid, trace_steps
+
+    # the simulated instance's limits, then the bounds every axis is checked against (a given one too)
+    args.max_batch_size = max_batch = args.max_batch_size or DEFAULT_MAX_BATCH_SIZE
+    args.kv_capacity_tokens = kv_capacity = args.kv_capacity_tokens or DEFAULT_KV_CAPACITY_TOKENS
+    steps = trace_steps(args.grid_from_trace, args.grid_profile, max_batch, kv_capacity)
+    choice = choose_grid(steps, measure.warmup_steps + measure.timed_steps + 1, args.batch_sizes, args.context_lengths, kv_capacity)
+    args.batch_sizes, args.context_lengths = choice.batch_sizes, choice.context_lengths
+    lines = choice.lines(steps)
+    print(f"harvest profile: {lines[0]}")
+    print("\n".join(lines[1:]))
+    return (f"the grid from --grid-from-trace {args.grid_from_trace} (batch sizes {_join(choice.batch_sizes)} x context "
+            f"lengths {_join(choice.context_lengths)}; bound it with --max-batch-size/--kv-capacity-tokens)")
+
+
+def _grid_problem(args, model_path: str, measure, engine: str, what: str) -> str | None:
+    """The grid's largest point against --max-batch-size/--kv-capacity-tokens, the model's
+    positions and the device's free memory; None when it fits. Loads nothing."""
+    from harvest.predict.profiler import grid_capacity
+    from harvest.predict.profiler.session import _device, resolve_dtype
+
+    problem = grid_capacity.bounds_problem(args.batch_sizes, args.context_lengths, args.max_batch_size, args.kv_capacity_tokens, what)
+    if problem is not None:
+        return problem
+    config = grid_capacity.read_config(model_path)
+    steps = measure.warmup_steps + measure.timed_steps + 1
+    problem = grid_capacity.positions_problem(config, args.context_lengths, steps, what)
+    if problem is not None:
+        return problem
+    device = _device(args.device)  # checked by _check_before_loading
+    return grid_capacity.memory_problem(
+        config, resolve_dtype(args.dtype, device), engine, args.tp, args.batch_sizes, args.context_lengths, steps, device,
+        grid_capacity.device_free_bytes(device), what,
+    )
 
 
 def _check_before_loading(args) -> str | None:

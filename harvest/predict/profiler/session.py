@@ -47,6 +47,13 @@ def _device(requested: str) -> str:
     return requested
 
 
+def resolve_dtype(requested: str, device: str) -> str:
+    """The dtype ``--dtype`` names (auto: float32 on a CPU, bfloat16 on a GPU)."""
+    if requested != "auto":
+        return requested
+    return "float32" if device == "cpu" else "bfloat16"
+
+
 def levels_note(requested: int | None, ladder) -> str | None:
     """Why ``ladder`` does not have the ``--levels`` asked for; None when it does or none
     were asked for. The run goes on: a device without SM partitioning still profiles."""
@@ -132,7 +139,7 @@ def profile(args, model_path: str, measure: MeasureConfig) -> int:
     from tqdm import tqdm
 
     device = _device(args.device)
-    dtype = args.dtype if args.dtype != "auto" else ("float32" if device == "cpu" else "bfloat16")
+    dtype = resolve_dtype(args.dtype, device)
     engine_name = resolve_engine(args.engine)
     try:
         graphs = decode_graphs(getattr(args, "graphs", "auto"), engine_name, device)
