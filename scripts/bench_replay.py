@@ -16,6 +16,16 @@ through every policy, and the finetune gains and QoS the replay predicts.
 - ``steps_outside_profile_fraction``: the largest fraction of one policy's decode steps
   outside the profile's measured range (``steps_outside_profile_policy``: whose), where the
   replay extrapolates the profile; `harvest replay` warns over 5 %.
+- The KV pool is modelled (harvest/replay/kv_memory.py: harvest's lending by the server's
+  code, the profile's lend/reclaim figures or the 7 ms default): ``urgent_reclaims``, how
+  often harvest's decode waited for lent memory, ``reclaim_delay_ms_p99`` the delay one
+  such wait added (p99 over them; 0 with none), ``memory`` each lending policy's summary
+  (series left out); ``realtime_factor`` = ``simulated_s`` / ``replay_wall_s``.
+- ``servers_auto``: what `harvest replay --servers auto` picks for the trace (the smallest
+  fleet whose harvest servers hold the target, both routers), ``servers_auto_probes`` the
+  fleets it replayed, ``servers_auto_policies`` every policy on that fleet (round-robin):
+  per-GPU finetune throughput, the fleet's violation rate, urgent reclaims;
+  ``servers_auto_wall_s`` the search's wall time.
 - ``robustness_synthetic_a100``: harvest's violations and gains when the true co-located
   latency is 10 % over the prediction plus 5 % noise, with the scheduler's feedback
   margin and with the margin fixed (synthetic A100 profile); ``beyond_margin``: 2.5x
@@ -115,8 +125,9 @@ def main() -> int:
     parser.add_argument("--json", action="store_true", help="print only the JSON line")
     args = parser.parse_args()
 
-    from harvest.replay import comparison, synthetic, profile_source
+    from harvest.replay import comparison, fleet, fleet_size, kv_memory, synthetic, profile_source, trainer_model
     from harvest.replay.command import SYNTHETIC_A100
+    from harvest.replay.router import ALL_ROUTERS
     from harvest.replay.report import headline, outside_of
     from harvest.replay.simulator import DecodeLimits
     from harvest.replay.trace import SAMPLE_TRACE, read_trace
@@ -124,7 +135,10 @@ def main() -> int:
     trace = args.trace or SAMPLE_TRACE
     requests = read_trace(trace)
     profile = _choose_profile(args.profile)
-    settings = comparison.ReplaySettings(limits=DecodeLimits(256, 160_000), target_tpot_ms=args.target_tpot_ms)
+    memory, memory_warning = kv_memory.resolve(profile)
+    if memory_warning is not None and not args.json:
+        print(f"bench_replay: {memory_warning}", file=sys.stderr)
+    settings = comparison.ReplaySettings(limits=DecodeLimits(256, 160_000), target_tpot_ms=args.target_tpot_ms, memory=memory)
     result, wall, policy_wall = _replay(requests, profile, settings, max(1, args.repeats))
     numbers = headline(result)
     harvest = result.results["harvest"]
@@ -153,7 +167,29 @@ def main() -> int:
         "trainer_rates": "measured (profile trainer section)" if profile.trainer_alone is not None else "SM-share model (no trainer section)",
         "tpot_p99_ms": {n: (None if r.refused else r.metrics["tpot_p99_ms"]) for n, r in result.results.items()},
         "repeats": max(1, args.repeats),
+        "realtime_factor": result.horizon_s / wall if wall > 0 else None,
+        "urgent_reclaims": None if harvest.refused else harvest.memory.metrics["urgent_reclaims"],
+        "reclaim_delay_ms_p99": None if harvest.refused else harvest.memory.metrics["reclaim_delay_ms_p99"],
+        "memory": {n: r.memory.metrics for n, r in result.results.items() if r.refused is None and r.memory is not None},
+        "memory_figures": memory.source,
     }
+    start = time.perf_counter()
+    trainer = trainer_model.build(profile)
+    sized = fleet_size.size(requests, profile, trainer, settings, ALL_ROUTERS)
+    out["servers_auto"] = sized.num_servers
+    out["servers_auto_wall_s"] = time.perf_counter() - start
+    out["servers_auto_probes"] = [p.to_dict() for p in sorted(sized.probes, key=lambda p: p.num_servers)]
+    if sized.num_servers is not None:
+        on_fleet = fleet.run(requests, profile, trainer, settings, fleet.FleetSettings(sized.num_servers, ALL_ROUTERS))
+        out["servers_auto_policies"] = {
+            name: None if r.refused else {
+                "finetune_per_gpu": r.metrics["finetune_per_gpu"],
+                "violation_rate": r.metrics["violation_rate"],
+                "servers_violating": r.metrics["servers_violating"],
+                "urgent_reclaims": None if r.memory is None else r.memory["urgent_reclaims"],
+            }
+            for name, r in on_fleet.routers[ALL_ROUTERS[0]].results.items()
+        }
     if not profile.synthetic:
         reference = profile_source.from_profile(synthetic.harli_a100_llama3_8b(), SYNTHETIC_A100)
         ref_result, _, _ = _replay(requests, reference, settings, 1)
@@ -174,6 +210,8 @@ def main() -> int:
         print(f"bench_replay: {len(requests)} requests from {trace}; profile {profile.label}: {note}", file=sys.stderr)
         print(f"  replay of all policies: {wall:.2f} s (median of {out['repeats']}); per policy {policy_wall}", file=sys.stderr)
         print(f"  steps outside the profiled range: {100 * outside.fraction:.1f} % ({outside.policy}'s)", file=sys.stderr)
+        print(f"  harvest's urgent reclaims: {out['urgent_reclaims']} (p99 {out['reclaim_delay_ms_p99']} ms); servers auto: "
+              f"{out['servers_auto']}", file=sys.stderr)
     print(json.dumps(out))
     return 0
 

@@ -19,6 +19,10 @@ version-1 files still load, with ``trainer`` None, and save back as version 1.
 Version 3 added ``provenance.tp_size`` (the tensor-parallel degree of the measured decode
 instance: a step's latency depends on it); version-1 and -2 files, all measured on one
 rank, load with ``tp_size`` 1 and save back without it.
+The optional ``memory`` section (the KV chunk's lend and reclaim times, read by `harvest
+replay`) may be absent in a file of any version: absent, it loads as None, and None is
+written back as absent, so a file without it reads and writes as before (a reader that
+predates it refuses a file that has one: an unknown field, not a misreading).
 """
 
 from __future__ import annotations
@@ -211,6 +215,27 @@ class TrainerSection:
 
 
 @dataclasses.dataclass(frozen=True)
+class MemorySection:
+    """What moving one KV chunk between decode and the trainer costs on the device: the
+    driver time of one lend (``lend_ms_per_chunk``) and one reclaim
+    (``reclaim_ms_per_chunk``) of a chunk of ``chunk_bytes`` (`scripts/bench_vmm.py
+    --backend cuda`: 5-7 ms per 128 MiB chunk on an H100). `harvest replay` charges
+    reclaims this time."""
+
+    chunk_bytes: int
+    lend_ms_per_chunk: float
+    reclaim_ms_per_chunk: float
+
+    def __post_init__(self) -> None:
+        if self.chunk_bytes < 1:
+            raise ValueError(f"profile.memory.chunk_bytes={self.chunk_bytes!r}: must be >= 1 (the bytes of the KV chunk timed)")
+        for name in ("lend_ms_per_chunk", "reclaim_ms_per_chunk"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"profile.memory.{name}={value!r}: must be a finite number of ms >= 0 (driver time per chunk)")
+
+
+@dataclasses.dataclass(frozen=True)
 class Stage1Fit:
     b0: float
     c0: float
@@ -246,6 +271,7 @@ class Profile:
     stage1: tuple[Stage1Fit, ...]
     stage2: Stage2
     trainer: TrainerSection | None = None  # schema version >= 2, when `harvest profile` measured it
+    memory: MemorySection | None = None  # optional in every version (module doc); None: not measured
 
     def __post_init__(self) -> None:
         _check_consistency(self)
@@ -326,6 +352,7 @@ class Stage1Profile:
     samples: tuple[GridPointRecord, ...]
     stage1: tuple[Stage1Fit, ...]
     trainer: TrainerSection | None = None
+    memory: MemorySection | None = None
 
     def __post_init__(self) -> None:
         _check_all_but_stage2(self)
@@ -386,6 +413,8 @@ def _as_written_in_version(data: dict, version: int) -> dict:
         del data["trainer"]
     if version < FIRST_VERSION_WITH_TP_SIZE:
         data["provenance"] = {k: v for k, v in data["provenance"].items() if k != "tp_size"}
+    if data.get("memory", 0) is None:
+        del data["memory"]  # optional: absent when not measured (module doc)
     return data
 
 
@@ -415,6 +444,8 @@ def _readable(data) -> dict:
                 f"(a version-{FIRST_VERSION_WITH_TP_SIZE} profile with the wrong version?)"
             )
         data = {**data, "provenance": {**provenance, "tp_size": 1}}  # measured on one rank: --tp came later
+    if "memory" not in data:
+        data = {**data, "memory": None}  # optional in every version (module doc)
     return data
 
 

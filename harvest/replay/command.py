@@ -1,6 +1,8 @@
 """`harvest replay`: replay a request trace through one simulated decode instance under
 harvest's scheduler and the Harli baselines, from a latency profile (capacity planning);
-with ``--servers N``, through a fleet of N instances behind a router (:mod:`fleet`).
+with ``--servers N``, through a fleet of N instances behind a router (:mod:`fleet`); with
+``--servers auto``, through the smallest fleet that holds the target (:mod:`fleet_size`).
+The KV pool is modelled: harvest's lending, StaticMode's fixed share (:mod:`kv_memory`).
 
 Cheap to import (the CLI imports every command to build its parser): numpy, matplotlib
 and the simulator load inside :func:`run`.
@@ -9,6 +11,7 @@ and the simulator load inside :func:`run`.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -43,6 +46,15 @@ def _key_value(text: str) -> tuple[str, object]:
     return key.strip(), parsed
 
 
+def _servers(text: str):
+    if text.strip() == "auto":
+        return "auto"
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a number of servers or auto") from None
+
+
 def add_arguments(parser) -> None:
     from harvest.replay.trace import TRACE_HELP  # standard library only: cheap
 
@@ -67,8 +79,15 @@ def add_arguments(parser) -> None:
     d.add_argument("--trainer-tokens-per-s", type=float, default=None, help="the finetune job's throughput alone on a whole GPU in tokens/s (default: the profile's measured trainer section, if it has one; else results are in whole-GPU trainer equivalents)")
     d.add_argument("--error-scale", type=float, default=1.0, help="true co-located latency = predicted x this (stage-2 error the scheduler does not know; default 1)")
     d.add_argument("--error-noise", type=float, default=0.0, help="relative std. dev. of per-step noise on every true latency (default 0)")
+    m = parser.add_argument_group("KV memory (harvest's lending, StaticMode's fixed share)")
+    m.add_argument("--memory", type=_key_value, action="append", default=[], metavar="KEY=VALUE", help="a harvest.yaml memory setting for harvest's KV lending, repeatable: reserve_tokens (auto or tokens), reserve_percentile, reserve_window_s, reserve_lower_after_s, reclaim_ms_per_chunk (default: the profile's memory section, else 7 ms per 128 MiB chunk, with a warning), hysteresis_chunks, max_lend_fraction, lend_interval_s (default: harvest.yaml's defaults; its other memory keys have no effect here)")
+    m.add_argument("--kv-chunk-tokens", type=int, default=None, help="KV slots per chunk lent and reclaimed as a unit (default 1024: Llama-3-8B's 128 MiB chunk)")
+    m.add_argument("--trainer-stage-mib", type=float, default=None, help="bytes of one trainer stage in MiB, for the window (stages resident in the lent memory; default 416: a Llama-3-8B decoder layer in bf16)")
+    m.add_argument("--trainer-stages", type=int, default=None, help="the trainer's stages, the most its window holds (default 34: Llama-3-8B's embedding, 32 layers, norm and head)")
     f = parser.add_argument_group("fleet")
-    f.add_argument("--servers", type=int, default=None, help="decode servers behind a router, each replayed as the instance above; they share the trace's requests, so each gets 1/N of its rate: add --rate-scale N --rate-scale-sizes resample for a fleet sized to N times the trace (default 1: the single-instance report)")
+    f.add_argument("--servers", type=_servers, default=None, help="decode servers behind a router, each replayed as the instance above; they share the trace's requests, so each gets 1/N of its rate: add --rate-scale N --rate-scale-sizes resample for a fleet sized to N times the trace (default 1: the single-instance report); auto: the smallest fleet that holds the target (harvest's servers within --target-tpot-ms at p99 and --max-queue-delay-s), and every policy on it")
+    f.add_argument("--max-servers", type=int, default=None, help="with --servers auto: the largest fleet tried (default 64)")
+    f.add_argument("--max-queue-delay-s", type=float, default=None, help="with --servers auto: a server holds the target only if its queue delay p99 is at most this (default 1 s)")
     f.add_argument("--router", type=_csv, default=None, help="with --servers > 1: comma-separated subset of round-robin,least-loaded (default: both)")
     o = parser.add_argument_group("output")
     o.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR, help=f"where the PNG plots and replay.json go (default ./{DEFAULT_OUT_DIR})")
@@ -113,11 +132,12 @@ def resolve_profile(spec: str | None):
 
 def run(args) -> int:
     from harvest.predict.schema import ProfileError
-    from harvest.replay import comparison, fleet, fleet_report, plots, report, router, trainer_model, workload
+    from harvest.replay import comparison, fleet, fleet_report, fleet_size, kv_memory, plots, report, router, trainer_model, workload
     from harvest.replay.simulator import DecodeLimits
     from harvest.replay.trace import SAMPLE_TRACE, TraceError, read_trace
 
     trace_path = args.trace or SAMPLE_TRACE
+    auto = args.servers == "auto"
     try:
         window = workload.TraceWindow(
             args.start_s, args.duration_s, args.max_requests, args.time_scale, args.rate_scale, args.rate_scale_sizes == "resample"
@@ -134,31 +154,51 @@ def run(args) -> int:
             **({} if args.kv_bytes_per_token is None else {"kv_bytes_per_token": args.kv_bytes_per_token}),
         )
         settings.check()
-        fleet_settings = fleet.FleetSettings(1 if args.servers is None else args.servers,
+        fleet_settings = fleet.FleetSettings(1 if args.servers is None or auto else args.servers,
                                              router.ALL_ROUTERS if args.router is None else args.router)
         fleet_settings.check()
         if args.router is not None and args.servers is None:
             # Said, not ignored; `--servers 1 --router R` is a fleet of one (the single report).
             raise ValueError(f"--router {','.join(args.router)!r}: routes requests between servers; give --servers N "
                              "with it")
-        one_instance = fleet_settings.num_servers == 1
+        auto_settings = fleet_size.AutoSettings(
+            fleet_size.DEFAULT_MAX_SERVERS if args.max_servers is None else args.max_servers,
+            fleet_size.DEFAULT_MAX_QUEUE_DELAY_S if args.max_queue_delay_s is None else args.max_queue_delay_s,
+        )
+        for flag, value in (("--max-servers", args.max_servers), ("--max-queue-delay-s", args.max_queue_delay_s)):
+            if value is not None and not auto:
+                raise ValueError(f"{flag} {value:g}: sizes a fleet; give --servers auto with it")
+        auto_settings.check()
+        one_instance = fleet_settings.num_servers == 1 and not auto
         if not args.no_plots:
             check_out_dir(args.out_dir)
         profile = resolve_profile(args.profile)
         comparison.check_tp(profile, settings.tp_size)
         trainer = trainer_model.build(profile, args.trainer_tokens_per_s)
-    except (ValueError, FileNotFoundError) as exc:  # ProfileError is a ValueError
+        memory, memory_warning = kv_memory.resolve(profile, dict(args.memory), args.kv_chunk_tokens, settings.kv_bytes_per_token,
+                                                   args.trainer_stage_mib, args.trainer_stages)
+        settings = dataclasses.replace(settings, memory=memory)
+    except (ValueError, FileNotFoundError) as exc:  # ProfileError and SettingError are ValueErrors
         return _fail(str(exc))
     try:
         requests = read_trace(trace_path)
-    except TraceError as exc:
+        check_request_sizes(workload.window_requests(requests, window), trace_path, limits)
+    except (TraceError, ValueError) as exc:
         return _fail(str(exc))
 
     random_inputs = window.is_random or settings.error_noise > 0
     seeds = args.seeds if random_inputs else args.seeds[:1]
     show_progress = sys.stderr.isatty() if args.progress is None else args.progress
     replays = []  # one Comparison (one instance) or FleetComparison per seed
+    sized = None
     try:
+        if auto:
+            sized = fleet_size.size(workload.prepare(requests, window, seeds[0]), profile, trainer, settings,
+                                    fleet_settings.routers, auto_settings, seeds[0])
+            if sized.num_servers is None:
+                print(f"harvest replay: {sized.describe()}; raise --max-servers or --target-tpot-ms", file=sys.stderr)
+                return 1
+            fleet_settings = fleet.FleetSettings(sized.num_servers, fleet_settings.routers)
         for seed in seeds:
             prepared = workload.prepare(requests, window, seed)
             if one_instance:
@@ -171,27 +211,45 @@ def run(args) -> int:
     written: list[str] = []
     trace_label = str(trace_path)
     output = report if one_instance else fleet_report
+    extra = {} if one_instance else {"auto": sized}
     try:
         if not args.no_plots and one_instance:
             written = plots.write_all(replays[0], profile, settings.target_tpot_ms, args.out_dir)
         elif not args.no_plots:
             written = plots.write_fleet(replays[0], trainer, settings.target_tpot_ms, args.out_dir)
-        data = output.as_dict(replays, profile, trainer, settings, window, trace_label, written)
+        data = output.as_dict(replays, profile, trainer, settings, window, trace_label, written, **extra)
         if not random_inputs and len(args.seeds) > 1:
             data["note"] = "seeds ignored: no rate scaling or noise, so every seed replays the same thing"
         if not args.no_plots:
             (args.out_dir / "replay.json").write_text(json.dumps(data, indent=1) + "\n")
     except OSError as exc:  # the disk filled, or --out-dir changed under the replay
         return _fail(f"--out-dir {args.out_dir}: cannot write {exc.filename or ''}: {exc.strerror or exc}")
+    if memory_warning is not None and comparison.HARVEST in settings.policies:  # only harvest reclaims
+        print(f"harvest replay: {memory_warning}", file=sys.stderr)
     warning = report.outside_warning(output.outside_of(replays), profile, trace_label)
     if warning is not None:
         print(f"harvest replay: {warning}", file=sys.stderr)
     if args.json:
         print(json.dumps(data))
     else:
-        print(output.text(replays, profile, trainer, settings, window, trace_label, written))
+        print(output.text(replays, profile, trainer, settings, window, trace_label, written, **extra))
         if "note" in data:
             print(data["note"])
     first = replays[0]
     results = first.results if one_instance else next(iter(first.routers.values())).results
     return 0 if any(r.refused is None for r in results.values()) else 1
+
+
+def check_request_sizes(requests, trace_path, limits) -> None:
+    """ValueError naming the trace file and line of the first request (of those replayed)
+    that needs more KV than the decode instance has: it could never be admitted."""
+    capacity = limits.kv_capacity_tokens
+    for request in requests:
+        size = request.context_tokens + request.generated_tokens
+        if size > capacity and request.generated_tokens > 1:  # one output token: prefill only, never decoded
+            raise ValueError(
+                f"{trace_path}:{request.line}: a request of {request.context_tokens} prompt + {request.generated_tokens} "
+                f"output tokens needs {size} tokens of KV, more than the decode instance's KV pool "
+                f"(--kv-capacity-tokens {capacity}): it could never run; raise --kv-capacity-tokens or leave it out of "
+                "the window (--start-s, --duration-s, --max-requests)"
+            )

@@ -13,8 +13,9 @@ import math
 import time
 from typing import Any, Mapping, Sequence
 
+from harvest.replay import kv_memory
 from harvest.replay import policies as policy_mod
-from harvest.replay.policies import ALL_POLICIES, DECODE_ONLY, SEPARATE, LatencyErrors, PolicyRefused
+from harvest.replay.policies import ALL_POLICIES, DECODE_ONLY, HARVEST, SEPARATE, STATIC, LatencyErrors, PolicyRefused
 from harvest.replay.profile_source import ReplayProfile
 from harvest.replay.results import PolicyResult, add_gains, summarise
 from harvest.replay.simulator import MAX_STEP_S, DecodeLimits, DecodeRun, simulate
@@ -36,6 +37,9 @@ class ReplaySettings:
     kv_bytes_per_token: int = LLAMA3_8B_KV_BYTES_PER_TOKEN
     policies: tuple[str, ...] = ALL_POLICIES
     tp_size: int | None = None  # the decode instance's tensor-parallel degree; None: the profile's
+    # The KV pool's lending (harvest) and StaticMode's fixed share, modelled and reported
+    # (harvest.replay.kv_memory); None: not modelled, decode never waits for memory.
+    memory: kv_memory.MemorySettings | None = None
 
     def scheduler_config(self) -> SchedulerConfig:
         """The harvest policy's scheduler configuration (validated; ValueError names the key)."""
@@ -56,6 +60,8 @@ class ReplaySettings:
             raise ValueError(f"--tp={tp!r}: must be an integer >= 1 (tensor-parallel ranks of the decode instance)")
         self.scheduler_config()
         LatencyErrors(self.error_scale, self.error_noise)
+        if self.memory is not None:
+            self.memory.check()
 
 
 def check_tp(profile: ReplayProfile, tp_size: int | None) -> None:
@@ -164,7 +170,7 @@ def simulate_policies(
             runs[name], wall[name] = runs[shared], 0.0
             continue
         start = time.perf_counter()
-        runs[name] = _simulate(requests, policy, settings.limits, show_progress)
+        runs[name] = _simulate(requests, policy, settings.limits, show_progress, lending_model(policy, settings))
         wall[name] = time.perf_counter() - start
     return Simulated(len(requests), built, runs, refused, wall)
 
@@ -177,7 +183,9 @@ def summarise_policies(
     wall = dict(simulated.wall_s)
     for name, policy in simulated.built.items():
         start = time.perf_counter()
-        results[name] = summarise(policy, simulated.runs[name], horizon_s, settings.target_tpot_ms, profile, settings.kv_bytes_per_token)
+        run = simulated.runs[name]
+        results[name] = summarise(policy, run, horizon_s, settings.target_tpot_ms, profile, settings.kv_bytes_per_token)
+        results[name].memory = memory_summary(policy, run, horizon_s, settings)
         wall[name] += time.perf_counter() - start
     ordered = {name: results[name] for name in settings.policies}
     add_gains(ordered)
@@ -199,9 +207,34 @@ def run(
     return summarise_policies(simulated, simulated.end_s, profile, settings, seed)
 
 
-def _simulate(requests, policy, limits: DecodeLimits, show_progress: bool) -> DecodeRun:
+def lending_model(policy: policy_mod.BasePolicy, settings: ReplaySettings) -> kv_memory.LendingModel | None:
+    """harvest's KV lending on its instance when the memory is modelled, else None."""
+    if settings.memory is None or policy.name != HARVEST:
+        return None
+    limits = settings.limits
+    capacity = max(1, int(limits.kv_capacity_tokens * policy.kv_fraction))  # as the simulator's
+    return kv_memory.LendingModel(capacity, settings.memory, settings.target_tpot_ms, limits.max_batch_size,
+                                  settings.kv_bytes_per_token)
+
+
+def memory_summary(policy: policy_mod.BasePolicy, run: DecodeRun, horizon_s: float, settings: ReplaySettings):
+    """The policy's KV memory over the horizon (harvest's lending, StaticMode's fixed
+    share), or None (not modelled; separate and decode-only lend nothing)."""
+    memory = settings.memory
+    if memory is None:
+        return None
+    if run.memory is not None:
+        lent = run.memory
+    elif policy.name == STATIC:
+        lent = kv_memory.static_run(settings.limits.kv_capacity_tokens, run.kv_capacity_tokens, memory)
+    else:
+        return None
+    return kv_memory.summarise(lent, horizon_s, memory, settings.kv_bytes_per_token, run.num_steps)
+
+
+def _simulate(requests, policy, limits: DecodeLimits, show_progress: bool, memory=None) -> DecodeRun:
     if not show_progress:
-        return simulate(requests, policy, limits)
+        return simulate(requests, policy, limits, memory=memory)
     from tqdm import tqdm
 
     with tqdm(total=len(requests), desc=f"replay {policy.name}", unit="req", dynamic_ncols=True, mininterval=0.5) as bar:
@@ -209,4 +242,4 @@ def _simulate(requests, policy, limits: DecodeLimits, show_progress: bool) -> De
         def progress(arrived: int) -> None:
             bar.update(arrived - bar.n)
 
-        return simulate(requests, policy, limits, progress)
+        return simulate(requests, policy, limits, progress, memory)

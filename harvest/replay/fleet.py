@@ -14,6 +14,9 @@ Accounting, :mod:`harvest.replay.results`' over the fleet:
   worst server's p99, the steps (and tokens) over the target as a fraction of all the
   fleet's, and the servers *violating*: those whose TPOT p99 is over the target.
 - Gains over the baselines on the fleet's per-GPU finetune throughput.
+- KV memory (when modelled): each server lends its own pool; the fleet's chunks lent and
+  reclaims are the sums, its window the mean per server, its urgent reclaims' delay
+  percentiles over every server's urgent reclaims.
 - Per-step noise (``--error-noise``) draws from one seed per server: server 0 uses the
   replay's seed, so a fleet of one is exactly the single-server replay; the others a seed
   derived from the replay's and the server's index.
@@ -30,7 +33,7 @@ from typing import Sequence
 
 import numpy as np
 
-from harvest.replay import comparison, router
+from harvest.replay import comparison, kv_memory, router
 from harvest.replay.comparison import Comparison, ReplaySettings, Simulated
 from harvest.replay.profile_source import ReplayProfile
 from harvest.replay.results import add_gains, jsonable
@@ -69,12 +72,15 @@ class FleetPolicyResult:
     metrics: dict = dataclasses.field(default_factory=dict)
     server_metrics: list[dict] = dataclasses.field(default_factory=list)
     gain_vs: dict[str, float | None] = dataclasses.field(default_factory=dict)
+    memory: dict | None = None  # kv_memory.fleet_summary when the KV pool is modelled and the policy holds some
 
     def to_dict(self) -> dict:
         out = {"name": self.name, "num_gpus": self.num_gpus, "refused": self.refused}
         if self.refused is None:
             per_server = {key: [m[key] for m in self.server_metrics] for key in PER_SERVER_KEYS}
             out.update(metrics=jsonable(self.metrics), gain_vs=jsonable(self.gain_vs), per_server=jsonable(per_server))
+            if self.memory is not None:
+                out["memory"] = jsonable(self.memory)
         return out
 
 
@@ -216,7 +222,9 @@ def fleet_result(name: str, servers: Sequence[Comparison], target_ms: float, tra
         "requests_dropped": sum(m["requests_dropped"] for m in metrics),
         "requests_prefill_only": sum(m["requests_prefill_only"] for m in metrics),
     }
-    return FleetPolicyResult(name, num_gpus, None, fleet_metrics, metrics)
+    memories = [r.memory for r in results]
+    memory = kv_memory.fleet_summary(memories) if all(m is not None for m in memories) else None
+    return FleetPolicyResult(name, num_gpus, None, fleet_metrics, metrics, memory=memory)
 
 
 def _progress(total: int, show: bool):

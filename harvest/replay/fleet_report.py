@@ -51,6 +51,19 @@ def _router_lines(routed: RoutedFleet, trainer: TrainerModel) -> list[str]:
             + f"{fmt(m['tpot_p99_worst_ms'], '.1f'):>14}{fmt(m['tpot_p99_median_ms'], '.1f'):>8}"
             f"{fmt(m['step_violation_rate'], '.2f', 100):>14}{m['servers_violating']:>14}"
         )
+    for name, result in routed.results.items():
+        memory = result.memory if result.refused is None else None
+        if memory is None:
+            continue
+        if memory["kind"] == "static":
+            lines.append(f"  {name} memory: {memory['chunks_lent_mean']:.0f} chunks the trainers' throughout, window "
+                         f"{memory['window_stages_mean_per_server']:.0f} stages per server; no reclaim")
+            continue
+        lines.append(
+            f"  {name} memory: {memory['urgent_reclaims']} urgent reclaim(s) (decode waited {memory['reclaim_delay_ms_p99']:.1f} ms "
+            f"p99, {memory['reclaim_delay_s_total']:.3g} s in all), {memory['chunks_lent_mean']:.1f} chunks lent on average over "
+            f"the fleet, window {memory['window_stages_mean_per_server']:.1f} stages per server"
+        )
     return lines
 
 
@@ -62,12 +75,15 @@ def text(
     window: TraceWindow,
     trace_label: str,
     plots: Sequence[str] = (),
+    auto=None,
 ) -> str:
+    """``auto``: the fleet_size.AutoSize that chose the servers (``--servers auto``)."""
     first = fleets[0]
     lines = [
         f"harvest replay: a fleet of {first.num_servers} decode servers, {first.num_requests} requests from {trace_label} "
         f"({window.describe()}); {first.horizon_s:.1f} s simulated; seed {first.seed}; {outside_summary(outside_of(fleets))}",
         f"  {load_note(first.num_servers, window)}",
+        *([f"  {auto.describe()}"] if auto is not None else []),
         *setup_lines(profile, trainer, settings),
         f"router: least-loaded estimates each server's decode load, what its running requests add to a step "
         f"({1e3 * first.load_model.per_request_s:.3g} ms each + {1e6 * first.load_model.per_token_s:.3g} us per token held), "
@@ -119,9 +135,10 @@ def as_dict(
     window: TraceWindow,
     trace_label: str,
     plots: Sequence[str] = (),
+    auto=None,
 ) -> dict[str, Any]:
     first = fleets[0]
-    return jsonable(
+    data = jsonable(
         {
             **setup_dict(profile, trainer, settings, window, trace_label),
             **outside_dict(outside_of(fleets)),
@@ -134,3 +151,6 @@ def as_dict(
             "plots": list(plots),
         }
     )
+    if auto is not None:
+        data["fleet"]["auto"] = jsonable(auto.to_dict())
+    return data

@@ -20,6 +20,7 @@ from harvest.ladder import Ladder
 from harvest.predict.model import CoRunCoefficients, LatencyPredictor, ProfiledRange, SoloCoefficients
 from harvest.predict.schema import (
     GridPointRecord,
+    MemorySection,
     Profile,
     ProfileError,
     Provenance,
@@ -79,6 +80,7 @@ class ReplayProfile:
     trainer_records: tuple[LevelTrainerRecord, ...]
     trainer_alone: TrainerSection | None = None  # the profile's trainer section (schema 2), if measured
     tp_size: int = 1  # tensor-parallel ranks of the measured decode instance (provenance.tp_size)
+    memory: MemorySection | None = None  # the KV chunk's lend and reclaim times, if the profile has them
 
     @property
     def has_stage2(self) -> bool:
@@ -102,7 +104,7 @@ def _measured(profile: Profile | Stage1Profile, label: str) -> dict:
     return dict(label=label, description=_describe(prov), synthetic=_is_synthetic(prov), device_kind=prov.device_kind,
                 ladder=profile.ladder, buckets=profile.buckets, profiled_range=profile.profiled_range,
                 solo=tuple(SoloCoefficients(f.b0, f.c0, f.k0) for f in profile.stage1),
-                finetune_description=prov.finetune.description, tp_size=prov.tp_size)
+                finetune_description=prov.finetune.description, tp_size=prov.tp_size, memory=profile.memory)
 
 
 def committed_profiles(directory: Path) -> list[ReplayProfile]:

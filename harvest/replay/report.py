@@ -96,7 +96,40 @@ def setup_lines(profile: ReplayProfile, trainer: TrainerModel, settings: ReplayS
         f"  solo rate: {trainer.rate_source}",
         f"  profile: {trainer.profile_note}",
         f"predictor error injected: co-located steps x{settings.error_scale:g}, noise {100 * settings.error_noise:g} % per step",
+        *memory_setup_lines(settings),
     ]
+
+
+def memory_setup_lines(settings: ReplaySettings) -> list[str]:
+    """The report's line on the KV memory model (none when it is not modelled)."""
+    memory = settings.memory
+    if memory is None:
+        return []
+    cfg = memory.config
+    chunk_mib = memory.tokens_per_chunk * settings.kv_bytes_per_token / 2**20
+    return [
+        f"KV memory: chunks of {memory.tokens_per_chunk} tokens ({chunk_mib:g} MiB); a reclaim {memory.reclaim_ms_per_chunk:.3g} ms "
+        f"and a lend {memory.lend_ms_per_chunk:.3g} ms per chunk ({memory.source}); reserve {memory.reserve_label}, hysteresis "
+        f"{cfg.hysteresis_chunks} chunk(s), at most {100 * cfg.max_lend_fraction:g} % lent, a lending pass every "
+        f"{1e3 * cfg.lend_interval_s:g} ms; trainer stages of {memory.stage_bytes / 2**20:.0f} MiB, {memory.max_stages} at most",
+    ]
+
+
+def memory_line(name: str, memory: dict) -> str:
+    """One policy's KV memory over the replay, in words (``memory``: its summary's metrics)."""
+    if memory["kind"] == "static":
+        return (f"  {name}: {memory['chunks_lent_mean']:.0f} chunks ({memory['lent_gib_mean']:.2f} GiB) the trainer's from start "
+                f"to end (the share decode does not get), window {memory['window_stages_mean']:.0f} stages; no reclaim")
+    urgent = memory["urgent_reclaims"]
+    waited = (f"decode waited {memory['reclaim_delay_ms_p99']:.1f} ms p99, {memory['reclaim_delay_ms_max']:.1f} ms max, "
+              f"{memory['reclaim_delay_s_total']:.3g} s in all" if urgent else "decode never waited for memory")
+    return (
+        f"  {name}: {memory['chunks_lent_mean']:.1f} chunks lent on average ({memory['chunks_lent_min']} .. "
+        f"{memory['chunks_lent_max']} of {memory['num_chunks']}), window {memory['window_stages_mean']:.1f} stages "
+        f"({memory['window_stages_min']} .. {memory['window_stages_max']}); {memory['chunks_lent_total']} chunks lent and "
+        f"{memory['chunks_reclaimed_total']} reclaimed in all; {urgent} urgent reclaim(s) ({waited}); reserve "
+        f"{memory['reserve_tokens_final']} tokens at the end, {memory['reserve_tokens_max']} at most ({memory['reserve_reason']})"
+    )
 
 
 def text(
@@ -151,6 +184,12 @@ def text(
                 f"  scheduler: {reasons}; steps by level {m['steps_by_level']}; final margin {scheduler['margin']:.3f}; "
                 f"step violations {100 * m['step_violation_rate']:.2f} %"
             )
+    memories = [(name, r.memory.metrics) for name, r in first.results.items() if r.refused is None and r.memory is not None]
+    if memories:
+        interval = next(r.memory.series["interval_s"] for r in first.results.values() if r.memory is not None)
+        lines += ["", f"KV memory (series per {interval:g} s in the JSON: chunks lent, window stages, urgent reclaims; "
+                      "separate and decode-only lend nothing):"]
+        lines += [memory_line(name, memory) for name, memory in memories]
     if len(comparisons) > 1:
         lines += ["", f"across {len(comparisons)} seeds (mean, min .. max):"]
         for key, values in _across(comparisons).items():
@@ -201,6 +240,7 @@ def setup_dict(
             "error_noise": settings.error_noise,
             "scheduler_overrides": dict(settings.scheduler_overrides),
             "policies": list(settings.policies),
+            "memory": None if settings.memory is None else settings.memory.to_dict(settings.kv_bytes_per_token),
         },
         "trainer_model": trainer.to_dict(),
         "normalisation": normalisation(profile.tp_size),

@@ -100,11 +100,14 @@ class PolicyResult:
     metrics: dict[str, Any] = dataclasses.field(default_factory=dict)
     gain_vs: dict[str, float | None] = dataclasses.field(default_factory=dict)
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+    memory: Any = None  # harvest.replay.kv_memory.MemorySummary when the KV pool is modelled and the policy holds some
 
     def to_dict(self) -> dict:
         out = {"name": self.name, "num_gpus": self.num_gpus, "refused": self.refused, "level": self.level}
         if self.refused is None:
             out.update(metrics=jsonable(self.metrics), gain_vs=jsonable(self.gain_vs), **jsonable(self.extra))
+            if self.memory is not None:
+                out["memory"] = jsonable(self.memory.to_dict())
         return out
 
 

@@ -19,6 +19,11 @@ Model (one event per decode step; time jumps over idle gaps):
   end of its last step.
 - Finetune work accrues at the policy's trainer share during each step and at its idle
   share while the batch is empty.
+- With a KV memory model (:class:`harvest.replay.kv_memory.LendingModel`, harvest's
+  lending), every step's allocations come out of the mapped free slots first: when they
+  do not fit, lent chunks come back while decode waits, and the step takes that much
+  longer; between steps and over idle gaps the model lends and reclaims as the server's
+  controller does (the memory module's doc).
 
 Σ sequence lengths is kept in O(1) per step: a request admitted before step ``s0`` with
 context ``c`` has length ``c + k − s0 + 1`` at step ``k``, so the batch's sum is
@@ -32,12 +37,15 @@ import dataclasses
 import heapq
 import math
 from array import array
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 
 from harvest.replay.policies import MAX_STEP_S, BasePolicy, step_too_long  # noqa: F401  (MAX_STEP_S: its users import it here)
 from harvest.replay.trace import TraceRequest
+
+if TYPE_CHECKING:
+    from harvest.replay.kv_memory import LendingModel, MemoryRun
 
 PROGRESS_EVERY_STEPS = 4096
 
@@ -75,6 +83,7 @@ class DecodeRun:
     idle_s: float  # time with an empty batch before end_s
     num_dropped: int
     num_prefill_only: int
+    memory: "MemoryRun | None" = None  # the KV pool's lending, when modelled
 
     @property
     def num_steps(self) -> int:
@@ -86,9 +95,11 @@ def simulate(
     policy: BasePolicy,
     limits: DecodeLimits,
     progress: Callable[[int], None] | None = None,
+    memory: "LendingModel | None" = None,
 ) -> DecodeRun:
     """Replay ``requests`` (sorted by arrival) through ``policy``; ``progress(n)`` is
-    called now and then with the number of requests arrived so far."""
+    called now and then with the number of requests arrived so far; ``memory``: the KV
+    pool's lending model (module doc), None for none."""
     capacity = max(1, int(limits.kv_capacity_tokens * policy.kv_fraction))
     max_batch = limits.max_batch_size
     num = len(requests)
@@ -112,6 +123,10 @@ def simulate(
     t = idle = 0.0
     k = n = sum_context0 = sum_admit = reserved = 0
     nxt = dropped = prefill_only = 0
+    before_step = after_step = None
+    if memory is not None:
+        before_step, after_step = memory.before_step, memory.after_step
+        memory.start(t)
 
     while True:
         while nxt < num and arrival[nxt] <= t:
@@ -136,12 +151,16 @@ def simulate(
         if n == 0:
             if nxt >= num:
                 break
+            if memory is not None:
+                memory.idle(t, arrival[nxt])
             idle += arrival[nxt] - t
             t = arrival[nxt]
             continue
 
         sum_context = sum_context0 - sum_admit + n * (k + 1)
         latency, level, share = step_fn(n, sum_context)
+        if before_step is not None:
+            latency += before_step(t, sum_context)  # an urgent reclaim: decode waits for it
         log_start(t)
         log_latency(latency)
         log_size(n)
@@ -157,11 +176,14 @@ def simulate(
             sum_context0 -= context[i]
             sum_admit -= admit_step[i]
             reserved -= footprint[i]
+        if after_step is not None:
+            after_step(t, sum_context0 - sum_admit + n * (k + 1))  # the tokens the requests left hold
         k += 1
         if progress is not None and k % PROGRESS_EVERY_STEPS == 0:
             progress(nxt)
     if progress is not None:
         progress(nxt)
+    memory_run = None if memory is None else memory.finish(t)
     longest = max(latencies, default=0.0)
     if not longest <= MAX_STEP_S:
         raise step_too_long(longest)
@@ -183,4 +205,5 @@ def simulate(
         idle_s=idle,
         num_dropped=dropped,
         num_prefill_only=prefill_only,
+        memory=memory_run,
     )

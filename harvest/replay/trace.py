@@ -55,6 +55,7 @@ class TraceRequest:
     arrival_s: float  # seconds since the first request of the trace
     context_tokens: int
     generated_tokens: int
+    line: int = dataclasses.field(default=0, compare=False)  # its line in the trace file (0: not read from one)
 
 
 def _shown(text: str) -> str:
@@ -174,6 +175,7 @@ def _requests(reader, path: Path, limit: int | None) -> list[TraceRequest]:
                 arrival_s=(stamp - first) / _NS,
                 context_tokens=_parse_count(fields[context_at], "ContextTokens", where, minimum=1),
                 generated_tokens=_parse_count(fields[generated_at], "GeneratedTokens", where, minimum=0),
+                line=reader.line_num,
             )
         )
         if limit is not None and len(requests) >= limit:

@@ -77,9 +77,10 @@ def _check(value, flag: str, fix: str, *, low: float, open_low: bool = False) ->
         raise ValueError(f"{flag}={value!r}: must be {fix}")
 
 
-def prepare(requests: Sequence[TraceRequest], window: TraceWindow, seed: int = 0) -> list[TraceRequest]:
-    """The window of ``requests`` (sorted by arrival) after time and rate scaling, sorted
-    by arrival; raises ValueError if the window holds no request."""
+def window_requests(requests: Sequence[TraceRequest], window: TraceWindow) -> list[TraceRequest]:
+    """The requests of ``requests`` (sorted by arrival) in the window, before any scaling
+    (every request a replay runs has the sizes of one of them); raises ValueError if the
+    window holds no request."""
     end = math.inf if window.duration_s is None else window.start_s + window.duration_s
     chosen = [r for r in requests if window.start_s <= r.arrival_s < end]
     if window.max_requests is not None:
@@ -87,9 +88,16 @@ def prepare(requests: Sequence[TraceRequest], window: TraceWindow, seed: int = 0
     if not chosen:
         last = requests[-1].arrival_s if requests else 0.0
         raise ValueError(f"{window.describe()}: no request arrives in it (the trace spans 0 .. {last:g} s); move or widen the window")
-    scaled = _rate_scaled(chosen, window.rate_scale, window.resample_sizes, random.Random(seed))
+    return chosen
+
+
+def prepare(requests: Sequence[TraceRequest], window: TraceWindow, seed: int = 0) -> list[TraceRequest]:
+    """The window of ``requests`` (sorted by arrival) after time and rate scaling, sorted
+    by arrival; raises ValueError if the window holds no request."""
+    scaled = _rate_scaled(window_requests(requests, window), window.rate_scale, window.resample_sizes, random.Random(seed))
     return [
-        TraceRequest((r.arrival_s - window.start_s) * window.time_scale, r.context_tokens, r.generated_tokens) for r in scaled
+        TraceRequest((r.arrival_s - window.start_s) * window.time_scale, r.context_tokens, r.generated_tokens, r.line)
+        for r in scaled
     ]
 
 

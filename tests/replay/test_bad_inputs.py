@@ -167,6 +167,24 @@ def test_unreadable_traces_exit_2_naming_the_file(tmp_path, profile_path, capsys
     assert_refused(code, err, f"cannot read trace {locked}: Permission denied")
 
 
+def test_a_request_larger_than_the_kv_pool_exits_2_naming_the_trace_and_its_line(tmp_path, profile_path, capsys):
+    """It used to be dropped silently (counted in requests_dropped): the pool could never run it."""
+    trace = tmp_path / "huge.csv"
+    trace.write_bytes(HEADER + b"0,374,44\n1,150000,10001\n2,879,55\n")
+    base = ["--trace", str(trace), "--profile", str(profile_path), "--no-plots"]
+    code, out, err = replay(capsys, *base)
+    assert_refused(code, err, f"{trace}:3: a request of 150000 prompt + 10001 output tokens needs 160001 tokens of KV",
+                   "--kv-capacity-tokens 160000")
+    assert out == ""
+    for ok in (["--kv-capacity-tokens", "160001"], ["--max-requests", "1"], ["--servers", "2"]):  # bigger pool, or left out
+        code, out, err = replay(capsys, *base, *ok)
+        assert code == (2 if ok[0] == "--servers" else 0), err
+    # one output token: prefill only, it never reaches decode
+    trace.write_bytes(HEADER + b"0,374,44\n1,170000,1\n")
+    code, out, err = replay(capsys, *base)
+    assert code == 0, err
+
+
 # -- profiles -----------------------------------------------------------------------------
 
 
