@@ -21,9 +21,11 @@ lending controller (harvest/sglang/kv_lending.py) calls it, with the server's se
   (the scheduler's controller does not see it, as the server times the forward only);
 - after every step, the reserve check (:func:`~harvest.memory.lending.reclaim_count`
   with the free mapped slots); at most every ``lend_interval_s``, and when decode idles,
-  the lending pass (:func:`~harvest.memory.lending.plan`: lend, or reclaim). These are
-  off the decode path (docs/design.md §1: the lending thread); their driver time is
-  counted (``lend_s_total``, ``reclaim_s_total``) but delays no step.
+  the lending pass (:func:`~harvest.memory.lending.plan`: lend, or reclaim). The server
+  runs both on the scheduler thread between steps (the driver calls release the GIL, but
+  the thread waits for them), so while requests run their driver time delays the next
+  step (``scheduled_delay_s_total``); in an idle gap it is absorbed by the gap. Totals:
+  ``lend_s_total``, ``reclaim_s_total``.
 
 A reclaim costs ``reclaim_ms_per_chunk`` per chunk: the profile's ``memory`` section
 (scaled by the bytes of the replay's chunk over the profile's), else ``--memory
@@ -204,8 +206,9 @@ class MemoryRun:
     urgent_delay_s: np.ndarray
     chunks_lent_total: int = 0
     chunks_reclaimed_total: int = 0  # urgent reclaims' chunks included
-    lend_s_total: float = 0.0  # driver time of every lend (off the decode path)
-    reclaim_s_total: float = 0.0  # driver time of the scheduled reclaims (off the decode path)
+    lend_s_total: float = 0.0  # driver time of every lend
+    reclaim_s_total: float = 0.0  # driver time of the scheduled reclaims
+    scheduled_delay_s_total: float = 0.0  # of those, the time that delayed a step (not absorbed by idling)
     reserve_tokens_final: int | None = None
     reserve_tokens_max: int | None = None
     reserve_reason: str = ""
@@ -252,6 +255,8 @@ class LendingModel:
         self._urgent_s, self._urgent_chunks, self._urgent_delay = array("d"), array("q"), array("d")
         self._lent_total = self._reclaimed_total = 0
         self._lend_s_total = self._reclaim_s_total = 0.0
+        self._owed_s = 0.0  # the scheduler thread's lending time since the last step: delays the next
+        self._scheduled_delay_s = 0.0
 
     # -- the simulator's calls ------------------------------------------------------------
     def start(self, t: float) -> None:
@@ -262,14 +267,17 @@ class LendingModel:
     def before_step(self, t: float, held: int) -> float:
         """The step starting at ``t`` holds ``held`` tokens: what it allocated since the last
         step comes out of the free mapped slots. Returns the seconds decode waits for an
-        urgent reclaim (0.0 when the allocations fit)."""
+        urgent reclaim (0.0 when the allocations fit), plus the lending work the scheduler
+        thread did since the last step."""
+        owed, self._owed_s = self._owed_s, 0.0
+        self._scheduled_delay_s += owed
         allocated = held - self.held
         free = self.capacity - self.lent * self.tpc - self.held
         self.held = held
         if self._record is not None and allocated > 0:
             self._record(t, allocated)
         if allocated <= free:
-            return 0.0
+            return owed
         chunks = min(self.lent, -(-(allocated - free) // self.tpc))
         delay = chunks * self.reclaim_s
         self.lent -= chunks
@@ -278,7 +286,7 @@ class LendingModel:
         self._urgent_chunks.append(chunks)
         self._urgent_delay.append(delay)
         self._event(t)
-        return delay
+        return delay + owed
 
     def after_step(self, t: float, held: int) -> None:
         """The step ended at ``t`` and its finished requests freed theirs: ``held`` tokens
@@ -302,6 +310,7 @@ class LendingModel:
             self.lending_pass(max(self._reserve_at + RESERVE_INTERVAL_S, self._last_pass + self.lend_interval_s))
         if until - self._last_pass >= self.lend_interval_s:
             self.lending_pass(until)
+        self._owed_s = 0.0  # done while no request ran
 
     def finish(self, t: float) -> MemoryRun:
         self.idle(t, t + self.lend_interval_s)  # the server idles after the last step
@@ -313,7 +322,7 @@ class LendingModel:
             np.frombuffer(self._urgent_s, dtype=np.float64), np.frombuffer(self._urgent_chunks, dtype=np.int64),
             np.frombuffer(self._urgent_delay, dtype=np.float64),
             self._lent_total, self._reclaimed_total, self._lend_s_total, self._reclaim_s_total,
-            reserve, self._reserve_max, reason,
+            self._scheduled_delay_s, reserve, self._reserve_max, reason,
         )
 
     # -- the lending controller's decisions ----------------------------------------------
@@ -370,12 +379,14 @@ class LendingModel:
         self.lent += count
         self._lent_total += count
         self._lend_s_total += count * self.lend_s
+        self._owed_s += count * self.lend_s
         self._event(t)
 
     def _reclaim(self, t: float, count: int) -> None:
         self.lent -= count
         self._reclaimed_total += count
         self._reclaim_s_total += count * self.reclaim_s
+        self._owed_s += count * self.reclaim_s
         self._event(t)
 
     def _event(self, t: float) -> None:
@@ -477,6 +488,7 @@ def summarise(run: MemoryRun, horizon_s: float, memory: MemorySettings, kv_bytes
         "reclaim_delay_s_total": float(run.urgent_delay_s.sum()),
         "lend_s_total": run.lend_s_total,
         "reclaim_s_total": run.reclaim_s_total,
+        "scheduled_delay_s_total": run.scheduled_delay_s_total,
         "reserve_tokens_final": run.reserve_tokens_final,
         "reserve_tokens_max": run.reserve_tokens_max,
         "reserve_reason": run.reserve_reason,
@@ -527,6 +539,7 @@ def fleet_summary(summaries: list[MemorySummary]) -> dict[str, Any]:
         "reclaim_delay_s_total": total("reclaim_delay_s_total"),
         "lend_s_total": total("lend_s_total"),
         "reclaim_s_total": total("reclaim_s_total"),
+        "scheduled_delay_s_total": total("scheduled_delay_s_total"),
         "series": {
             "interval_s": series[0]["interval_s"],
             "chunks_lent_mean": [round(sum(v), 2) for v in zip(*(s["chunks_lent_mean"] for s in series))],

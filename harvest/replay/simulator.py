@@ -160,7 +160,7 @@ def simulate(
         sum_context = sum_context0 - sum_admit + n * (k + 1)
         latency, level, share = step_fn(n, sum_context)
         if before_step is not None:
-            latency += before_step(t, sum_context)  # an urgent reclaim: decode waits for it
+            latency += before_step(t, sum_context)  # an urgent reclaim, and lending work since the last step: decode waits
         log_start(t)
         log_latency(latency)
         log_size(n)

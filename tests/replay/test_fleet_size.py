@@ -15,7 +15,9 @@ from harvest.replay.trace import SAMPLE_TRACE, read_trace
 from tests.replay.helpers import settings
 
 # the sample at six times its rate, the extra requests' sizes resampled: one server's queue
-# grows to a minute, two servers' to seconds; three hold the 40 ms target
+# grows to a minute, two servers' to seconds; from four on the queues hold, but harvest's
+# lending work on the scheduler thread (7 ms a chunk, between steps) keeps some servers'
+# TPOT p99 over 40 ms up to 13 servers: 14 hold it
 BUSY = ["--rate-scale", "6", "--rate-scale-sizes", "resample"]
 
 
@@ -26,23 +28,24 @@ def run_cli(capsys, *argv):
     return code, captured.out, captured.err
 
 
-def test_servers_auto_on_the_busy_sample_picks_three_and_reports_every_policy_there(capsys):
+def test_servers_auto_on_the_busy_sample_picks_the_smallest_fleet_and_reports_every_policy_there(capsys):
     code, out, err = run_cli(capsys, "--servers", "auto", "--json", *BUSY)
     assert code == 0, err
     data = json.loads(out)
     auto = data["fleet"]["auto"]
-    assert auto["num_servers"] == data["fleet"]["num_servers"] == 3 and auto["policy"] == "harvest"
+    assert auto["num_servers"] == data["fleet"]["num_servers"] == 14 and auto["policy"] == "harvest"
     probes = {p["num_servers"]: p for p in auto["probes"]}
-    assert [p["num_servers"] for p in auto["probes"]] == [1, 2, 4, 3]  # doubling, then bisection
-    assert not probes[1]["holds"] and not probes[2]["holds"] and probes[3]["holds"] and probes[4]["holds"]
-    assert probes[2]["queue_delay_p99_worst_s"] > 1.0 >= probes[3]["queue_delay_p99_worst_s"]
-    assert probes[3]["tpot_p99_worst_ms"] <= 40.0 and probes[3]["servers_violating"] == 0
+    assert [p["num_servers"] for p in auto["probes"]] == [1, 2, 4, 8, 16, 12, 14, 13]  # doubling, then bisection
+    assert [n for n, p in probes.items() if p["holds"]] == [16, 14]
+    assert probes[2]["queue_delay_p99_worst_s"] > 1.0 >= probes[4]["queue_delay_p99_worst_s"]
+    assert probes[13]["tpot_p99_worst_ms"] > 40.0 and probes[13]["servers_violating"] > 0
+    assert probes[14]["tpot_p99_worst_ms"] <= 40.0 and probes[14]["servers_violating"] == 0
     for routed in data["fleet"]["runs"][0]["routers"].values():
         policies = routed["policies"]
         assert set(policies) == {"harvest", "separate", "static", "decode-only"}
         harvest = policies["harvest"]
-        assert harvest["num_gpus"] == 3 and harvest["metrics"]["servers_violating"] == 0
-        assert len(harvest["memory"]["urgent_reclaims_per_server"]) == 3
+        assert harvest["num_gpus"] == 14
+        assert len(harvest["memory"]["urgent_reclaims_per_server"]) == 14
         assert harvest["memory"]["urgent_reclaims"] == sum(harvest["memory"]["urgent_reclaims_per_server"])
         assert "finetune_per_gpu" in policies["static"]["metrics"] and "violation_rate" in policies["static"]["metrics"]
     # the same again: deterministic
@@ -54,9 +57,10 @@ def test_the_text_report_says_what_was_chosen_and_why(capsys):
     code, out, err = run_cli(capsys, "--servers", "auto", "--router", "least-loaded", "--policies", "harvest,static", *BUSY)
     assert code == 0, err
     line = next(line for line in out.splitlines() if "servers auto:" in line)
-    assert line.startswith("  servers auto: 3, the smallest fleet with every harvest server within the 40 ms target")
-    assert "under least-loaded" in line and "1: not held" in line and "3: holds" in line
-    assert "a fleet of 3 decode servers" in out and "harvest memory:" in out
+    # least-loaded spreads the bursts better than round-robin: one server fewer
+    assert line.startswith("  servers auto: 13, the smallest fleet with every harvest server within the 40 ms target")
+    assert "under least-loaded" in line and "1: not held" in line and "13: holds" in line
+    assert "a fleet of 13 decode servers" in out and "harvest memory:" in out
 
 
 def test_no_fleet_up_to_max_servers_exits_1_saying_so(capsys):

@@ -72,7 +72,7 @@ def test_a_burst_forces_an_urgent_reclaim_with_a_fixed_reserve_and_none_once_the
     assert auto.memory.metrics["chunks_lent_mean"] < fixed.memory.metrics["chunks_lent_mean"]  # what the reserve costs
 
 
-def test_the_urgent_reclaim_delays_its_step_by_the_reclaim_time_and_no_other():
+def test_the_urgent_reclaim_delays_its_step_by_the_reclaim_time_and_lending_work_the_next_step():
     result = replay(two_bursts(), memory_settings(reserve_tokens=16)).results[HARVEST]
     run, memory = result.run, result.run.memory
     urgent_steps = np.searchsorted(run.step_start_s, memory.urgent_s)
@@ -80,12 +80,15 @@ def test_the_urgent_reclaim_delays_its_step_by_the_reclaim_time_and_no_other():
     # 3 x 201 = 603 tokens against the 320 that 80 chunks lent leave free: ceil(283 / 16) = 18 chunks back, 5 ms each
     assert memory.urgent_chunks.tolist() == [18, 18]
     assert memory.urgent_delay_s.tolist() == pytest.approx([0.090, 0.090])
-    expected = np.full(run.num_steps, 0.010)
-    expected[urgent_steps] += memory.urgent_delay_s
-    assert run.step_latency_s == pytest.approx(expected)
+    extra = run.step_latency_s - 0.010
+    assert np.all(extra[urgent_steps] >= memory.urgent_delay_s - 1e-12)
+    # Every second of a step over its 10 ms is an urgent reclaim's or the scheduler thread's
+    # lending work since the step before (the server lends and reclaims between steps).
+    assert extra.sum() == pytest.approx(memory.urgent_delay_s.sum() + memory.scheduled_delay_s_total)
+    assert memory.scheduled_delay_s_total <= memory.lend_s_total + memory.reclaim_s_total + 1e-12
     m = result.memory.metrics
     assert m["reclaim_delay_ms_p99"] == pytest.approx(90.0) and m["reclaim_delay_s_total"] == pytest.approx(0.180)
-    assert result.metrics["tpot_max_ms"] == pytest.approx(100.0)  # the delay is decode's: TPOT sees it
+    assert result.metrics["tpot_max_ms"] >= 100.0 - 1e-9  # the delay is decode's: TPOT sees it
 
 
 @pytest.mark.parametrize("reserve", [None, 16, 300])
@@ -102,7 +105,7 @@ def test_chunks_lent_never_exceed_the_pool_minus_what_requests_hold(reserve):
     assert np.all(lent * TPC + run.step_sum_context <= CAPACITY)
     assert lent.max() <= int(0.8 * memory.num_chunks) and memory.lent_chunks.min() >= 0
     assert memory.chunks_lent_total - memory.chunks_reclaimed_total == memory.lent_chunks[-1]
-    assert run.num_steps > 1000 and memory.chunks_lent_total > 0
+    assert run.num_steps > 500 and memory.chunks_lent_total > 0
 
 
 def test_skipping_the_plan_when_it_could_not_act_changes_nothing():
@@ -140,7 +143,8 @@ def test_static_holds_the_share_decode_does_not_get_and_never_reclaims():
 
 
 def test_memory_off_replays_exactly_as_before():
-    with_memory = replay(two_bursts(), memory_settings(reserve_tokens=700)).results[HARVEST]  # no urgent reclaim
+    # a reserve of the whole pool: nothing is lent, so no lend, reclaim or wait
+    with_memory = replay(two_bursts(), memory_settings(reserve_tokens=CAPACITY)).results[HARVEST]
     without = replay(two_bursts(), None).results[HARVEST]
     assert with_memory.run.memory.urgent_s.size == 0 and without.memory is None
     assert with_memory.run.step_latency_s.tolist() == without.run.step_latency_s.tolist()

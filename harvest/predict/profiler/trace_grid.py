@@ -89,7 +89,7 @@ def trace_steps(trace_path: str | Path, profile_spec: str | None, max_batch_size
     """The steps ``trace_path`` produces on one decode instance (harvest.replay's model),
     timed with the profile ``profile_spec`` names (None: `harvest replay`'s default, else
     the synthetic A100 one). TraceGridError naming the file or flag for anything wrong."""
-    from harvest.replay import comparison, profile_source, synthetic, trainer_model
+    from harvest.replay import comparison, kv_memory, profile_source, synthetic, trainer_model
     from harvest.replay.command import SYNTHETIC_A100, resolve_profile
     from harvest.replay.simulator import DecodeLimits
     from harvest.replay.trace import TraceError, read_trace
@@ -106,7 +106,8 @@ def trace_steps(trace_path: str | Path, profile_spec: str | None, max_batch_size
         raise TraceGridError(f"--grid-profile: {exc}") from None
     try:
         limits = DecodeLimits(max_batch_size, kv_capacity_tokens)
-        settings = comparison.ReplaySettings(limits=limits, tp_size=profile.tp_size)
+        memory, _ = kv_memory.resolve(profile)  # as `harvest replay` models it by default (lending delays steps)
+        settings = comparison.ReplaySettings(limits=limits, tp_size=profile.tp_size, memory=memory)
         simulated = comparison.simulate_policies(requests, profile, trainer_model.build(profile), settings)
     except ValueError as exc:
         raise TraceGridError(f"--grid-profile {profile.label}: {exc}") from None
