@@ -48,7 +48,7 @@ class Geometry(ctypes.Structure):
     ]
 
 
-class ChunkInfo(ctypes.Structure):
+class CChunkInfo(ctypes.Structure):
     _fields_ = [("state", _i32), ("fence_pending", _i32), ("live_slots", _u64), ("used_pages", _u64)]
 
 
@@ -100,8 +100,8 @@ def lib() -> SimpleNamespace:
         destroy=native.bind(so, "hvmm_destroy", c_int, h),
         geometry=native.bind(so, "hvmm_geometry", c_int, h, P(Geometry)),
         mark_slots=native.bind(so, "hvmm_mark_slots", c_int, h, P(_i64), _i64, _i32),
-        chunk_info=native.bind(so, "hvmm_chunk_info", c_int, h, _i64, P(ChunkInfo)),
-        chunk_table=native.bind(so, "hvmm_chunk_table", c_int, h, P(ChunkInfo), _i64),
+        chunk_info=native.bind(so, "hvmm_chunk_info", c_int, h, _i64, P(CChunkInfo)),
+        chunk_table=native.bind(so, "hvmm_chunk_table", c_int, h, P(CChunkInfo), _i64),
         can_lend=native.bind(so, "hvmm_can_lend", c_int, h, _i64, P(_i32)),
         can_reclaim=native.bind(so, "hvmm_can_reclaim", c_int, h, _i64, P(_i32)),
         set_fence_streams=native.bind(so, "hvmm_set_fence_streams", c_int, h, P(_u64), _i64),

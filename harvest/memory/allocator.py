@@ -249,14 +249,14 @@ class UnifiedAllocator:
     # ------------------------------------------------------------------ chunks
     def chunk_info(self, chunk: int) -> ChunkInfo:
         """One chunk's state; queries its fences (fence_pending is exact)."""
-        info = _lib.ChunkInfo()
+        info = _lib.CChunkInfo()
         _lib.check(self._lib.chunk_info(self._h(), _as_int(chunk, "chunk"), ctypes.byref(info)))
         return ChunkInfo.from_c(chunk, info)
 
     def chunk_table(self) -> list[ChunkInfo]:
         """Every chunk's state in one call (fence_pending: fences not yet seen to pass)."""
         n = self.geometry.num_chunks
-        table = (_lib.ChunkInfo * n)()
+        table = (_lib.CChunkInfo * n)()
         _lib.check(self._lib.chunk_table(self._h(), table, n))
         return [ChunkInfo.from_c(i, table[i]) for i in range(n)]
 
