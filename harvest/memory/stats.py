@@ -25,7 +25,7 @@ class ChunkInfo:
     fence_pending: bool
 
     @classmethod
-    def from_c(cls, chunk: int, info: _lib.ChunkInfo) -> "ChunkInfo":
+    def from_c(cls, chunk: int, info: _lib.CChunkInfo) -> "ChunkInfo":
         return cls(chunk, ChunkState(info.state), info.live_slots, info.used_pages, bool(info.fence_pending))
 
 
