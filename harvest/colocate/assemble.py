@@ -111,7 +111,8 @@ def assemble(config, engine: EngineAdapter, *, partitioner=None):
 
 
 def _assemble(config, engine: EngineAdapter, partitioner, jobs: tuple):
-    from harvest.colocate.colocation import Colocation, NoKvLending
+    from harvest.colocate.colocation import Colocation
+    from harvest.colocate.lending_state import NoKvLending
     from harvest.colocate.controller import StepController
     from harvest.colocate.step_timer import make_step_timer
     from harvest.schedule import QoSController

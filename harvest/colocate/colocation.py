@@ -20,44 +20,14 @@ import time
 from typing import Callable
 
 from harvest.colocate.controller import StepLoad
-from harvest.colocate.rank_sync import Field, LendingRequest, OperatorCode, SlowestRank, new_row
+from harvest.colocate.lending_state import LendingSwitch, NoKvLending
+from harvest.colocate.rank_decision import rank_decision
 from harvest.colocate.step_profiler import StepProfiler
 from harvest.logs import get_logger
 
 logger = get_logger(__name__)
 
-
-class NoKvLending:
-    """An engine whose KV cache harvest does not manage: nothing is lent."""
-
-    num_lent = 0
-    num_taken = 0
-    enabled = False
-    moves_digest = 0
-
-    def lend_due(self) -> bool:
-        return False
-
-    def after_step(self) -> None:
-        pass
-
-    def maybe_lend(self, force: bool = False, tick: bool | None = None) -> None:
-        pass
-
-    def reclaim_all(self) -> None:
-        pass
-
-    def return_all(self) -> None:
-        pass
-
-    def resume_lending(self) -> None:
-        pass
-
-    def maybe_check_integrity(self) -> bool:
-        return False
-
-    def stats(self) -> dict:
-        return {}
+__all__ = ["Colocation", "NoKvLending", "leave_cores_to_trainer"]
 
 
 class Colocation:
@@ -87,33 +57,24 @@ class Colocation:
         self._forward_plan = None
         self.profiler = StepProfiler()
         self.idle_gc_collections = 0
-        self.integrity_error: str | None = None  # the first failed idle integrity check's message
         self.decode_cpu_threads: int | None = None  # the engine thread's torch threads, once started
         # Called on this thread when attention is requested; each returns whether it wants
         # to be called again (a stop signal waits for the trainer's checkpoint).
         self.attention_handlers: list[Callable[[], bool]] = []
-        self._attention = False  # a trainer fault or a stop signal to handle on this thread
-        self._fault_pending = False
-        self._lending_request: str | None = None  # an operator's "return" or "resume", for this thread
-        self._operator_stopped = False
+        self._attention = False  # a trainer fault, a lending request or a stop signal to handle on this thread
         self._refit_lock = threading.Lock()
         self._last_refit = -math.inf  # monotonic() starts near 0 at boot
         self._closed = False
-        # Tensor-parallel (harvest.colocate.rank_sync): the ranks agree at every step and
-        # idle tick; rank 0 decides. ``trainer_tp``: the trainer's TensorParallel, whose
-        # waits are given up when another rank's trainer faults.
+        # Whether lending runs, and why not (harvest.colocate.lending_state).
+        self.lending_switch = LendingSwitch(lending)
+        # Who decides for this rank (harvest.colocate.rank_decision): the rank alone, or,
+        # tensor-parallel (``ranks``: harvest.colocate.rank_sync.RankSync), rank 0 for every
+        # rank at each step and idle tick. ``trainer_tp``: the trainer's TensorParallel.
         self.ranks = ranks
         self.trainer_tp = trainer_tp
-        self._slowest = SlowestRank(ranks.size) if ranks is not None else None
-        self._measured: list[tuple[int, float]] = []  # this rank's measurements, for the next exchange
-        self._operator_out = OperatorCode.NONE  # rank 0: for every rank, with the next exchange
-        self._lending_out = LendingRequest.NONE
-        self._local_fault = False  # this rank's trainer faulted: told at the next exchange
-        self._ranks_fault_handled = False
-        self.ranks_stopped_why: str | None = None  # lending stopped on every rank: a rank's check failed
-        self.last_agreement = None
-        if ranks is not None:
-            lending.ranks = ranks
+        self.decides = rank_decision(ranks, control=control, timer=timer, lending=lending, switch=self.lending_switch,
+                                     trainer_host=trainer_host, metrics=metrics, trainer_tp=trainer_tp,
+                                     request_attention=self.request_attention)
         # harvest.colocate.job_control.AdapterServing: finished jobs' adapters into the
         # serving engine (None: the engine cannot serve adapters).
         self.adapters = adapters
@@ -127,15 +88,12 @@ class Colocation:
     # -- the decode step ----------------------------------------------------------------
     def run_step(self, load: StepLoad, run, *args, **kwargs):
         """decide -> run the engine's step on the chosen level -> feedback -> lend."""
+        decides = self.decides
         with self.profiler as lap:
             if self._attention:
                 self._attend()
-            self._feed_back()  # a late timer's (CUDA events) earlier steps: before this decision
-            if self.ranks is None:
-                plan = self.control.before_step(load)
-                lend_tick = None
-            else:
-                plan, lend_tick = self._agree(load)
+            decides.feed_back()  # a late timer's (CUDA events) earlier steps: before this decision
+            plan = decides.step(load)
             lap("decide")
             if self.engine_places_forward:  # the engine calls run_forward inside ``run``
                 self._forward_plan = plan
@@ -146,22 +104,12 @@ class Colocation:
             else:
                 result = self.timer.time(plan.step, plan.stream, run, *args, **kwargs)
             lap("engine")
-            self._feed_back()
+            decides.feed_back()
             lap("feedback")
             self.lending.after_step()  # under the reserve: reclaim now
-            if lend_tick is None:
-                self.lending.maybe_lend()  # at most every lend interval: a busy server lends too
-            else:
-                self.lending.maybe_lend(tick=lend_tick)  # when rank 0's clock says, on every rank
+            decides.lend()
             lap("lending")
         return result
-
-    @property
-    def every_ranks_trainer_ended(self) -> bool:
-        """Tensor-parallel: at the last exchange, no rank's trainer job was running (so no
-        rank needs a peer for its trainer any more: the collective checkpoint is written)."""
-        agreed = self.last_agreement
-        return agreed is not None and agreed.trainers_ended
 
     @property
     def forward_pending(self) -> bool:
@@ -185,102 +133,39 @@ class Colocation:
             graphs.select(plan.level)
         return self.timer.time(plan.step, plan.stream, run, *args, **kwargs)
 
-    def _feed_back(self) -> None:
-        if self.ranks is not None:  # rank 0 takes the slowest rank's, after the exchange
-            self._measured.extend(self.timer.completed())
-            return
-        for tag, measured_s in self.timer.completed():
-            self.control.after_step(tag, measured_s)
+    # -- what the state says (the status, the control endpoint) ---------------------------------
+    @property
+    def integrity_error(self) -> str | None:
+        """This rank's first failed idle integrity check's message."""
+        return self.lending_switch.integrity_error
 
-    # -- tensor parallel: the ranks' agreement ------------------------------------------------
-    def _agree(self, load: StepLoad | None):
-        """Rank 0 decides (the step's level and gate, or the idle tick's); every rank
-        applies that decision and what else the exchange says. Returns (the step's plan,
-        None on an idle tick; whether to look for chunks to lend)."""
-        ranks = self.ranks
-        row = new_row()
-        plan = None
-        if ranks.leader:
-            if load is not None:
-                plan = self.control.before_step(load)
-                row[Field.TAG] = plan.step
-            else:
-                self.control.on_idle()
-            row[Field.LEVEL], row[Field.RUN] = self.control.applied
-            row[Field.OPERATOR], self._operator_out = self._operator_out, OperatorCode.NONE
-            row[Field.LENDING_REQUEST], self._lending_out = self._lending_out, LendingRequest.NONE
-            row[Field.LEND_TICK] = self.lending.lend_due()
-        for index, (tag, seconds) in enumerate(self._measured[-2:]):
-            row[Field.MEASURED_TAG_1 + 2 * index], row[Field.MEASURED_S_1 + 2 * index] = tag, seconds
-        self._measured.clear()
-        row[Field.FAULT] = self._local_fault
-        row[Field.NUM_TAKEN] = self.lending.num_taken
-        row[Field.MOVES_DIGEST] = self.lending.moves_digest
-        row[Field.LENDING_OK] = self.integrity_error is None
-        row[Field.TRAINER_ENDED] = self.trainer_host is None or self.trainer_host.join(0)
-        agreed = ranks.exchange(row)
-        self.last_agreement = agreed
-        if ranks.leader:
-            for tag, seconds in self._slowest.add(agreed.measurements):
-                self.control.after_step(tag, seconds)
-        elif load is not None:
-            plan = self.control.follow(agreed.tag, agreed.level, agreed.run)
-        elif agreed.level >= 0:
-            self.control.apply_decision(agreed.level, agreed.run)
-        self._apply_agreement(agreed)
-        return plan, agreed.lend_tick
+    @property
+    def ranks_stopped_why(self) -> str | None:
+        """Tensor-parallel: why lending stopped on every rank (a rank's check failed, the ranks differ)."""
+        return self.lending_switch.ranks_stopped_why
 
-    def _apply_agreement(self, agreed) -> None:
-        host = self.trainer_host
-        if agreed.operator is not OperatorCode.NONE and not self.ranks.leader and host is not None:
-            if agreed.operator is OperatorCode.PAUSE:
-                host.operator_pause()
-            elif agreed.operator is OperatorCode.RESUME:
-                host.operator_resume()
-            elif agreed.operator is OperatorCode.STOP:
-                self._operator_stopped = True
-                host.operator_stop()
-        if agreed.lending_request is LendingRequest.RETURN:
-            self.lending.return_all()
-        elif agreed.lending_request is LendingRequest.RESUME and not self._operator_stopped \
-                and self.ranks_stopped_why is None:
-            self.lending.resume_lending()
-        if agreed.faulted_ranks and not self._ranks_fault_handled:
-            self._ranks_fault_handled = True
-            ranks = ", ".join(map(str, agreed.faulted_ranks))
-            if self.trainer_tp is not None:
-                self.trainer_tp.abort(f"the trainer of rank {ranks} faulted")
-            if self.metrics is not None and self.ranks.leader:
-                self.metrics.trainer_fault()
-            self.lending.reclaim_all()  # every rank here, at once: the same chunks come back everywhere
-            logger.info("trainer fault on rank %s handled: %d KV chunks lent now, decode has every SM", ranks,
-                        self.lending.num_lent)
-        broken = agreed.lending_broken_ranks
-        if (broken or agreed.diverged) and self.ranks_stopped_why is None:
-            # Nothing is reclaimed: with a rank's bookkeeping in doubt, putting slots back
-            # could hand SGLang a slot twice (as on one rank: _check_kv_integrity).
-            self.ranks_stopped_why = (f"the KV integrity check failed on rank {', '.join(map(str, broken))}" if broken
-                                      else f"the ranks' lent chunks differ (counts {agreed.taken_by_rank}, "
-                                           f"digests {agreed.digests_by_rank})")
-            self.lending.enabled = False
-            if host is not None:
-                host.operator_stop()  # on every rank: the trainers vote stop together and checkpoint
-            logger.error("lending and the trainer are stopped on every rank, serving goes on: %s",
-                         self.ranks_stopped_why)
+    @property
+    def _operator_stopped(self) -> bool:
+        return self.lending_switch.operator_stopped
+
+    @property
+    def last_agreement(self):
+        """Tensor-parallel: what the ranks agreed at the last exchange (None: one rank, or none yet)."""
+        return self.decides.last_agreement
+
+    @property
+    def every_ranks_trainer_ended(self) -> bool:
+        """Tensor-parallel: at the last exchange, no rank's trainer job was running."""
+        return self.decides.every_ranks_trainer_ended
 
     # -- between steps ------------------------------------------------------------------
     def on_idle(self) -> None:
         if self._attention:
             self._attend()
-        self._feed_back()
+        self.decides.feed_back()
         if not self.timer.outstanding:
             self.control.forget_unmeasured()  # steps whose measurement was lost: not waited for
-        if self.ranks is None:
-            self.control.on_idle()
-            self.lending.maybe_lend()
-        else:
-            _, lend_tick = self._agree(None)
-            self.lending.maybe_lend(tick=lend_tick)
+        self.decides.idle()  # the trainer on the level with the most trainer SMs; lending
         self._check_kv_integrity()
         self.maybe_refit()
         self._collect_young_garbage()
@@ -306,18 +191,18 @@ class Colocation:
         A disagreement found here stops lending and the trainer, and serving goes on with
         the memory decode has, instead of surfacing later as a corrupted KV cache. Nothing
         is reclaimed: with the bookkeeping wrong, putting slots back could hand SGLang a
-        slot twice."""
-        if self.integrity_error is not None:
+        slot twice (LendingSwitch.integrity_failed)."""
+        if self.lending_switch.integrity_error is not None:
             return
         try:
             self.lending.maybe_check_integrity()
         except Exception as exc:  # noqa: BLE001 - VmmIntegrityError, KvIntegrityError, or a broken check
-            self.integrity_error = f"{type(exc).__name__}: {exc}"
-            self.lending.enabled = False
+            message = f"{type(exc).__name__}: {exc}"
+            self.decides.integrity_failed(message)
             if self.trainer_host is not None:
                 self.trainer_host.operator_stop()
             logger.error("KV memory integrity check failed; lending and the trainer are stopped, serving goes on: %s",
-                         self.integrity_error)
+                         message)
 
     def maybe_refit(self) -> None:
         """Refit the predictor when enough new steps were seen: from the trainer thread
@@ -340,13 +225,9 @@ class Colocation:
 
     # -- faults and signals ---------------------------------------------------------------
     def _on_trainer_fault(self, exc: BaseException) -> None:
-        """Trainer thread: flag the fault for the engine thread (``_attend``; tensor-parallel:
-        the next exchange, where every rank handles it)."""
-        if self.ranks is not None:
-            self._local_fault = True
-            return
-        self._fault_pending = True
-        self._attention = True
+        """Trainer thread: the fault is handled on the engine thread (alone: its next step
+        or idle tick; tensor-parallel: the next exchange, where every rank handles it)."""
+        self.decides.trainer_faulted()
 
     def request_attention(self) -> None:
         """Any thread or a signal handler: run the attention handlers at the next step or idle tick."""
@@ -366,64 +247,40 @@ class Colocation:
             return 409, {"error": "no finetune job configured"}
         state = host.status().state
         ended = (TrainerState.STOPPED, TrainerState.FINISHED, TrainerState.FAILED)
-        if state in ended or (self._operator_stopped and action != "stop"):
-            return 409, {"error": f"the trainer has {'been stopped' if self._operator_stopped else state.value}: "
+        stopped = self.lending_switch.operator_stopped
+        if state in ended or (stopped and action != "stop"):
+            return 409, {"error": f"the trainer has {'been stopped' if stopped else state.value}: "
                                   f"nothing to {action}", "trainer": state.value}
-        if self.ranks is not None:
-            self._operator_out = {"pause": OperatorCode.PAUSE, "resume": OperatorCode.RESUME,
-                                  "stop": OperatorCode.STOP}.get(action, OperatorCode.NONE)
+        self.decides.operator_action(action)  # tensor-parallel: every rank applies it at the next exchange
         if action == "pause":
             host.operator_pause()
             release = self.config.memory.release_on_pause
             if release:
-                self._request_lending("return")
+                self.decides.request_lending("return")
             return 200, {"trainer": "paused", "kv": "returning lent memory to decode" if release else "kept"}
         if action == "resume":
             host.operator_resume()
-            self._request_lending("resume")
+            self.decides.request_lending("resume")
             return 200, {"trainer": "resumed", "kv": "lending"}
         if action == "stop":
-            if self._operator_stopped:
+            if stopped:
                 return 409, {"error": "the trainer is already stopping", "trainer": state.value}
-            self._operator_stopped = True
+            self.lending_switch.stop()
             host.operator_stop()
-            self._request_lending("return")
+            self.decides.request_lending("return")
             return 200, {"trainer": "stopping (checkpoint first)", "kv": "returning lent memory; no more lending"}
         raise ValueError(f"unknown operator action {action!r}")
 
     def lend_again_for_live_jobs(self) -> None:
         """After a job's fault took every chunk back (lending off): the server's other
         jobs, or one submitted later, get lent memory again, unless lending stopped for a
-        reason that concerns every job (a failed integrity check, an operator's stop)."""
-        host = self.trainer_host
-        if isinstance(self.lending, NoKvLending) or host is None or not host.live or self._operator_stopped \
-                or self.integrity_error is not None \
-                or self.ranks_stopped_why is not None or self.ranks is not None:
-            return
-        self.lending.enabled = True
-        self.lending.resume_lending()
-
-    def _request_lending(self, request: str) -> None:
-        if self.ranks is not None:  # rank 0's endpoint: every rank moves memory at the next exchange
-            self._lending_out = LendingRequest.RETURN if request == "return" else LendingRequest.RESUME
-            return
-        self._lending_request = request
-        self.request_attention()
+        reason that concerns every job (a failed integrity check, an operator's stop; on
+        a tensor-parallel instance, any fault)."""
+        self.decides.lend_again()
 
     def _attend(self) -> None:
         self._attention = False
-        request, self._lending_request = self._lending_request, None
-        if request == "return":
-            self.lending.return_all()
-        elif request == "resume" and not self._operator_stopped and self.integrity_error is None:
-            self.lending.resume_lending()
-        if self._fault_pending:
-            self._fault_pending = False
-            if self.metrics is not None:
-                self.metrics.trainer_fault()
-            self.lending.reclaim_all()
-            logger.info("trainer fault handled: %d KV chunks lent now, decode has every SM", self.lending.num_lent)
-            self.lend_again_for_live_jobs()
+        self.decides.attend()  # alone: the operator's lending request, a trainer fault
         for handler in self.attention_handlers:
             if handler():
                 self._attention = True
