@@ -1,57 +1,14 @@
 """The decode instance's KV pool in the replay: what requests hold, what harvest lends the
 trainer, and what decode waits for when it needs lent memory back.
 
-harvest (the ``harvest`` policy) lends through the server's own code, called as its KV
-lending controller (harvest/sglang/kv_lending.py) calls it, with the server's settings
-(harvest.yaml's ``memory`` section, overridable with ``--memory KEY=VALUE``):
+The ``harvest`` policy lends through the server's own code (:mod:`harvest.memory.lending`,
+:class:`~harvest.memory.demand.DemandReserve`), called as harvest/sglang/kv_lending.py
+calls it, with harvest.yaml's ``memory`` settings (``--memory KEY=VALUE``). Invariants:
+a step's allocations that do not fit the free mapped slots are an urgent reclaim the step
+waits for; StaticMode lends a fixed 40 % for the whole replay and never reclaims;
+SeparateMode and decode-only lend nothing.
 
-- the pool: ``--kv-capacity-tokens`` slots plus SGLang's padding slot 0, in chunks of
-  ``tokens_per_chunk`` (``--kv-chunk-tokens``; default 1024: one 2 MiB page per K and V
-  range per layer holds 1024 tokens of Llama-3-8B's 8 KV heads x 128 dims in bf16, a
-  128 MiB chunk); :class:`~harvest.memory.lending.LendingPolicy` over it, its reserve
-  Harli's formula (:func:`harvest.memory.reserve.reserve_tokens`, T_swap two steps, at
-  most a quarter of the pool: harvest/colocate/assemble.py's ``lending_policy``) or
-  ``reserve_tokens`` when fixed;
-- ``reserve_tokens: auto`` (the default): :class:`~harvest.memory.demand.DemandReserve`
-  fed every step's allocations (the prompts admitted, a token per running request),
-  worked out at most once a simulated second, as the server does;
-- before every step, its allocations come out of the free mapped slots; what does not
-  fit is an **urgent reclaim** (``ensure_available``): ``ceil(short / tokens_per_chunk)``
-  lent chunks come back while decode waits, and the step takes their reclaim time longer
-  (the scheduler's controller does not see it, as the server times the forward only);
-- after every step, the reserve check (:func:`~harvest.memory.lending.reclaim_count`
-  with the free mapped slots); at most every ``lend_interval_s``, and when decode idles,
-  the lending pass (:func:`~harvest.memory.lending.plan`: lend, or reclaim). The server
-  runs both on the scheduler thread between steps (the driver calls release the GIL, but
-  the thread waits for them), so while requests run their driver time delays the next
-  step (``scheduled_delay_s_total``); in an idle gap it is absorbed by the gap. Totals:
-  ``lend_s_total``, ``reclaim_s_total``.
-
-A reclaim costs ``reclaim_ms_per_chunk`` per chunk: the profile's ``memory`` section
-(scaled by the bytes of the replay's chunk over the profile's), else ``--memory
-reclaim_ms_per_chunk=MS``, else the default 7 ms per 128 MiB chunk (harvest.yaml's
-default; the H100 measured 5-7 ms: docs/gpu-validation.md) with a warning naming the
-missing field. Lends cost ``lend_ms_per_chunk`` likewise (counted only).
-
-Simplifications: the token allocator hands out the lowest free slots, so the held tokens
-are packed into the lowest mapped chunks and the lent ones are the highest (lending lends
-the highest free chunks, reclaims the lowest lent): no fragmentation. A reclaim never
-waits for the trainer's acknowledgement (at most one unit) beyond its driver time.
-
-StaticMode gives the trainer a fixed 40 % of the memory (Harli §8.1): its chunks "lent"
-are that share, for the whole replay, with no reclaim. SeparateMode and decode-only lend
-nothing.
-
-The trainer's window: the stages that fit the lent bytes, ``floor(lent bytes /
-stage_bytes)`` at most ``max_stages`` (``--trainer-stage-mib``, default one Llama-3-8B
-decoder layer in bf16, 416 MiB; ``--trainer-stages``, default 34: the embedding, 32 layers,
-the norm and head). The replay's finetune throughput does not depend on it (the profile's
-rates).
-
-Cost: per step, two calls of a few arithmetic operations and an append to the demand's
-record; the lending pass (an O(chunks) plan) only when :meth:`LendingModel._could_act`
-finds that the plan's own conditions allow a lend or a reclaim; the auto reserve's
-numpy percentile once a simulated second.
+Rules: docs/design.md, 'The replay's KV pool (harvest/replay/kv_memory.py)'.
 """
 
 from __future__ import annotations

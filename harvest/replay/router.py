@@ -1,47 +1,14 @@
 """The fleet's request router: which of N decode servers serves each request of a trace.
 
 Pure policy over the requests' arrivals and sizes (numpy only), decided once per router
-before any server is simulated:
+before any server is simulated, so every replay policy sees the same requests per server:
 
 - ``round-robin``: request i (in arrival order) goes to server ``i mod N``.
-- ``least-loaded``: each request goes to the server with the least outstanding decode
-  load at its arrival; ties (idle servers, all at zero) go to the lowest server index.
+- ``least-loaded``: each request goes to the server with the least estimated decode load
+  (``Σ (b0 + k0·held_i)`` over its requests estimated still decoding) at its arrival;
+  ties go to the lowest server index.
 
-Decode load is the router's own estimate of what a server's running requests add to its
-next decode step, from the profile's decode-alone stage 1 (``b0`` seconds per request,
-``k0`` per token of context held; its constant ``c0`` is every server's alike):
-``Σ (b0 + k0·held_i)`` over the requests it estimates still decoding. A request needing
-``d`` decode steps runs from its arrival ``a`` for ``d`` steps of an estimated latency
-``ℓ`` (:func:`estimated_step_s`), holding ``c + (t − a)/ℓ`` tokens at ``t`` as a decode
-batch grows every request by one token a step. Over the requests not yet estimated done
-(``a_i + d_i·ℓ > t``) a server's load is ``n·(b0 + k0·t/ℓ) + k0·Σ(c_i − a_i/ℓ)``: two
-sums per server, updated when a request is assigned and when its estimated end passes
-(one heap over every request's end).
-
-Why that load and not the decode tokens left (Σ remaining tokens, the other reading of
-"outstanding work"): a step's latency, the TPOT, grows with the context the batch holds
-(``k0``), and a server that took a long request and a few short ones holds far less than
-one that took many long-context ones with little left to say. (On the Azure trace, 8
-servers at ``--rate-scale 2 --rate-scale-sizes resample``, static's worst server TPOT p99
-is 36.8 ms with round-robin and 33.6 ms with this load; a router on the tokens left,
-tried while writing this one, did worse than round-robin.)
-
-Why an estimate and not the simulated servers' state at each arrival:
-
-- it is what a router has: it sees requests arrive and leave, not decode steps;
-- one assignment per router serves every replay policy, so the policies are compared on
-  the same requests per server, as the single-server replay compares them on the same
-  trace; routing on the live state would let harvest's slower co-located steps move
-  requests elsewhere, mixing a routing difference into the policy comparison;
-- the live state of N simulations at every arrival costs N Python calls per request.
-
-Cost: a heap push and pop per request and one vectorised argmin over the N servers'
-sums, O(requests · (log requests + N)) with the N term in numpy: about 5 µs a request at
-N = 64 (1.24 M requests, the full trace at ``--rate-scale 64``, in 6 s).
-
-Limitations: the estimate ignores queueing (a server past its batch or KV limit holds
-more than it says) and the batch-size dependence of a step's latency (one ``ℓ`` for the
-fleet, that of the mean batch an even split gives each server), and batch-size padding.
+Rules and limitations: docs/fleet.md, 'The router (harvest/replay/router.py)'.
 """
 
 from __future__ import annotations

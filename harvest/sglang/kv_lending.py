@@ -1,55 +1,14 @@
 """Lend whole free KV chunks of SGLang's token allocator to the trainer; take them back.
 
-Mechanism only; the rule is :mod:`harvest.memory.lending`. SGLang's token allocator
-(``TokenToKVPoolAllocator``; pages of one token) keeps free slots in ``free_pages`` and,
-when ``need_sort`` (decode instances), recently freed ones in ``release_pages``, merged
-and sorted on demand, so allocation takes the lowest free slots and high chunks empty out
-(FineServe's "fill partial slabs first", arXiv:2509.06261; the controller turns
-``need_sort`` on).
+Mechanism only; the rule is :mod:`harvest.memory.lending`. One source of truth per fact:
+slot liveness is SGLang's free lists (a slot is free iff it is in them; a chunk is lent
+only after all its slots were taken out of them, on the scheduler thread that alone
+changes them); chunk state is the unified allocator (the controller's cache of lent and
+being-lent chunks changes only after the allocator succeeded; :meth:`check_integrity`
+verifies it). Decode never fails or retracts for lack of lent memory: ``ensure_available``
+takes lent chunks back first. The controller lives on its token allocator (``LENDING_ATTR``).
 
-One source of truth per fact:
-
-- *Slot liveness*: SGLang's free lists. A slot is free iff it is in them. The unified
-  allocator's live-slot counts (``hvmm_mark_slots``) are not fed for SGLang's slots (a
-  foreign call on every alloc and free of every step, to learn what the free list
-  already says); instead a chunk is lent only after all its slots were found in, and
-  taken out of, SGLang's free list, on the scheduler thread that alone changes it.
-- *Chunk state* (mapped, lending, lent, busy, broken; which lent chunks no trainer buffer
-  uses): the unified allocator. The controller caches which chunks are lent and which
-  are being lent (read after every decode step: a list and a set, not a foreign call),
-  updates the cache only after the allocator succeeded, and :meth:`check_integrity`
-  verifies it.
-
-Moves:
-
-- Lend: a chunk all of whose slots are free leaves the free lists, then the unified
-  allocator records an event on every KV stream (decode's: the composition root
-  registers them, ``UnifiedAllocator.set_fence_streams``) and, once the work queued
-  there has passed it, unmaps the chunk's pages from every K/V range (a dummy page takes
-  their place) and maps them into the general arena; the new lent total is published on
-  the :class:`~harvest.memory.lent_budget.LentMemoryBudget` and the trainer's window
-  grows into it at its next unit boundary. The scheduler thread never waits for decode's
-  queued kernels here: a lend whose events have not passed stays pending (LENDING: out of
-  the free lists, its pages still in the KV ranges, not yet in the arena) and the next
-  ``maybe_lend`` (every step and idle tick) finishes it; decode needing memory meanwhile
-  cancels pending lends first (their pages never left, so that is instant).
-- Reclaim: lent chunks no trainer buffer uses come back (fences waited on) and their
-  slots rejoin the free list. If too few are unused, the controller publishes how much it
-  wants back and the trainer shrinks its window at its next unit boundary. After a step
-  or when idle (the reserve still covers decode) it never waits: a later step takes the
-  chunks. When an SGLang allocation would fail (``ensure_available``, from the hooks on
-  ``alloc`` and ``check_decode_capacity``) it waits for the trainer's acknowledgement,
-  at most ``urgent_wait_s`` (one unit, ~10 ms on a GPU; the bound only guards a hung
-  trainer), so decode does not fail or retract for lack of lent memory.
-
-Called on the scheduler thread: the urgent check (``available_size`` against the reserve,
-no device sync) after every step; the lending plan (one ``bincount`` over the free list)
-at most every ``lend_interval_s``, after a step or when idle, so that a server that is
-never idle still lends the chunks its batches leave free; the integrity check when idle,
-at most every ``integrity_interval_s``.
-
-The controller lives on the token allocator it lends from (``LENDING_ATTR``, set here),
-where the hooks on that allocator find it.
+Rules: docs/sglang-integration.md, 'KV lending (harvest/sglang/kv_lending.py)'.
 """
 
 from __future__ import annotations
