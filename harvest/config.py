@@ -4,38 +4,10 @@
 once, as a field with its bounds and description (:mod:`harvest.settings`), and all of
 them are reachable from the YAML: ``qos`` is the scheduler's :class:`SchedulerConfig`,
 ``online`` the predictor refiner's :class:`OnlineSettings`, the rest are declared here.
-Loading refuses unknown keys (a typo must not be silently ignored), wrong types and
-out-of-range values with an error naming the YAML path, the value and what is expected.
-Relative paths resolve against the YAML file's directory, so a config and its job files
-can move together. ``harvest config-schema`` prints the JSON Schema editors can check a
-file against (committed as ``docs/harvest.schema.json``).
-
-Example (every key is optional; ``harvest config-schema`` lists them all)::
-
-    qos:
-      target_tpot_ms: 40        # per-token latency target of every decode step
-      initial_margin: 0.05      # decisions aim under target x (1 - margin)
-    profile: profiles/h100-llama3-8b.json   # `harvest profile` output; required with jobs
-    allow_profile_mismatch: false           # true: use a profile of another GPU/model (warns)
-    jobs: [jobs/alpaca-lora.yaml]           # LlamaFactory-style job files (fair share by their harvest.weight)
-    queue: {max_running: 4, quantum_s: 0.5, starvation_s: 30}  # how many share the trainer, slice length
-    share_served_weights: true  # a job whose base is the served checkpoint uses its weights in place
-    ladder: auto                # or a list of decode SM counts, e.g. [132, 96, 64, 32]
-    trainer:
-      cpu_threads: 1            # torch CPU threads of the trainer's thread (on a CPU, decode keeps the other cores)
-      nice: 2                   # the trainer thread's nice increment: decode wins a contended core
-      compile: auto             # decoder layers compiled (torch.compile); auto: on CUDA, not on a CPU
-    memory:
-      reserve_tokens: auto      # free KV slots kept mapped; auto = the demand seen within a reclaim, Harli's formula as floor
-      hysteresis_chunks: 1      # lend only this many chunks above the reserve
-      max_lend_fraction: 0.8    # never lend more than this share of the KV pool
-    metrics:
-      port: 18400               # harvest's /metrics and control endpoints; 0 = off
-      host: null                # address they listen on; null = SGLang's --host
-      endpoint_nice: 10         # nice increment of the endpoint process: decode wins a contended core
-      labels: {cluster: eu-1}   # extra labels on every harvest series (model_name is always there)
-    online:
-      window: 512               # measured steps kept per level to refit the predictor
+Loading refuses unknown keys, wrong types and out-of-range values with an error naming the
+YAML path, the value and what is expected. Relative paths resolve against the YAML file's
+directory. Every key is optional: ``harvest config-schema`` prints them all (committed as
+``docs/harvest.schema.json``); an example is in README.md, 'Using it on a server'.
 """
 
 from __future__ import annotations

@@ -1,40 +1,14 @@
 """What a co-location's configuration must pass before SGLang loads a model.
 
-`harvest launch` runs :func:`check` before it execs SGLang; the plugin's launcher hook
-(``ServerArgs.from_cli_args``) runs it through :func:`check_in_child` before SGLang loads
-the model. A bad field anywhere then stops the server in seconds with one message naming
-the file and the field, instead of a scheduler traceback once the model has loaded.
+:func:`check` loads harvest.yaml and runs :data:`CHECKS` in order (the metrics endpoint's
+address, the profile's content and model, every job file as ``harvest train --check``
+checks it); the first failure is one :class:`PreflightError` naming the harvest.yaml file,
+the field and the file it names. ``harvest launch`` runs :func:`check` before it execs
+SGLang; the plugin's launcher hook runs it through :func:`check_in_child` (``python -m
+harvest.preflight``) so the launcher holds no CUDA context. What needs the device or the
+loaded model is left to the scheduler.
 
-:func:`check` loads harvest.yaml (:func:`harvest.config.load`: its own fields), then runs
-:data:`CHECKS` in order on it:
-
-- :func:`check_metrics_endpoint`: the address harvest's endpoint will listen on
-  (``metrics.port``/``metrics.host``, the per-instance ``--harvest-metrics-port``/``-host``
-  or HARVEST_METRICS_PORT/_HOST, SGLang's ``--host``) can be listened on now: a port
-  another process holds (NVIDIA's dcgm-exporter, a second instance) stops the start here.
-  The endpoint binds it later, in the scheduler; a port taken in between stops the
-  start-up there (ControlEndpointError, naming the setting too);
-- :func:`check_profile`: the profile's content, through the loader the scheduler uses
-  (``Profile.load``: every field, named by its JSON path; a directory or an unreadable
-  file is an error too); and, when ``allow_profile_mismatch`` is off, that the profile was
-  measured at the server's tensor-parallel degree when that is known
-  (:func:`harvest.predict.compat.tp_mismatch`) and for this model when the served
-  checkpoint is a local directory (:func:`harvest.predict.compat.model_mismatch`);
-- :func:`check_job_files`: every ``jobs[]`` file as ``harvest train --check`` checks it
-  (:func:`harvest.train.plan.check_job`: every key's fate, LlamaFactory's argument parser,
-  then :func:`harvest.train.plan.ready_job`, the function the build itself runs before it
-  loads the model: device, tensor-parallel and fleet keys at the server's ``--tp-size``,
-  tokenizer, template against the vocabulary, datasets, the checkpoint a run would resume
-  against the job's fingerprint). The scheduler loads each job again when it builds the
-  co-location (harvest.colocate.assemble).
-
-Every message starts with the harvest.yaml file (:func:`harvest.config.where`), then the
-field (``profile``, ``jobs[1]``), then the file that field names and what is wrong in it.
-What needs the device or the loaded model (the profile's GPU, SM count, dtype and SM
-ladder) is checked by the scheduler when it knows them.
-
-``python -m harvest.preflight`` runs :func:`check` for :func:`check_in_child`; it is not a
-command for people (``harvest launch`` is).
+Rules: docs/sglang-integration.md, 'The pre-flight check (harvest/preflight.py)'.
 """
 
 from __future__ import annotations

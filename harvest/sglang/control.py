@@ -1,41 +1,14 @@
 """harvest's HTTP endpoint for metrics and trainer control, in a process of its own.
 
-    GET  /metrics          Prometheus text format (open, as SGLang's own /metrics)
-    GET  /harvest/status   JSON: trainer, SM level, memory, QoS counters, snapshot_age_s
-    GET  /harvest/steps    JSON: {"fields": [...], "steps": [{field: value}, ...]}, oldest
-                           first: the last 512 (?limit=N for the last N, up to the 8192
-                           kept), or ?since_seq=N for every kept step after N
-    POST /harvest/pause    trainer pauses at its next unit boundary; the lent KV memory
-                           goes back to decode (memory.release_on_pause)
-    POST /harvest/resume
-    POST /harvest/stop     trainer checkpoints and stops; every lent chunk comes back and
-                           nothing more is lent
-    GET  /harvest/jobs     JSON: {"jobs": [...]}, the queue (each job's state, weight,
-                           progress, ETA, share, deficit, served adapter)
-    POST /harvest/jobs     {"path": "/abs/job.yaml"}: checked as `harvest train --check`
-                           does (in a child process), then queued (202)
-    POST /harvest/jobs/NAME/cancel            a queued job never starts; a running one
-                                              checkpoints and ends
-    POST /harvest/jobs/NAME/publish           {"as": "adapter-name"} (optional): its adapter
-                                              (final, else latest checkpoint) into SGLang
-    POST /harvest/settings {"target_tpot_ms": 35, "max_lend_fraction": 0.5,
-                           "weights": {"NAME": 3}}: all validated, then all applied
-    (400 for a bad request, 404 for an unknown job, 409 for an action the trainer's state
-    refuses, 405 for a method a route does not take)
+Serves ``/metrics`` and the ``/harvest/*`` routes (status, steps, pause, resume, stop, jobs,
+settings) from its copy of the snapshot the engine publishes at most every
+``metrics.publish_interval_s``; commands go to the engine through
+:mod:`harvest.colocate.control_link` and run between steps, so no request waits on decode
+and polling costs decode nothing. Runs at ``metrics.endpoint_nice`` with a fixed pool of
+threads. The /harvest routes follow SGLang's admin auth rule; API keys arrive in the
+environment, never on the command line.
 
-Why a process: served from a thread of the scheduler process, request handling competed
-with decode for the GIL, and polling the endpoint broke the latency target (2000 polls by
-8 clients: decode p99 29.7 -> 182.8 ms). Here the engine publishes a snapshot file at
-most every ``metrics.publish_interval_s`` and runs commands between steps
-(harvest.colocate.control_link); this process serves every request from its copy of the
-snapshot, at a lower priority than decode and the trainer (``metrics.endpoint_nice``), with a
-fixed pool of threads.
-
-The /harvest endpoints use SGLang's own auth rule for admin endpoints
-(``sglang.srt.utils.auth.decide_request_auth`` at ``ADMIN_OPTIONAL``): with no keys
-configured they are open; with ``--api-key`` and/or ``--admin-api-key`` they require the
-same Bearer token SGLang's admin endpoints require. The keys reach this process in its
-environment, never on its command line (which any local user can read).
+Routes, replies and rules: docs/metrics.md, 'The endpoint'.
 """
 
 from __future__ import annotations

@@ -1,39 +1,15 @@
 """Checkpoint the trainer when the scheduler process is told to stop.
 
-SGLang 0.5.23 stops a scheduler process in one of three ways:
+:class:`SignalCheckpoint` (in the scheduler) turns SIGINT/SIGTERM into a trainer stop
+request; once the trainer has checkpointed (on every rank, with tensor parallelism) or
+``timeout_s`` passed, SGLang's own handler is put back and the signal raised again, so
+SGLang's behaviour follows unchanged, only later. The handler only sets flags; the waiting
+and the re-raise happen in :meth:`SignalCheckpoint.poll` on the scheduler thread.
+:class:`SchedulersFirst` (in SGLang's main process) holds back its child watchdog while a
+child that ended of a stop signal has a scheduler still running, at most
+:data:`SCHEDULER_STOP_GRACE_S`.
 
-- Graceful: SIGTERM to the server's main process only (``kill <pid>``, Kubernetes,
-  ``docker stop``). It drains requests and sends the scheduler a ``ShutdownReq``; the
-  scheduler leaves its loop and the process exits normally, so the runtime's ``atexit``
-  hook stops the trainer, which checkpoints (within SGLang's 15 s grace period).
-- A signal to the whole process group (Ctrl-C, ``kill -TERM -<pgid>``, systemd's
-  control-group kill): the scheduler gets SIGINT or SIGTERM itself, whose default is to
-  die at once. :class:`SignalCheckpoint` catches them: the trainer is asked to stop (it
-  checkpoints at its next unit boundary), serving goes on meanwhile, and once the trainer
-  is done (or ``timeout_s`` passed) the scheduler thread puts SGLang's handler back and
-  raises the signal again, so what SGLang did before follows unchanged, only later.
-- SIGKILL (after the grace period, or the parent dying: ``PR_SET_PDEATHSIG``): nothing
-  runs; the last periodic checkpoint (the job's ``save_steps``) is what remains.
-
-With tensor parallelism every rank's scheduler gets the group's signal, and the trainers
-stop together (a collective checkpoint that rank 0 writes). A rank passes its signal on
-only once every rank's trainer has ended (``peers_ended``, from the ranks' step exchange):
-a rank that died first would break its peers' collectives, and SGLang answers a scheduler
-that fails with SIGKILL to the whole server, rank 0's checkpoint write included. The ranks
-see the same exchange, so they pass the signal on at the same point of the same tick.
-
-SGLang's main process takes any child's end for a crash and SIGKILLs the whole server
-within a second (its ``SubprocessWatchdog``), and on a group signal the detokenizer ends
-at once: the schedulers' checkpoints would race that kill (and lose it on a loaded
-machine or with a slow write). :class:`SchedulersFirst`, in the main process, holds that
-check back while a child that ended *of a stop signal* has a scheduler still running,
-for at most :data:`SCHEDULER_STOP_GRACE_S`; a child that crashed is acted on at once,
-as before.
-
-The handler runs on the scheduler's main thread between two bytecodes, anywhere in the
-event loop, so it only sets flags (the gate's lock is re-entrant); the waiting and the
-re-raise happen in :meth:`poll`, called from the scheduler thread at its next step or
-idle tick.
+Rules: docs/sglang-integration.md, 'Stopping the server (harvest/sglang/shutdown.py)'.
 """
 
 from __future__ import annotations
