@@ -1,38 +1,14 @@
 """The server's finetune jobs, each on a background thread, behind the scheduler's gate.
 
 The host owns the jobs' threads and everything the decode side needs from them:
+``scheduler_state()`` (what the QoS scheduler sees), ``apply(run, stream)`` (the per-step
+decision, effective at the job's next unit boundary), the job queue (:meth:`submit`,
+:meth:`cancel`; policy in :mod:`harvest.colocate.job_queue`), operator controls and a
+status per job. Invariants: only the active job's gate is ever open, so two jobs never run
+a unit at once; a job's fault ends that job only, the runtime takes back all lent memory
+and serving never stops.
 
-- ``scheduler_state()``: what the QoS scheduler sees, in the one trainer-state vocabulary
-  (:class:`~harvest.schedule.TrainerState`: absent, building, running, starved on a
-  swap-in, paused by the operator, finished, stopped, failed);
-- ``apply(run, stream)``: the per-step decision, as gate pause/resume and the trainer
-  stream of the chosen SM level, for the job that holds the trainer; takes effect at its
-  next unit boundary;
-- a **job queue** (``harvest.yaml`` ``jobs``, and :meth:`submit` / :meth:`cancel` at run
-  time): up to ``max_running`` jobs are built and share the trainer, one unit at a time,
-  by the fair-share rule of :mod:`harvest.schedule.fair_share` (virtual trainer time per
-  job weight, a quantum per slice, a starvation guard); the others wait in order. The
-  policy is :mod:`harvest.colocate.job_queue` (no threads); this module carries it out;
-- operator controls (pause / resume / stop, weights) and a status snapshot per job
-  (:mod:`harvest.colocate.job_status`);
-- fault isolation: any exception (an OOM included) in building or running a job ends that
-  job with a checkpoint where possible, records the error and tells the runtime, which
-  takes back all lent memory; decode keeps every SM while no job runs. Serving never stops.
-
-Each job has a thread and a gate of its own. Only the job holding the trainer (the
-*active* one) ever has its gate open; the others are parked at their gates with their
-state kept (mid-step included). A slice ends at a unit boundary, on the ending job's own
-thread (:meth:`_unit_done`, told by its :class:`~harvest.colocate.job_gates.JobGate`):
-its gate closes before it asks for its next unit, so two jobs never run a unit at once;
-it gives back its window of lent memory, which the next job needs. Why threads and not one loop over the jobs: a job's ``run`` keeps its place
-(gradients of a half-done step, its lent-memory follower) exactly as an operator's pause
-does, with no new state in the trainer.
-
-Two threads share the GIL. While a trainer runs, the interpreter's switch interval is
-lowered (docs/design.md "Process model": the default 5 ms would let a busy trainer hold off a
-decode step for an eighth of a 40 ms TPOT) and restored at shutdown. Each job's torch CPU
-operations run on ``cpu_threads`` intra-op threads and its thread's priority is lowered
-by ``nice``, on its own thread only (:mod:`harvest.train.trainer_cpu` says why).
+Rules: docs/design.md, 'The trainer host (harvest/colocate/trainer_host.py)'.
 """
 
 from __future__ import annotations

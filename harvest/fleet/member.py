@@ -1,36 +1,14 @@
 """A fleet member: this process's part in one job trained by many servers.
 
-Threads (none of them a decode thread):
+:class:`FleetMember` claims global steps for the trainer, keeps its heartbeat, and (in
+``periodic`` mode) takes part in the rounds that average the members' LoRA weights on a
+sync thread of its own; no decode thread ever waits for it. Invariants: every round holds
+every live member, so after it all of them start from the same weights; what a trainer
+trains during a collective is kept (``result + (now − snapshot)``); a failed collective
+changes nothing; after the job is finished no round runs, and no member is done before
+the final adapter is written.
 
-- the trainer's thread asks :meth:`FleetMember.claim` for each step's global step number
-  (periodic) or joins :meth:`every_step_group` once and sums gradients each optimizer
-  step (every_step);
-- a heartbeat thread bumps ``beat/<member>`` every ``heartbeat_s``; a member whose counter
-  stops for ``dead_after_s`` is dropped by the next round, its unsynced steps re-queued;
-- a sync thread (periodic) runs the rounds every ``sync_interval_s`` of its own clock, so
-  a member whose trainer is parked (its server busy) still takes part, bringing the few
-  tokens it trained: a busy server never paces the others.
-
-A round (periodic): members arrive (``r<N>/arrived``, the arrival order is the rank); it
-closes once every live member (and at least ``min_members``) has arrived. Waiting costs
-the trainers nothing: the sync threads wait, the trainers go on, and the snapshot is
-taken only when the round closes. Every round holds every live member, so after it all
-of them start from the same weights. The first to see the condition sets ``r<N>/size``
-(compare-set: one answer for all); a member that arrives later (it joined meanwhile)
-waits for the next round. When every step is claimed, rounds follow each other without
-the interval until every step is in the fleet's weights. The members of the round
-build a gloo group on the store (``r<N>/pg``), take a snapshot of their LoRA weights
-between two units, all-reduce, and put the result back as ``result + (now − snapshot)``:
-what the trainer trained during the collective is kept. A failed collective (a member
-died in it) changes nothing and the next round goes on without that member.
-
-The end (periodic): a round's members decide whether it finished the job only once every
-one of them has synced its steps (``r<N>/synced``), so all of them decide alike. Each of
-them then holds the finished weights; one, elected by compare-set on ``final/writer``,
-writes the final adapter and sets ``final/written``. No member is ``done`` before that
-key exists; a holder takes over the writing when the elected one is gone (one that was
-only slow writes the same weights again: each write is atomic). After the job
-is finished no round runs: averaging would mix the finished weights with stale ones.
+Rules: docs/fleet.md, 'The synchronisation rules' and 'A member's threads and store keys'.
 """
 
 from __future__ import annotations

@@ -1,38 +1,14 @@
 """UnifiedAllocator: SGLang's KV cache and the trainer's tensors on one page pool.
 
-The Python face of libharvest_vmm (hvmm.h has the design note). Typical life:
+The Python face of libharvest_vmm (hvmm.h has the design note). Contract: every method is
+thread-safe and blocking calls release the GIL; transient exhaustion returns None, bad
+input raises VmmInvalidArgument and changes nothing; query first (``can_lend``,
+``can_reclaim``), mutate second. Invariants: no KV page is unmapped before the work queued
+on every fence stream has passed (a ``lend(c, wait=False)`` that must wait leaves the chunk
+LENDING); a reclaimed chunk's arena range shows the dummy page; the allocator is the
+authority on chunk state, the serving side (SGLang's free lists) on slot liveness.
 
-    alloc = UnifiedAllocator(num_layers=32, kv_heads=8, head_dim=128, dtype_bytes=2,
-                             max_tokens=200_000, small_pool_bytes=256 << 20, backend="cuda")
-    k0 = alloc.kv_tensor(0, "k", torch.float16, (alloc.geometry.token_capacity, 8, 128))
-    alloc.set_fence_streams([decode_stream])  # the streams whose kernels may touch KV memory
-    alloc.mark_slots_live(slots)            # optional: see "Slot liveness" below
-    if alloc.can_lend(c): alloc.lend(c)     # query first, mutate second
-    block = alloc.allocate(64 << 20)        # trainer memory, or None right now
-    t = block.tensor(torch.bfloat16, shape)
-    block.free(streams=[trainer_stream])    # fence: reclaim waits for the stream
-    if alloc.can_reclaim(c): alloc.reclaim(c)
-
-Every method is safe to call from several threads; calls that can block (lend,
-reclaim, fence waits) release the GIL (ctypes does so for every foreign call).
-Transient exhaustion returns None; bad input raises VmmInvalidArgument and changes
-nothing.
-
-Fences (hvmm.h): no KV page is unmapped before the work queued on every fence stream
-(``set_fence_streams``) has finished. ``lend(c)`` waits for that (an event wait);
-``lend(c, wait=False)`` never blocks: if decode is still busy the chunk stays LENDING
-(its pages still back the KV slots, the arena cannot hand them out) and a later
-``finish_lends()`` completes it, or ``cancel_lends`` gives it back. A reclaimed chunk's
-arena range shows the dummy page, so a tensor view kept past its free and the reclaim
-reads garbage instead of faulting or reaching the KV data. Small-pool blocks freed with
-streams are reused only after those streams pass their fences.
-
-Slot liveness: the allocator refuses to lend a chunk with live slots only if the serving
-side marks them (`mark_slots_live` / `mark_slots_free`). With SGLang it does not: SGLang's
-free lists are the authority on free slots, and `harvest.sglang.kv_lending` takes a
-chunk's slots out of them before lending it (its `check_integrity` requires the counts
-here to stay 0). The allocator is the authority on chunk state: `chunk_table`,
-`reclaimable_chunks`.
+Usage and rules: docs/design.md §1, 'The allocator's Python face'.
 """
 
 from __future__ import annotations

@@ -1,36 +1,14 @@
 """The layer-split trainer on one tensor-parallel rank: its shard of the model, the
 collectives between shards, and agreement with the other ranks at unit boundaries.
 
-Sharding is the served model's (SGLang's, Megatron's), so that in same-base-model mode
-each rank trains on the weight shard it serves, in place:
+Invariants: the sharding is the served model's (SGLang's, Megatron's), so a rank trains the
+weight shard it serves, in place; the loss and every whole LoRA tensor's update are the
+tp = 1 ones on every rank; every rank runs the same units in the same order, agreed before
+each unit (:meth:`TensorParallel.agree`: run, wait or stop), on a process group of the
+trainer's own; a peer's fault ends the wait (:class:`PeerTrainerFault`) instead of hanging;
+checkpoints are what a tp = 1 run writes (gathered whole, written by rank 0).
 
-- column-parallel projections (q/k/v, gate/up): output rows split; their LoRA B is split
-  the same way and their LoRA A is whole on every rank (SGLang's LoRA does the same);
-- row-parallel projections (o, down): input columns split, partial outputs summed
-  (all-reduce); LoRA A split by columns, LoRA B whole;
-- embedding and LM head: the vocabulary split as SGLang's VocabParallelEmbedding and
-  ParallelLMHead split it (padded to a multiple of 64, equal parts); the head's logits
-  are gathered so the loss is the tp = 1 loss, on every rank.
-
-A whole (replicated) LoRA tensor gets a part of its gradient on each rank: the parts are
-summed before the update, so every rank applies the same update to it. The gradient
-norm for clipping counts split tensors once per rank and whole ones once.
-
-Collectives run on the trainer's own process group over the same ranks as the served
-model's (``torch.distributed.new_group``): a communicator of its own, because the
-decode thread's collectives and the trainer thread's would otherwise interleave in a
-different order on different ranks. On gloo (CPU) a wait polls, so that a rank whose
-peer's trainer faulted gives up (:class:`PeerTrainerFault`) instead of waiting forever;
-on NCCL the runtime aborts the group.
-
-Every rank runs the same units in the same order: before each unit the ranks agree
-(:meth:`TensorParallel.agree`, the minimum of their votes) to run it, to wait (a rank's
-window cannot hold the stage yet) or to stop (any rank's gate said stop). So a stop or
-pause on one rank is a stop or pause everywhere at the same unit boundary, and no rank is
-ever inside a unit's collectives while another runs something else.
-
-Checkpoints stay what a tp = 1 run writes: the split LoRA tensors (and their optimizer
-state) are gathered whole, rank 0 writes, and a resume on any TP degree splits again.
+Rules: docs/tensor-parallel.md, 'The tensor-parallel trainer'.
 """
 
 from __future__ import annotations
