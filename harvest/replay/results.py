@@ -1,34 +1,12 @@
 """From simulations to the numbers the replay reports: per-policy metrics and the gains
 of each policy over the baselines.
 
-Definitions:
+Every policy is accounted over one horizon; TPOT samples are per output token; finetune
+throughput is reported per instance and per GPU (``separate`` counts its training GPUs,
+a tensor-parallel instance its N GPUs), and ``gain_vs[b]`` compares per-GPU figures. The
+steps outside the profile's measured range are counted and warned about.
 
-- TPOT samples are per output token: a step of latency L with batch size n gives n
-  tokens of TPOT L. ``violation_rate`` is the fraction of tokens decoded by a step over
-  the target; ``step_violation_rate`` the fraction of steps (what the scheduler counts).
-- All policies are accounted over the same horizon: from the window's start to the end
-  of the latest policy's last step. A policy that finished earlier idles until then
-  (its trainer at its idle share).
-- Finetune throughput is in whole-GPU trainer equivalents (see ``trainer_model``), per
-  decode instance (``finetune_gpu_equivalents``, ``finetune_tokens_per_s``) and **per
-  GPU** (``*_per_gpu``), as Harli compares: each policy serves the whole trace on one
-  decode instance; ``separate`` occupies two GPUs (one decoding, one training alone, 1.0)
-  so its per-GPU throughput is 0.5, while ``harvest``, ``static`` and ``decode-only`` use
-  one. (Two co-located GPUs could instead split the trace, each at half the load; per GPU
-  that only helps the co-located policies, so the figure reported here is the
-  conservative one for them.)
-- A decode instance of tensor-parallel degree N (the profile's ``tp_size``) spans N GPUs.
-  The trainer model's shares are one GPU's (rank 0's, where `harvest profile` ran the
-  trainer); every rank runs the same steps on the same level, and the trainer is split
-  over the ranks as the model is, so the instance trains N times one GPU's share.
-  ``separate`` adds N GPUs training alone (N × 1.0) to its N decode GPUs. Per GPU, the
-  finetune figures are then those of N = 1 with the profile's latencies; per instance, N
-  times them.
-- ``gain_vs[b] = per-GPU throughput / baseline b's per-GPU throughput − 1``.
-- ``steps_outside_profile_fraction``: the fraction of the policy's decode steps whose
-  batch size or Σctx lies outside the profile's ``profiled_range`` (what `harvest profile`
-  measured): their latencies are extrapolated. Over OUTSIDE_PROFILE_WARN_FRACTION for any
-  policy, the replay warns and its report says so on its first line.
+Definitions: docs/design.md, 'The replay's results (harvest/replay/results.py)'.
 """
 
 from __future__ import annotations

@@ -1,33 +1,14 @@
 """The discrete-event simulation of one decode instance under a request trace.
 
-Model (one event per decode step; time jumps over idle gaps):
+One event per decode step; time jumps over idle gaps. Requests arrive prefilled (PD
+disaggregation), wait in a FIFO queue, and join the batch at a step boundary while the
+batch size and KV capacity allow (a request reserves its final size, so none is ever
+preempted); a step decodes one token per request at the policy's latency; finetune work
+accrues at the policy's trainer share per step and its idle share over idle gaps. An
+optional KV memory model (:class:`harvest.replay.kv_memory.LendingModel`) runs around
+every step and idle gap.
 
-- A request arrives after its prefill ran elsewhere (PD disaggregation): its KV holds
-  its ``context_tokens`` and the prefill produced its first output token, so it needs
-  ``generated_tokens − 1`` decode steps; a request with one output token never reaches
-  decode and is counted as prefill-only.
-- Arrivals wait in a FIFO queue and join the batch only at a step boundary, in order,
-  while the batch has fewer than ``max_batch_size`` requests and the KV capacity holds
-  the head request's whole footprint. KV: a request *reserves* ``context + generated``
-  tokens when admitted (its final size, so a running request is never preempted; SGLang
-  instead estimates output lengths and retracts on overflow) and *holds* its current
-  sequence length, ``context + tokens decoded so far``; both are freed when it leaves. A
-  request larger than the whole capacity can never run and is dropped on arrival.
-- A step decodes one token for every request in the batch; its latency comes from the
-  policy (profile prediction for the batch size and Σ sequence lengths of the step, the
-  token being decoded included, as SGLang's ``seq_lens_sum``). A request leaves at the
-  end of its last step.
-- Finetune work accrues at the policy's trainer share during each step and at its idle
-  share while the batch is empty.
-- With a KV memory model (:class:`harvest.replay.kv_memory.LendingModel`, harvest's
-  lending), every step's allocations come out of the mapped free slots first: when they
-  do not fit, lent chunks come back while decode waits, and the step takes that much
-  longer; between steps and over idle gaps the model lends and reclaims as the server's
-  controller does (the memory module's doc).
-
-Σ sequence lengths is kept in O(1) per step: a request admitted before step ``s0`` with
-context ``c`` has length ``c + k − s0 + 1`` at step ``k``, so the batch's sum is
-``Σc − Σs0 + n·(k + 1)``. Completions come off a heap keyed by their last step.
+Rules: docs/design.md, 'The replay's decode instance (harvest/replay/simulator.py)'.
 """
 
 from __future__ import annotations

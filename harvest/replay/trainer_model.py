@@ -1,35 +1,12 @@
 """How much finetune work the trainer does on each SM level: the replay's trainer model.
 
-Unit: *whole-GPU trainer equivalents* — 1.0 is the finetune job running alone on a
-whole GPU (SeparateMode's training GPU). Finetune throughput in tokens/s is that times
-the job's rate alone on a whole GPU in tokens/s, when one is known; every gain the
-replay reports is a ratio of two throughputs and does not depend on it. The shares here
-are one GPU's; a tensor-parallel profile measured them on rank 0's GPU, and
-:mod:`harvest.replay.results` counts the instance's N GPUs.
+Unit: whole-GPU trainer equivalents (1.0 is the job alone on a whole GPU); shares are one
+GPU's, :mod:`harvest.replay.results` counts an instance's GPUs. Version-2 profiles give
+each level's co-running and idle shares from the trainer rates ``harvest profile``
+measured; version-1 profiles fall back to the SM-share model (an upper bound: memory
+bandwidth contention is not modelled).
 
-Measured (a profile with a ``trainer`` section, schema version 2): ``harvest profile``
-ran the co-run workload alone on every level's trainer SMs and on the whole device, in
-each phase. A rate in units/s over phases is that of a trainer alternating them (one
-unit of each phase per micro-batch): ``n / Σ_phase 1/rate(phase)``. Then, for level ``i``:
-
-- decode co-running: the co-run grid points' rate (``trainer_units`` over the summed
-  latency of their timed steps, which ran back to back) / the whole-device alone rate;
-- no decode step running: the level's alone rate / the whole-device alone rate;
-- tokens/s on a whole GPU: the whole-device alone rate × the workload's tokens per unit
-  (``--trainer-tokens-per-s`` overrides it, e.g. for a job other than the profiled one).
-
-Fallback, the SM-share model (version-1 profiles, which record neither the trainer's
-rate alone nor the tokens in a unit, so their co-run units cannot be turned into a
-fraction of the solo rate):
-
-- a level whose decode and trainer SMs are disjoint (green-context split): the trainer
-  runs at ``trainer_sms / total_sms`` of its solo rate. An upper bound: memory-bandwidth
-  contention with decode (Harli (arXiv:2511.11729) §5.2.2) slows the trainer too, and that is not modelled;
-- SMs both tasks use (the one shared level of a device without partitioning): time
-  sharing — decode is slowed by the stage-2 factor ``F = L_colo / L_solo`` and the
-  trainer gets the time decode lost, ``1 − 1/F`` of those SMs;
-- no decode step running (batch empty): the trainer runs alone on its level's trainer
-  SMs, ``trainer_sms / total_sms``.
+Rules: docs/design.md, 'The replay's trainer model (harvest/replay/trainer_model.py)'.
 """
 
 from __future__ import annotations

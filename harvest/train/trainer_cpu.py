@@ -1,33 +1,14 @@
 """The trainer thread's share of the CPU: its torch intra-op threads and its priority;
 and, on a CPU device, decode's share: the cores the trainer leaves.
 
-The trainer runs on a thread of the serving process; its threads and priority are set on
-that thread only, decode's threads on the decode (scheduler) thread. The measurements
-behind each choice are in docs/measurements.md ("The trainer's share of a CPU").
+Invariants: the trainer's thread count (``cpu_threads``) and nice increment are set on that
+thread only (:func:`claim_trainer_thread`), and the process default thread count is put
+back (:func:`restore_process_default`), so the serving threads are left as they were; on a
+CPU device decode runs on the cores the trainer does not use
+(:func:`decode_threads_beside_trainer`).
 
-Threads. Left alone, the trainer's torch CPU operations would use the process's intra-op
-thread count and start an OpenMP team of their own beside decode's; with more OpenMP
-threads than cores, idle team threads sleep and every one of decode's small operations
-pays a wake-up. So the trainer's thread gets ``cpu_threads`` (default 1).
-
-``torch.set_num_threads`` sets the calling thread's OpenMP (and MKL) thread count, and
-also the process default that a thread takes when torch first initialises its threads
-(lazily: at its first parallel operation or ``get_num_threads``; that would overwrite a
-count set before it). :func:`limit_trainer_thread` has the trainer thread initialise
-first, then sets its count; :func:`restore_process_default` puts the default back, so the
-serving threads are left exactly as they were.
-
-Decode's share. On a CPU with few cores, decode's own OpenMP team (one thread per core
-by default) plus the trainer's thread is still one thread more than cores, and a team
-needs all its threads running at once to pass its barriers: now and then a co-located
-step waits out whole OS time slices. So on a CPU, decode keeps the cores the trainer
-does not use (:func:`decode_threads_beside_trainer`; the runtime and ``harvest profile``
-both apply it), trading a higher co-located median for a bounded worst case.
-
-Priority. At equal priority the OS hands a contended core to the trainer for whole time
-slices while a decode thread waits, and decode's team stalls at its next barrier. A small
-nice increment on the trainer's thread (Linux schedules threads individually) lets a
-waking decode thread take the core at once; larger ones starve the trainer.
+Rules: docs/design.md, 'The trainer's CPU share (harvest/train/trainer_cpu.py)'; figures:
+docs/measurements.md, 'The trainer's share of a CPU'.
 """
 
 from __future__ import annotations
