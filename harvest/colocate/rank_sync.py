@@ -1,30 +1,14 @@
 """The decode ranks of one tensor-parallel instance, agreeing at every step.
 
-SGLang runs one scheduler per TP rank and relies on their state staying identical: each
-rank receives the same requests and makes the same decisions from its own (identical)
-free lists. harvest keeps it so. Everything a rank's own clock or trainer could make
-different crosses over here, once per step and per idle tick, in one small exchange on
-a gloo group of harvest's own (``all_gather`` of one row per rank):
+SGLang relies on its TP ranks' schedulers staying identical; harvest keeps them so.
+Everything a rank's own clock or trainer could make different crosses over here, once per
+step and per idle tick, in one ``all_gather`` of one row per rank on a gloo group of
+harvest's own: rank 0's decision, operator commands and lend clock; every rank's step
+times, trainer fault, lending counts and moves digest, and whether its trainer has ended.
+KV chunks move in or out of SGLang's free lists only at the same points on every rank and
+only with agreement (:meth:`RankSync.all_of`).
 
-- rank 0's decision for the step (SM level, trainer runs or not): every rank runs the
-  same level and gates its trainer the same way, since decode's collectives would
-  otherwise wait for the slowest rank. Rank 0 decides and the decision travels with the
-  step (rather than every rank deciding from the same inputs: the inputs include each
-  rank's measurements and trainer state, which would have to cross over anyway);
-- each rank's measured step times: rank 0's predictor and QoS feedback see the slowest
-  rank's time (the step ends when the last rank's collectives do);
-- each rank's trainer fault, and the lending state: a fault or a broken lending check on
-  any rank stops every rank's trainer and returns all lent memory everywhere;
-- rank 0's operator commands and its lend clock (when to look for chunks to lend);
-- each rank's count of chunks lent or being lent and a digest of which chunks moved, in
-  order: they must be equal (a check; if not, lending and the trainers stop everywhere);
-- whether each rank's trainer has ended: a rank told to stop (SIGTERM) passes the signal
-  on only once every rank's trainer has, so no rank leaves while a peer still needs it
-  (rank 0 writing the collective checkpoint, a peer inside this exchange).
-
-KV chunks move in and out of SGLang's free lists only at the same points on every rank
-and only with agreement (:meth:`RankSync.all_of`): a chunk is lent when it is free on
-every rank (the free lists are equal), and comes back when every rank can give it back.
+Rules: docs/tensor-parallel.md, 'The rule everything follows' and 'The step exchange'.
 """
 
 from __future__ import annotations

@@ -1,31 +1,14 @@
 """harvest's Prometheus metrics: names, types and the one object that updates them.
 
-Names follow Prometheus conventions: ``harvest_`` prefix, base units (seconds, bytes,
-ratios), ``_total`` on counters. The runtime owns one :class:`HarvestMetrics` and pushes
-plain numbers into it; nothing here reads harvest state by itself.
+Names follow Prometheus conventions (``harvest_`` prefix, base units, ``_total`` on
+counters). The runtime owns one :class:`HarvestMetrics` and pushes plain numbers into it;
+nothing here reads harvest state by itself. Invariants: no misleading zeros (a gauge is
+absent until written, and an unknown value removes its series; counters and histograms
+start at 0); counters only grow (per-job running totals advance them by their increase);
+constant labels are added once, at :meth:`HarvestMetrics.exposition`, by a wrapping
+collector. With ``PROMETHEUS_MULTIPROC_DIR`` set, values reach SGLang's /metrics too.
 
-Invariants (docs/metrics.md says which series appear when):
-
-- **No misleading zeros.** A gauge is absent from the exposition until harvest writes it
-  (an unlabelled one joins the registry with its first value; a labelled one has no series
-  until then), and a value that is unknown (None, NaN) removes the series rather than
-  writing 0 or NaN. Counters and histograms are present from the start, at 0.
-- **Counters only grow.** Per-job work comes as per-instance running totals (a job run in
-  this process starts at 0, a resumed run again at 0); a counter advances by their
-  increase, so several runs of one job continue one series upward.
-- **Constant labels once, at exposition**: every sample of :meth:`HarvestMetrics.exposition`
-  carries them (``model_name`` and the operator's own), added by a wrapping collector,
-  not by each metric.
-
-Where they are exported (docs/metrics.md): the scheduler process renders this registry
-into the control snapshot, and harvest's endpoint process serves it on ``metrics.port``
-(``/metrics``; harvest.sglang.control). When SGLang
-runs with ``--enable-metrics`` it sets ``PROMETHEUS_MULTIPROC_DIR``; prometheus-client
-then stores harvest's values in that directory too, so SGLang's own ``/metrics`` shows
-them as well. Gauges use ``multiprocess_mode="mostrecent"`` so that case aggregates to the
-latest value rather than a sum over processes. Two things do not reach that second path:
-the constant labels (they are added at harvest's exposition) and removals
-(prometheus-client's multiprocess files keep a series once written).
+Which series appear when, and how they are exported: docs/metrics.md.
 """
 
 from __future__ import annotations

@@ -1,31 +1,14 @@
 """Fair share of the trainer's time between the jobs of one server (pure policy).
 
-Several finetune jobs run on one decode server; one trainer unit runs at a time, so the
-jobs share the trainer's time. The rule is FlexLLM's virtual token counters (Oliaro et
-al., "FlexLLM: Token-Level Co-Serving of LLM Inference and Finetuning with SLO
-Guarantees", NSDI 2026, arXiv:2402.18789, appendix C), counted in trainer seconds instead of tokens
-(what an operator's weights mean: "job B gets three times A's trainer time", whatever
-either's tokens cost):
+FlexLLM's virtual counters in trainer seconds: each job's virtual time is
+``service_s / weight`` and the next slice goes to the runnable job with the least; a slice
+lasts at least ``quantum_s``; a joining job starts at the least running virtual time (no
+back-pay); a job that waited ``starvation_s`` runs next whatever the counters say.
+``deficit_s`` is a job's weighted share of the service minus its own (> 0: behind).
+Standard library only; time comes in as arguments (tests drive it).
 
-- every job has a **virtual time** ``v = service_s / weight``; the next slice goes to the
-  runnable job with the least ``v`` (ties: the earliest submitted);
-- a slice lasts at least ``quantum_s`` of trainer time, then ends at the next unit
-  boundary where another runnable job is behind: switching jobs costs a window reload, so
-  it is not done per unit;
-- a job that joins (submitted, or built after the others started) starts at the least
-  ``v`` of the jobs already running, as FlexLLM's counters do: it gets its share from
-  now on, not the back-pay of the time before it existed (which would shut the others
-  out for as long);
-- **starvation guard** (HyGen's, arXiv:2501.14808, in time): a runnable job that has waited
-  ``starvation_s`` since its last slice gets the next one, whatever the counters say
-  (a weight of 0.01 beside 100 still runs every ``starvation_s``);
-- a weight change counts from the moment it is made (the job's virtual time stays where
-  it is; service from then on is divided by the new weight).
-
-``deficit_s`` says where each job stands: its weighted share of all the service the
-active jobs received, minus its own (> 0: behind its share, < 0: ahead).
-
-Standard library only; time comes in as arguments (tests drive it)."""
+Rules: docs/design.md §4, 'The jobs' fair share (harvest/schedule/fair_share.py)'.
+"""
 
 from __future__ import annotations
 

@@ -2,30 +2,13 @@
 ``advance`` the scheduler's state past it. Nothing here mutates anything, so the whole
 policy can be replayed and tested step by step (query first, mutate second).
 
-Harli's rule (§6.2): predict each SM level's co-located decode latency and run the level
-closest to, but under, the QoS target; if none fits, pause the trainer and give decode
-the whole device (the ladder's last level); if the trainer is starved waiting on a swap-in, give decode every SM for
-that step. "Closest under" is the throughput choice: finetune throughput is highest when
-decode runs just under its target, because decode then leaves the most memory bandwidth
-to the trainer (§5.2.3). harvest adds (docs/design.md, "Beyond Harli"):
+Harli's rule (§6.2): run the SM level whose predicted co-located latency is closest to,
+but under, the QoS target; if none fits, pause the trainer and give decode the whole
+device. harvest adds a feedback margin (``margin.py``), hysteresis on level changes QoS
+does not require, a minimum-progress floor for a paused trainer and a backoff after
+violations the margin could not absorb. A change QoS requires always happens at once.
 
-- a feedback margin: "under" means under ``target × (1 − margin)`` (see ``margin.py``);
-- hysteresis: a level change QoS requires (the level in force no longer fits) happens at
-  once; one it does not (a better level exists, or the trainer could resume after a
-  pause) waits until it has been available for ``hysteresis_steps`` consecutive steps,
-  or happens at once if it gains at least ``hysteresis_gain`` × target of predicted
-  latency. Each change moves the trainer's work to another partition, so flapping
-  between neighbouring levels buys nothing and costs a stream switch per step;
-- a minimum-progress floor: after ``floor_after_paused_steps`` steps of a runnable but
-  paused trainer, one step on the safest level that predicts under the floor's relaxed
-  target (without the default headroom, with what the feedback margin learned) — never
-  one predicted over it;
-- a backoff: after co-located violations the feedback margin could not absorb (it was at
-  its maximum), a runnable trainer stays paused, floor included, for ``backoff_until``
-  (set by the controller from ``margin.backoff_after``).
-
-Cost: one pass over the levels plus one Decision per step (a second pass only when the
-floor fires).
+Rules: docs/design.md §4, 'The scheduling rule (harvest/schedule/rule.py)'.
 """
 
 from __future__ import annotations

@@ -1,32 +1,14 @@
 """Finetune job definitions: LlamaFactory's own argument vocabulary plus a `harvest:` section.
 
-A job file is the YAML a user would give `llamafactory-cli train` (``model_name_or_path``,
-``template``, ``dataset``, ``dataset_dir``, ``finetuning_type: lora``, ``lora_rank``,
-``lora_alpha``, ``lora_target``, ``cutoff_len``, ``learning_rate``,
-``per_device_train_batch_size``, ``gradient_accumulation_steps``, ``num_train_epochs`` or
-``max_steps``, ``output_dir``, ``save_steps``, ``seed``, ...) with one extra mapping::
+A job file is the YAML a user would give ``llamafactory-cli train``, with one extra
+``harvest:`` mapping for the layer-split trainer. Everything is validated here, once,
+before any model or data is loaded: a bad value raises `JobError` naming the field. Every
+LlamaFactory key has a fate (`harvest.train.job_keys`): honoured, refused naming the key
+and the reason, or accepted with a note (`TrainJob.notes`); LlamaFactory's own parser then
+runs and its errors are re-raised as `JobError`. Relative paths resolve against the job
+file's folder; ``model_name_or_path`` is never downloaded.
 
-    harvest:
-      micro_batch_size: auto      # or an integer; auto = measured so a unit takes ~unit_target_ms
-      unit_target_ms: 10          # target duration of one (stage, micro-batch, fwd|bwd) unit
-      window_stages: all          # frozen-weight window W in stages (embed, each layer, head)
-      memory_budget_mb: null      # device memory the trainer may hold; null = no limit
-      microbatches_per_pass: 1    # micro-batches that share one pass over the layers
-      device: auto                # auto | cpu | cuda | cuda:N
-
-Everything is validated here, once, before any model or data is loaded: a bad value raises
-`JobError` naming the field. Every LlamaFactory key has a fate (`harvest.train.job_keys`):
-honoured, refused naming the key and the reason, or accepted with a note (`TrainJob.notes`).
-LlamaFactory's own parser (`get_train_args`) then runs and its errors are re-raised as
-`JobError` too.
-
-Paths: a job read from a file resolves a relative ``output_dir``, ``dataset_dir``,
-``media_dir`` and ``tokenized_path`` against the job file's folder (a server's working
-directory is often ``/``); ``dataset_dir`` falls back to the working directory where the
-job file's folder has no such folder (``llamafactory-cli train examples/x.yaml`` run from
-LlamaFactory's checkout), and the log says which it took. ``model_name_or_path`` is a local
-directory or a hub id found in the local Hugging Face cache (offline: nothing is
-downloaded). `check_job` (harvest.train.plan) goes further: tokenizer, template and dataset.
+Keys, paths and an example: docs/jobs.md (the top, 'Paths', 'Every key').
 """
 
 from __future__ import annotations
