@@ -1,28 +1,15 @@
 """Calibration profiles: the versioned JSON file `harvest profile` writes (profiles/*.json).
 
-A profile holds where and how it was measured (provenance), the ladder and batch-size
-buckets it was measured on, every raw step latency, the fitted coefficients of both
-stages and their error. ``profiles/README.md`` documents each field. Loading validates
-everything (:mod:`harvest.predict.strict_json`) and the cross-field invariants below,
-among them that the fitted coefficients are physically possible (:func:`_check_stage1`,
-:func:`_check_stage2`), so a profile that loads is one the predictor can use; whether it
-matches the *running* GPU, model and ladder is :mod:`harvest.predict.compat`'s question.
-Every refusal is a :class:`ProfileError` naming the file and the JSON path of the value.
+A profile holds its provenance, the ladder and batch-size buckets it was measured on,
+every raw step latency, and both stages' fitted coefficients and error. Loading validates
+every field (:mod:`harvest.predict.strict_json`) and the cross-field invariants, among them
+that the coefficients are physically possible, so a profile that loads is one the
+predictor can use; every refusal is a :class:`ProfileError` naming the file and the JSON
+path. A profile without ``stage2`` is a :class:`Stage1Profile` (``harvest replay``'s
+baselines). Older versions load and save back as the version they were read as; whether a
+profile matches the running GPU, model and ladder is :mod:`harvest.predict.compat`'s job.
 
-A profile whose co-run stage was never measured (no ``stage2``) is not a ``Profile``;
-:class:`Stage1Profile` reads one, checked the same way but for stage 2, for the uses
-that need no co-location model (``harvest replay``'s baselines).
-
-Bump SCHEMA_VERSION on any change a reader of the previous version would misread.
-Version 2 added the optional ``trainer`` section (the finetune workload's rate alone);
-version-1 files still load, with ``trainer`` None, and save back as version 1.
-Version 3 added ``provenance.tp_size`` (the tensor-parallel degree of the measured decode
-instance: a step's latency depends on it); version-1 and -2 files, all measured on one
-rank, load with ``tp_size`` 1 and save back without it.
-The optional ``memory`` section (the KV chunk's lend and reclaim times, read by `harvest
-replay`) may be absent in a file of any version: absent, it loads as None, and None is
-written back as absent, so a file without it reads and writes as before (a reader that
-predates it refuses a file that has one: an unknown field, not a misreading).
+Fields, versions and rules: profiles/README.md, 'Schema (version 3)'.
 """
 
 from __future__ import annotations

@@ -1,29 +1,12 @@
 """Serve a finished job's PEFT LoRA adapter from the running SGLang server, by name.
 
-Why over HTTP: in SGLang 0.5.23 a dynamic load goes through the TokenizerManager (main
-process), which fans the load out to every TP rank's scheduler and then registers the name
-so that ``/generate`` accepts ``"lora_path": NAME``. ``POST /load_lora_adapter`` is the one
-entry that does all of it; a scheduler-side call would load weights no request can name.
-So this module is a plain urllib client, importable without SGLang or torch.
+A plain urllib client of SGLang's ``POST /load_lora_adapter`` (the one entry that loads on
+every TP rank and registers the name), importable without SGLang or torch. Never call it
+from the scheduler's loop thread or the HTTP server's event loop: the endpoint waits for
+every scheduler, so it would wait for itself. Query first: :func:`adapter_problem` refuses
+an adapter SGLang would reject vaguely or serve wrongly before anything is sent.
 
-Never call it from the scheduler's own loop thread (or the HTTP server's event loop): the
-endpoint waits for every scheduler to answer, so a scheduler blocked in this call would
-wait for itself until ``timeout_s``. The trainer thread or a worker thread is fine.
-
-Query first: ``adapter_problem`` reads adapter_config.json before anything is sent,
-because SGLang checks an adapter only inside the scheduler and then gives one generic
-"incompatible with the current LoRA memory pool" for both a rank and a module mismatch,
-and because it silently serves PEFT options it ignores with the wrong weights: it scales
-every adapter by lora_alpha / r (sglang/srt/lora/lora.py), so ``use_rslora``,
-``rank_pattern``/``alpha_pattern``, LoRA biases and ``modules_to_save`` would give
-outputs that are not the trained model's.
-
-On CPU (measured with the tiny Llama): SGLang 0.5.23's LoRA layers allocate pinned host
-tensors unconditionally (``pin_memory=True`` in sglang/srt/lora/layers.py and the
-backends), so with a CPU-only torch build a server started with ``--enable-lora`` dies at
-start-up ("pin_memory=True requires a CUDA or other accelerator backend"); with pinning
-made a no-op, ``--lora-backend torch_native`` serves adapters matching PEFT's greedy
-output token for token, while the default ``csgmv`` backend's Triton kernels need a GPU.
+Rules: docs/jobs.md, 'Serving what was trained'.
 """
 
 from __future__ import annotations

@@ -1,29 +1,13 @@
 """Entry point of harvest's SGLang plugin (group ``sglang.srt.plugins``).
 
-SGLang calls :func:`load` in every process it starts (launcher, engine, each scheduler
-subprocess). It registers harvest's hooks with SGLang's ``HookRegistry``:
+SGLang calls :func:`load` in every process it starts. It registers harvest's command-line
+flags, the pre-flight check around ``ServerArgs.from_cli_args`` and the co-location hooks
+of :mod:`harvest.sglang.hooks`. Invariants: a server without ``--enable-harvest`` is never
+affected; with it, a wrong SGLang version or an unresolved hook target refuses start-up
+from ``from_cli_args`` or ``Scheduler.__init__`` (SGLang swallows exceptions from ``load``
+itself); each scheduler subprocess gets back the CUDA_DEVICE_MAX_CONNECTIONS harvest needs.
 
-- ``ServerArgs.add_cli_args`` (AFTER): adds ``--enable-harvest`` and ``--harvest-config``.
-- ``ServerArgs.from_cli_args`` (AROUND): runs harvest's pre-flight check in the launcher,
-  before SGLang loads the model (harvest.preflight: harvest.yaml, its profile's content
-  and served model, its job files; in a child process, so that the launcher starts no
-  CUDA), and hands "enabled + config path" to the subprocesses through the environment
-  (``ServerArgs`` is a msgspec Struct: it cannot carry extra fields).
-- the co-location hooks of :mod:`harvest.sglang.hooks`, active only when enabled.
-
-Two failure rules. SGLang catches and logs any exception a plugin's ``load`` raises, and
-``HookRegistry.apply_hooks`` logs and skips a target that does not resolve, so neither can
-stop a server. harvest therefore checks the SGLang version and resolves every hook target
-itself in ``load``; if something is wrong *and harvest is enabled*, the refusal is raised
-from ``from_cli_args`` (launcher) or ``Scheduler.__init__`` (subprocess), where exceptions
-do stop start-up. A server without ``--enable-harvest`` is never affected.
-
-CUDA_DEVICE_MAX_CONNECTIONS (harvest.compute.device): harvest's streams need more
-hardware queues than the driver's default 8. SGLang's launcher sets the variable to 8
-(``_set_envs_and_config``) after ``from_cli_args`` and before it spawns the schedulers,
-so the launcher records the value harvest wants (the operator's, else 32) under
-HARVEST_CUDA_DEVICE_MAX_CONNECTIONS, and ``load`` in each scheduler subprocess (SGLang
-calls it first thing there, before CUDA starts) puts it back.
+Rules: docs/sglang-integration.md, 'The plugin's entry point (harvest/sglang/plugin.py)'.
 """
 
 from __future__ import annotations
