@@ -1,27 +1,15 @@
 """The SM ladder: how decode and the finetune trainer may split the GPU's SMs. Pure data.
 
-A *level* gives decode ``decode_sms`` and the trainer ``trainer_sms`` of the device's
-streaming multiprocessors (SMs); a *ladder* is the fixed list of levels built at start-up
-(harvest.compute), measured by the profiler, predicted by harvest.predict and chosen
-from, one level per decode step, by harvest.schedule. This one type family serves all of
-them, so a level index means the same level everywhere.
-
-Invariants (checked on construction, errors name the field):
-- levels are in the partitioner's order (the planner builds them in ascending decode
-  SMs), and the last one gives decode the whole device: ``whole_device_index`` is where
-  decode runs alone at full speed, so the scheduler pauses the trainer there;
-- ``realisation`` says how the levels are made: ``WHOLE_DEVICE`` (no spatial
-  partitioning: one level on which decode and trainer share every SM,
-  ``decode_sms == trainer_sms == total_sms``) or ``GREEN_CONTEXTS`` (disjoint SM sets,
-  ``decode_sms + trainer_sms <= total_sms``, trainer 0 meaning "trainer paused").
-
-What two ladders compare and serialise by is the split itself (total SMs, realisation,
-each level's SM counts): that is what a profile was measured on. How the ladder was
-planned (``constraints``, ``note``) and a built level's stream handles are carried along
-for the code that needs them, but take no part in equality or ``to_dict``, so the
-partitioner's ladder equals the one a profile loaded from JSON.
-
-This module imports nothing outside the standard library (policy imports no torch).
+A *level* gives decode ``decode_sms`` and the trainer ``trainer_sms`` of the device's SMs; a
+*ladder* is the fixed list of levels built at start-up (harvest.compute), measured by the
+profiler, predicted by harvest.predict and chosen from by harvest.schedule, so a level index
+means the same level everywhere. Invariants (checked on construction, errors name the
+field): levels are in the partitioner's order and the last gives decode the whole device
+(``whole_device_index``); ``WHOLE_DEVICE`` ladders have one level where both use every SM,
+``GREEN_CONTEXTS`` ones disjoint SM sets (trainer 0: paused). Equality and ``to_dict`` use
+the split only (total SMs, realisation, each level's SM counts), never ``constraints``,
+``note`` or stream handles, so the partitioner's ladder equals a profile's. Standard
+library only.
 """
 
 from __future__ import annotations

@@ -1,26 +1,15 @@
 """Declared settings: each setting is one frozen-dataclass field carrying its own metadata.
 
-A field made with :func:`setting` says what values it takes (a *kind*: :class:`Number`,
-:class:`Integer`, :class:`Boolean`, :class:`Text`, :class:`FilePath`, :class:`ListOf`,
-:class:`Endpoint`, :class:`Host`, :class:`Port`, :class:`Switch`),
-which YAML words stand for a value (``auto`` for ``None``), whether ``null`` is allowed,
-and one line saying what it is. From that one declaration come:
-
-- :func:`validate`, called by every settings dataclass in ``__post_init__``, so a direct
-  construction is checked exactly as a loaded file is (ints for float fields become floats);
-- :func:`from_mapping`, which walks nested dataclasses (fields made with :func:`section`),
-  refuses unknown keys naming the known ones, and reports a bad value by its path from the
-  document's root: ``qos.initial_margin=1.5: expected a finite number in [0.0, 1.0); ...``;
-- :func:`to_mapping` (the YAML form of an instance) and :func:`json_schema` (draft 2020-12,
-  with descriptions and defaults, for editors);
-- :func:`argument`: the argparse keywords of a command-line flag that mirrors a setting.
-
-Rules between fields (``max_margin >= initial_margin``) stay explicit checks in the
-dataclass's ``__post_init__``, raised with :func:`invalid` so they read the same.
-
-Standard library only: ``harvest.schedule`` (pure policy, no third-party imports) declares
-its knobs with it. pydantic would do much of this but is not a dependency of harvest (it
-comes with SGLang and is absent on the GPU image).
+A field made with :func:`setting` declares its kind (:class:`Number`, :class:`Integer`,
+:class:`Text`, ...), the YAML words that stand for a value (``auto`` for ``None``), whether
+``null`` is allowed, and one line of description. From that one declaration come
+:func:`validate` (run by every settings dataclass in ``__post_init__``, so a direct
+construction is checked exactly as a loaded file is), :func:`from_mapping` (nested
+sections, unknown keys refused, a bad value reported by its path from the root),
+:func:`to_mapping`, :func:`json_schema` and :func:`argument` (a mirroring CLI flag). Rules
+between fields stay explicit ``__post_init__`` checks raised with :func:`invalid`.
+Standard library only (harvest.schedule declares its knobs with it; pydantic is absent on
+the GPU image).
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ Modes, run one after another in one process over the same requests
   harvest-tight  harvest under a tight TPOT target (--tight-target-tpot-ms, else
                  --tight-target-factor x decode-alone's TPOT p50 in this run); every
                  serving mode also reports its violation rate at both targets;
-  level-graphs   no trace, no trainer (issue 18, claim c): a static-cache decode step's
+  level-graphs   no trace, no trainer: a static-cache decode step's
                  CUDA graph per batch size and ladder level vs eager, vs the graph on the
                  whole GPU (harvest.engines.transformers.level_graph_check).
 

@@ -1,27 +1,14 @@
 """Decode CUDA graphs per SM ladder level: one graph per (level, batch size), captured on
 that level's decode stream, every graph's memory in one shared pool.
 
-Why per level: a graph captured from a green context's stream keeps that context's SMs
-when it is replayed, so a graph captured on the whole GPU would run decode on every SM
-whatever level the scheduler chose (and one captured on level k stays on level k's SMs).
-An engine that replays decode graphs therefore keeps one set per level, and the ladder is
-short for that reason (harvest.compute.ladder, MAX_LEVELS). (SGLang's own decode graphs,
-recaptured per level inside SGLang, are harvest.sglang.level_graphs.SglangLevelGraphs.)
-
-- :meth:`CapturedLevelGraphs.capture` runs ``run()`` a few times eagerly on the level's
-  decode stream (lazy allocations, library handles), then captures it there into the
-  pool all graphs share (one graph runs at a time, so captures reuse the pool's blocks),
-  and records what the capture added to the device's memory;
-- :meth:`CapturedLevelGraphs.replay` replays the level's own graph on the level's stream;
-  with none for that (level, batch size), or without CUDA, ``eager()`` runs on that
-  stream;
-- a capture or replay on another stream than the previous one first waits for that
-  stream's work: the graphs share the pool, and the caller's static input and output
-  buffers.
-
-The caller owns the static buffers ``run`` reads and writes (inputs copied in before a
-replay, outputs copied out of the graph by ``run`` itself). torch is imported by
+Per level because a replayed graph keeps the SMs of the stream it was captured on.
+Invariants: a level's graph is only replayed on its own level's stream, falling back to
+``eager()`` there when it has none (or without CUDA); a capture or replay on another
+stream than the previous one first waits for that stream's work (the graphs share the pool
+and the caller's static buffers, which the caller owns). torch is imported by
 :class:`TorchGraphBackend` only; tests give a fake backend.
+
+Rules: docs/design.md §4, 'Decode graphs per level in the transformers engine'.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The level-graphs mode of the GPU experiment (issue 18, claim c): does a decode CUDA
+"""The level-graphs mode of the GPU experiment: does a decode CUDA
 graph replayed on a ladder level keep to that level's SMs?
 
 No trace, no trainer: a static-cache decode step (:class:`~.static_batch.StaticDecodeBatch`)

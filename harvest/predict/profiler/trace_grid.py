@@ -1,27 +1,14 @@
 """`harvest profile --grid-from-trace TRACE`: a grid chosen from the decode steps a trace
 produces on one decode instance.
 
-The steps come from the replay's own model of a decode instance (harvest.replay: FIFO
-admission under ``--max-batch-size`` and ``--kv-capacity-tokens``, every policy the
-latency profile allows, the trace at its recorded rate), so a profile made on this grid
-covers what `harvest replay` of the same trace asks it. Those steps need step latencies,
-so they come from a profile already there (``--grid-profile``, by default the one
-`harvest replay` would pick, else the synthetic Harli-shaped A100 one); a grid only has to
-be about right, and the replay of the new profile reports what it still leaves outside.
+The steps come from the replay's own model of a decode instance (harvest.replay), timed by
+a profile already there (``--grid-profile``), so a profile made on this grid covers what
+`harvest replay` of the same trace asks of it. The grid is a product of batch sizes (the
+steps' quantiles, rounded to CUDA-graph capture sizes) and context lengths (chosen so the
+box in (batch size, Σctx) spans the steps' and no further): twelve points at most, as the
+default grid. Everything here but :func:`trace_steps` is pure (numpy only).
 
-The grid is a product of batch sizes and context lengths (tokens per request); what the
-predictor's profiled range holds is a box in (batch size, Σctx). So:
-
-- batch sizes: the steps' batch sizes at quantiles 0, 1/3, 2/3 and 1, rounded to CUDA-graph
-  capture sizes (1, 2, 4, 8, then multiples of 8), the smallest down and the largest up;
-- context lengths: the smallest one keeps the smallest step's Σctx inside the range at the
-  smallest batch size (its decode steps added), the largest takes the largest batch size
-  to the largest step's Σctx (no further: a product grid would otherwise hold points far
-  beyond anything the instance runs), and the one between is the steps' median tokens per
-  request, all rounded to multiples of 16.
-
-Twelve points at most, as many as the default grid. Everything here but :func:`trace_steps`
-is pure (numpy only).
+Rules: profiles/README.md, 'The grid'.
 """
 
 from __future__ import annotations
