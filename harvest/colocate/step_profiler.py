@@ -1,25 +1,13 @@
 """What harvest's per-step control costs the decode thread, part by part.
 
-The step loop marks the end of each of its parts in order (``PARTS``): harvest's
-decision, the engine's step (not harvest's time: left out), the measurement's feedback,
-and the KV lending check::
+The step loop marks the end of each of its parts in order (``PARTS``: decide, engine,
+feedback, lending) with ``lap(name)`` inside ``with profiler as lap:``; the engine's part
+is not harvest's time and is left out. Only every ``every``-th step is measured (a prime,
+so the sample does not alias with the controller's bookkeeping); on the others ``lap`` is
+a no-op and nothing is allocated. Thread CPU time and wall time are both recorded; both
+clocks are parameters (``wall_ns``, ``cpu_ns``) for a test's fake clock.
 
-    with profiler as lap:
-        ...decide...;   lap("decide")
-        ...engine...;   lap("engine")
-        ...feedback...; lap("feedback")
-        ...lending...;  lap("lending")
-
-Only every ``every``-th step is measured: a thread-CPU clock read is a system call
-(~0.6-1.5 µs on the CPU servers), four per step would be a tenth of the hook. ``every``
-is prime so that the sample does not alias with the controller's bookkeeping every
-``RECORD_EVERY`` (32) steps: sampled steps see it in proportion. On the other steps
-``lap`` is a no-op function and nothing is allocated.
-
-Two clocks: thread CPU time is what control costs this thread; wall time adds OS
-preemption and GIL waits (large on a loaded CPU). The wall clock is read inside the CPU
-clock's reads, so the wall figures leave those system calls out. Both are parameters
-(``wall_ns``, ``cpu_ns``: functions returning nanoseconds), for a test's fake clock.
+Figures and reasons: docs/measurements.md, 'The decode step's hook'.
 """
 
 from __future__ import annotations

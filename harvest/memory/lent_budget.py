@@ -1,25 +1,14 @@
 """What the memory side lends the trainer and what it wants back, published one way.
 
-The serving side (``harvest.sglang.kv_lending``) lends whole free KV chunks and takes
-them back; the trainer's frozen-weight window lives in that lent memory. The two meet
-here, and only here: the memory side *publishes* how many bytes are lent and how many it
-wants back; the trainer reads the latest :class:`BudgetSnapshot` at its own unit
-boundaries, resizes its window to fit ``limit_bytes`` and *acknowledges* the generation
-it applied. The memory side never calls into the trainer; the trainer never touches the
-lending state.
-
-- Non-urgent (the reserve still covers decode): publish and go on; a later step takes the
-  chunks once the trainer has let go of them.
-- Urgent (an SGLang allocation would fail): publish, then :meth:`wait_acknowledged`,
-  bounded: the trainer acknowledges at the end of its running unit (~10 ms on a GPU), or
-  at once when it is parked at its gate (the follower's ``wake`` callback, registered by
-  :meth:`follow`, wakes the parked trainer thread, which applies the budget and parks
-  again).
-- With no follower (no trainer running) nothing holds lent memory a wait could free, so
-  waits return at once.
-
-Thread-safe. Reading :attr:`snapshot` is one attribute read (a frozen object replaced
-whole), cheap enough for every unit boundary.
+The serving side (``harvest.sglang.kv_lending``) and the trainer's frozen-weight window
+meet here, and only here: the memory side *publishes* how many bytes are lent and wanted
+back; the trainer reads the latest :class:`BudgetSnapshot` at its unit boundaries, resizes
+its window to ``limit_bytes`` and *acknowledges* the generation it applied. Neither calls
+into the other. A non-urgent reclaim publishes and goes on; an urgent one (an SGLang
+allocation would fail) then waits in :meth:`wait_acknowledged`, bounded: the trainer
+answers at the end of its unit, or at once when parked (the ``wake`` callback registered
+by :meth:`follow`). With no follower, waits return at once. Thread-safe; reading
+:attr:`snapshot` is one attribute read.
 """
 
 from __future__ import annotations

@@ -3,23 +3,11 @@ requests split by each router (:mod:`harvest.replay.router`), every server's sha
 replayed through every policy as one decode instance is (:mod:`harvest.replay.comparison`),
 and the fleet's figures per router and policy.
 
-Accounting, :mod:`harvest.replay.results`' over the fleet:
+Invariants: every server, router and policy is accounted over one horizon, so the fleet's
+figures are sums (throughput) or worst cases (TPOT p99) of its servers'; a fleet of one is
+exactly the single-server replay.
 
-- One horizon for the whole fleet replay: the latest end of any server under any router
-  and policy. A server that finished earlier idles until then, its trainer at its idle
-  share, so every router's and policy's figures cover the same time and add up: the
-  fleet's finetune throughput is the sum of its servers' (each an instance's, its TP
-  ranks included); per GPU, that over N × the policy's GPUs per instance.
-- QoS per server as on one instance (TPOT p99 per output token); the fleet's is its
-  worst server's p99, the steps (and tokens) over the target as a fraction of all the
-  fleet's, and the servers *violating*: those whose TPOT p99 is over the target.
-- Gains over the baselines on the fleet's per-GPU finetune throughput.
-- KV memory (when modelled): each server lends its own pool; the fleet's chunks lent and
-  reclaims are the sums, its window the mean per server, its urgent reclaims' delay
-  percentiles over every server's urgent reclaims.
-- Per-step noise (``--error-noise``) draws from one seed per server: server 0 uses the
-  replay's seed, so a fleet of one is exactly the single-server replay; the others a seed
-  derived from the replay's and the server's index.
+Rules: docs/fleet.md, 'The fleet's accounting (harvest/replay/fleet.py)'.
 """
 
 from __future__ import annotations

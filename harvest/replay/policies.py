@@ -2,24 +2,13 @@
 step: how long does this step take, on which level, and how much finetune work runs
 beside it?
 
-- ``decode-only``: decode alone on the whole GPU; no finetuning.
-- ``separate`` (Harli's SeparateMode): the decode GPU is exactly decode-only's; a second
-  GPU trains alone all the time (rate 1.0 by definition of the unit).
-- ``static`` (Harli's StaticMode): decode always on the ladder level closest to 60 % of
-  the SMs with the trainer always on the rest, and 60 % of the KV capacity.
-- ``harvest``: before every step, the real :class:`~harvest.schedule.QoSController`
-  decides from the real predictor's per-level co-located predictions; the step is then
-  charged its *true* latency and the controller observes it, as in serving.
+``decode-only``, ``separate`` (Harli's SeparateMode), ``static`` (Harli's StaticMode) and
+``harvest`` (the real QoS controller and predictor, charged the true latency and fed it
+back as in serving). A tensor-parallel instance counts its N GPUs. The true latency is the
+profile's prediction, scaled by ``error_scale`` when the trainer co-ran and perturbed by
+``error_noise``; at the defaults the profile is the truth.
 
-GPUs: a decode instance of tensor-parallel degree N (the profile's ``tp_size``) spans N
-GPUs, each rank on its own GPU on the same level as rank 0, so every policy's GPUs are
-per rank times N: ``separate`` pairs the N decode GPUs with N that train alone (equal
-GPU counts on both sides, as Harli compares), the others use the instance's N.
-
-The true latency is the profile's prediction for what ran, times ``error_scale`` when the
-trainer co-ran (a stage-2 error the scheduler's predictor does not know about) and times
-``1 + N(0, error_noise)`` on every step (clamped at 0.1). With both at their defaults
-(1, 0) the profile is taken as the truth.
+Rules: docs/design.md, 'The replay's policies (harvest/replay/policies.py)'.
 """
 
 from __future__ import annotations

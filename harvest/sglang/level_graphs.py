@@ -1,25 +1,13 @@
 """SGLang's decode CUDA graphs, captured once per SM level (Harli: one graph per (level, batch size)).
 
-A CUDA graph's kernels run in the context they were captured in. SGLang captures its
-decode graphs once, on its own capture stream in the primary context; replaying them
-inside a level's green-context stream orders the replay on that stream but leaves the
-kernels on every SM, so a co-located step would take the trainer's SMs. SGLang's own PD
-multiplexing has the machinery for the fix: the decode graph runner keys its graphs by
-stream index, captures one set per stream group under ``graph_capture(stream=group[1])``,
-gives each stream its own decode attention backend (``decode_attn_backend_group``: the
-graphs' metadata buffers), and replays the set of
-``pdmux_context.get_current_stream_idx()``. harvest switches that on for the decode graph
-runner alone (not SGLang's global PD-multiplexing mode), with one stream group per ladder
-level, the level's decode stream; the Colocation selects the step plan's set before its forward.
+A graph replayed on a green-context stream keeps the SMs of the context it was captured
+in, so harvest has SGLang's decode graph runner capture one set per ladder level, on the
+level's decode stream (SGLang's PD-multiplexing machinery, switched on for that runner
+alone), and the Colocation selects the step plan's set before its forward. Invariants:
+the sets share SGLang's graph memory pool and never run concurrently; every SGLang
+attribute used is in :data:`SGLANG_ATTRIBUTES`, resolved by the plugin at load.
 
-The level sets share SGLang's global graph memory pool: one decode step runs at a time,
-and consecutive steps on different levels' streams are ordered through the engine's
-stream (harvest.colocate.step_timer), so the sets never run concurrently. The extra
-memory per level (graph pool and the level's attention metadata) is measured at capture
-and logged.
-
-Every SGLang attribute used here is in :data:`SGLANG_ATTRIBUTES`, resolved by the plugin
-at load (harvest.sglang.plugin): another SGLang version refuses at start-up.
+Rules: docs/sglang-integration.md, 'Decode graphs per SM level (harvest/sglang/level_graphs.py)'.
 """
 
 from __future__ import annotations
