@@ -1,24 +1,13 @@
 """Planning the SM ladder: which (decode SMs, trainer SMs) levels to build. Pure Python.
 
-The functions here return the shared types of :mod:`harvest.ladder`. A *level* splits the GPU's streaming multiprocessors (SMs) between decode and the
-finetune trainer. The ladder is built once at start-up (csrc/greenctx, Note [SM ladder])
-and the scheduler picks one level per decode step, so the ladder must be short (at most
-``MAX_LEVELS``: decode may keep one CUDA graph set per level) and every level must be
-realisable by the driver.
+The functions here return the shared types of :mod:`harvest.ladder`. Invariants: at most
+``MAX_LEVELS`` levels (decode may keep one CUDA graph set per level); every level is
+realisable by the driver (decode counts on its granularity, the remainder leaving the
+trainer at least ``min_trainer_sms``); the whole-device level is always present. On a GPU
+the driver's dry-run split has the final word (``green_partitioner.preview_ladder``).
+Standard library only (policy imports no torch).
 
-How realisable counts are computed. A partial level is one
-``cuDevSmResourceSplitByCount`` of the whole device: decode gets the split's group and
-the trainer gets the REMAINDER, ``total - decode``. The driver rounds the group up to its
-granularity, so a decode count ``d`` is realised exactly when
-``d >= min_decode_sms`` and ``d % step_sms == 0``; the remainder needs no alignment
-(132 - 8k on Hopper is fine) but must leave the trainer at least ``min_trainer_sms``.
-``min_decode_sms``/``step_sms`` are what the driver reports (CUDA 13:
-``minSmPartitionSize``, ``smCoscheduledAlignment``) or else the architecture rules below.
-The whole-device level (decode ``total``, trainer 0: trainer paused) is always present.
-On a GPU the driver's own split is the final word: ``green_partitioner.preview_ladder`` replaces
-planned counts with the ones a dry-run split yields.
-
-This module imports nothing outside the standard library (policy imports no torch).
+Rules: docs/design.md §4, 'Planning the ladder (harvest/compute/ladder.py)'.
 """
 
 from __future__ import annotations

@@ -1,24 +1,12 @@
 """The feedback margin: how a measured step moves the headroom the rule keeps.
 
-The predictor is wrong sometimes (Harli (arXiv:2511.11729) §8.4: stage 2 within 5% on average, more on
-unseen loads, and a Python trainer thread adds GIL noise the profile never saw). A
-measured violation of a co-located step adds ``margin_growth``; a co-located step within
-target removes ``margin_decay``; the margin stays within [initial_margin, max_margin].
+Invariants: only co-located steps move the margin; a violation adds ``margin_growth`` and
+a step within target removes ``margin_decay`` (additive, so one outlier does not shut the
+trainer out); the margin stays within [initial_margin, max_margin]. A violation at the
+maximum margin starts a backoff (``backoff_after``) that doubles with each further one and
+starts over once the margin has decayed a full growth step below its maximum.
 
-Additive steps, not a jump to the margin that would have avoided the violation: a single
-outlier (a GC pause, the trainer holding the GIL) would otherwise shut the trainer out
-for as long as the decay takes to undo it, while a systematic under-prediction repeats
-and is caught after a few violations anyway.
-
-Only co-located steps move the margin: it decides which co-located level fits, and a
-step with the trainer paused says nothing about the co-location prediction's error.
-
-The margin is bounded, the predictor's error is not: once the margin is at its maximum,
-a co-located violation starts a backoff (``backoff_after``): the trainer stays paused for
-``backoff_steps`` decisions, twice as long after each further such violation, and the
-length starts over once co-located steps on target have decayed the margin a full growth
-step below its maximum (multiplicative increase, slow decrease: a machine that stays
-slower than its profile costs a violation per doubling, not one per co-located step).
+Rules: docs/design.md §4, 'The feedback margin (harvest/schedule/margin.py)'.
 """
 
 from __future__ import annotations

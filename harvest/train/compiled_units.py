@@ -1,24 +1,13 @@
 """Decoder layers compiled for the layer-split trainer's units (``trainer.compile``).
 
-A unit of the trainer is one decoder layer's forward or backward. Run eagerly, a Llama
-layer with LoRA on its seven projections dispatches ~320 operators per forward + backward
-whatever the tokens, so small units are bound by the host, not by the device (on an H200,
-a Llama-3-8B layer at 2 x 512 tokens takes 2.0 ms to issue and 2.2 ms to run;
-docs/gpu-validation.md). Compiled with ``torch.compile`` (inductor) the same unit
-dispatches ~74 and runs 1.34x faster on that GPU, at 1 k and at 4 k tokens per unit.
+Eager units are bound by the host's operator dispatch; ``torch.compile`` (inductor) cuts
+it several-fold. Invariants: each decoder layer is compiled in place (module, parameters,
+PEFT wrappers and window swaps unchanged; the unit boundary stays outside the graph);
+compilation runs on the trainer's thread while the job builds, never on the decode thread;
+``auto`` compiles on CUDA and not on a CPU; a layer whose compilation fails runs eager from
+then on with its ``reason`` kept; tensor-parallel layers stay eager.
 
-Each decoder layer is compiled in place (``nn.Module.compile``): the module, its
-parameters, PEFT's wrappers and the weight window's swaps stay what they were; one
-compiled graph serves every layer (the layers share their code), and the unit boundary's
-``detach().requires_grad_()`` is outside it. Compilation happens at a layer's first call,
-on the trainer's thread while the job builds (its micro-batch sizing runs units), never
-on the decode thread; inductor keeps its artifacts under harvest's cache directory, so a
-restart compiles from a warm cache in seconds.
-
-``auto`` compiles on CUDA devices and not on a CPU: there harvest runs tests and demos
-whose jobs are shorter than a cold compile (20-40 s per shape). A layer whose compilation
-fails runs eager from then on, with the reason logged and kept (``reason``); tensor-
-parallel layers stay eager (their collectives wait in Python between operators).
+Rules and figures: docs/design.md §2, 'Compiled decoder layers'.
 """
 
 from __future__ import annotations

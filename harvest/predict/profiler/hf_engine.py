@@ -1,25 +1,14 @@
 """Decode steps through a plain transformers model with a KV cache.
 
-For environments without SGLang (and for a GPU profile of a model built from its config
-with random weights: latency does not depend on weight values). A step is one token per
-request through ``model(...)`` with the cache of the previous steps and greedy choice of
-the next token. Its latencies describe transformers' kernels, not SGLang's: a profile
-made with this engine says so in ``provenance.engine`` and predicts an SGLang server
-only approximately.
+For environments without SGLang, and for GPU profiles of a model built with random
+weights. A step is one token per request with the previous steps' cache and greedy
+choice; its latencies are transformers' kernels, not SGLang's, and the profile's
+``provenance.engine`` says so. With ``graphs`` (on a GPU) a step is a captured
+:class:`~harvest.engines.transformers.static_batch.StaticDecodeBatch` graph replayed on the
+grid point's stream, as a server runs it. This module adapts the transformers engine
+(harvest.engines.transformers) to the profiler's engine interface.
 
-With ``graphs`` (on a GPU) a step is what a server runs: the step of a
-:class:`~harvest.engines.transformers.static_batch.StaticDecodeBatch` captured as a CUDA
-graph on the stream the grid point runs on (the level's decode stream, so the graph keeps
-to its SMs) and replayed. Eager steps of an 8B model on a GPU are bound by the host's
-kernel launches (measured on an H100: a whole-GPU eager step 24 ms, its graph 13 ms, and
-eager latency independent of batch size and context), so an eager profile describes
-Python, not the GPU a served step runs on. The cache holds the grid point's context plus
-the steps the point takes (attention reads all of it, which is the Σctx the step
-reports), so the cost follows the context as it does in a paged server.
-
-The model, the static batch and the graph capture are the transformers engine's
-(harvest.engines.transformers), the ones the GPU co-location experiment serves with; this
-module adapts them to the profiler's engine interface.
+Rules: profiles/README.md, 'The transformers engine (harvest/predict/profiler/hf_engine.py)'.
 """
 
 from __future__ import annotations

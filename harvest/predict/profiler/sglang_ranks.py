@@ -1,25 +1,13 @@
 """Tensor-parallel ranks 1..N-1 of the profiler's SGLang engine, one process each.
 
-SGLang shards a model over N processes that run every forward in lock-step: each
-all-reduce waits for every rank. Rank 0 is the :class:`SglangDecodeEngine` in the
-profiling process (it times the steps, beside the co-run trainer); :class:`RankFollowers`
-starts the others (``spawn``: forking a process that has run torch's thread pools is not
-safe) and sends each of them every prepare, decode step and release before rank 0 runs
-it, so every rank runs the same batches (same synthetic tokens, greedy sampling) in the
-same order, as ``sglang.benchmark.one_batch`` runs its ranks. A step is sent in rank 0's
-untimed ``begin_step``: the timed span holds no pipe traffic, only the forward, whose
-collectives wait for the slowest rank as a served step does.
+Rank 0 is the :class:`SglangDecodeEngine` in the profiling process (it times the steps,
+beside the co-run trainer); :class:`RankFollowers` starts the others and sends each of
+them every prepare, decode step and release before rank 0 runs it, outside the timed span,
+so every rank runs the same batches in the same order. Invariants: a follower's failure
+makes rank 0 raise naming it, never hang (rank 0 enters the rendezvous only once every
+follower is entering it); followers send nothing back on the hot path.
 
-What the profile therefore measures: the co-run trainer runs beside rank 0 only, and a
-follower decodes on its whole device (no SM partition); a step waits for its slowest
-rank, which co-location or fewer SMs make rank 0.
-
-Failures: a follower that fails reports its error through the pipe and exits; its
-sockets close, so rank 0's next collective fails too, and rank 0 raises naming the
-follower. Only the rendezvous that creates the process groups would wait for a rank that
-never arrives (torch's timeout, 30 minutes), so rank 0 enters it only once every
-follower has said it is entering it too (:meth:`RankFollowers.wait_at_rendezvous`).
-Followers send nothing else back: the hot path has no replies.
+Rules: profiles/README.md, 'Tensor parallelism'.
 """
 
 from __future__ import annotations
