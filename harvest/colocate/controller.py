@@ -4,19 +4,12 @@
     ... the engine runs the step on plan.stream with the decode graphs of plan.level, timed under plan.step ...
     control.after_step(plan.step, measured_s)  # or later, when a CUDA-event timer completes
 
-Measurements are paired with their decision by its step number: a step whose measurement
-never comes (the timer dropped it, the engine raised) is given up when a later step's
-measurement arrives, and every other step keeps its own.
-
-Prediction: the latency predictor fills one preallocated list per stage for every ladder
-level (plain arithmetic); the QoS controller picks the level and whether the trainer runs.
-Applying is an O(1) partition selection plus the trainer gate. Measurements feed the
-QoS controller's feedback margin at once; the online predictor's rolling windows, the step
-records and the metrics every ``RECORD_EVERY`` steps, when idle, or when read (batched,
-the bookkeeping runs with warm caches instead of after every forward pass).
-
-Steps the profile does not cover (prefill or mixed batches on a non-disaggregated server)
-are predicted as NaN: the scheduler never co-locates them, the trainer pauses.
+Invariants: a measurement is paired with its decision by step number (a step whose
+measurement never comes is given up when a later one arrives); applying a decision is an
+O(1) partition selection plus the trainer gate; measurements feed the feedback margin at
+once and the bookkeeping (predictor windows, step records, metrics) every ``RECORD_EVERY``
+steps, when idle or when read; steps the profile does not cover predict as NaN and are
+never co-located. Figures: docs/measurements.md, 'The decode step's hook'.
 """
 
 from __future__ import annotations

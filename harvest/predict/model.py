@@ -3,20 +3,11 @@
 Stage 1, per ladder level s:   L_solo(s) = b0·bs + c0 + k0·Σctx
 Stage 2, per (model, job):     L_colo(s) = (SM_infer(s)·b1 + SM_ft(s)·k1) · L_solo(s)
 
-``bs`` is the padded batch size (see :mod:`harvest.predict.buckets`), ``Σctx`` the sum of
-the batch's sequence lengths as SGLang's decode batch reports them (``seq_lens_sum``,
-which counts the token being decoded), SM_infer/SM_ft the level's SM fractions. Times are
-seconds.
+Invariants: prediction is plain float arithmetic on coefficients in tuples (it runs for
+every level before every decode step: nothing allocated per call); coefficients are
+replaced by assigning new tuples in one statement, so a reader finishes consistently.
 
-The predictor is called before every decode step for every level, so prediction is plain
-float arithmetic on coefficients stored in tuples: no numpy, no scikit-learn, no lists or
-arrays created per call (CPython still boxes each float result; that is the floor).
-Per level the stage-2 factor ``SM_infer·b1 + SM_ft·k1`` is precomputed, so a co-located
-prediction is four multiplications and three additions. Harli reports 5 µs per
-prediction; ``scripts/bench_predictor.py`` measures ours against scikit-learn's.
-
-Coefficients can be replaced at run time (online refit) by building new tuples and
-assigning them in one statement; a reader holding the old tuple finishes consistently.
+Rules: docs/design.md §3, 'The predictor's hot path (harvest/predict/model.py)'.
 """
 
 from __future__ import annotations

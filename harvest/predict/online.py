@@ -1,23 +1,13 @@
 """Online refinement: measured decode steps correct the offline profile.
 
-The decode loop reports each measured step with :meth:`OnlineRefiner.observe` (a deque
-append and one prediction: cheap, on the decode thread). Observations go into a rolling
-window per level and stage. A refit — scikit-learn, milliseconds, holding the GIL — runs
-*off* the decode path, where the caller calls :meth:`refit` or :meth:`try_refit` (the
-serving process: between trainer units and when idle; never on a thread of its own,
-which would take the GIL from decode at any moment). It fits each stage again on the
-window plus the profile's samples, the latter rescaled by the median
-measured/profile-predicted ratio of the window and the window weighted to
-``online_share`` of the total. A uniform drift (clocks, throttling)
-thus moves the whole model, while a few clustered observations (one batch size for
-minutes) reshape it where traffic is without tearing it away from the profile elsewhere.
-New coefficients are swapped into the predictor atomically.
+:meth:`OnlineRefiner.observe` is cheap and runs on the decode thread; a refit
+(scikit-learn, holding the GIL) runs only where the caller calls :meth:`refit` or
+:meth:`try_refit`, off the decode path and never on a thread of its own. A refit fits each
+stage on a rolling window plus the rescaled profile samples and swaps the new coefficients
+in atomically. Exported: the windowed error per stage and :attr:`drift` (the profile no
+longer describes this machine).
 
-Exported for the metrics layer: the windowed mean relative error per stage
-(:attr:`stage1_error`, :attr:`stage2_error`, :attr:`error`) and :attr:`drift`, set when
-a stage's windowed error exceeds ``drift_threshold`` — the profile no longer describes
-this machine (thermal throttling, a driver change, other tenants) and needs a look
-(the ``harvest_prediction_drift`` metric and ``/harvest/status``).
+Rules: docs/design.md §3, 'Online refinement (harvest/predict/online.py)'.
 """
 
 from __future__ import annotations

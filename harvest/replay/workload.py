@@ -1,22 +1,16 @@
 """The requests a replay feeds the decode instance: a window of the trace, stretched in
 time and thinned or multiplied in rate.
 
-- window: requests arriving in ``[start_s, start_s + duration_s)`` of the trace, at most
-  ``max_requests`` of them; arrival times are re-based to the window's start.
-- ``time_scale``: multiplies every arrival time (2.0: the same requests over twice the
-  time, half the rate).
-- ``rate_scale``: keeps the trace's time base and changes how many requests arrive: each
-  request is kept ``floor(r)`` times plus once more with probability ``r − floor(r)``
-  (seeded); extra copies arrive at uniformly drawn times before the next trace request,
-  so the load curve keeps its shape. 0.5 thins the trace to about half; 2.0 doubles it.
-  The extra copies repeat the request they copy. With ``resample_sizes`` they take the
-  context and output lengths of a request drawn uniformly from those arriving within
-  RESAMPLE_WINDOW_S of it (the trace's size mix of the moment, as a larger population's
-  traffic would have), and the request's own arrival is drawn in its gap like theirs. A
-  fleet needs that: at rate N the copies of a request arrive back to back, so a
-  round-robin router over N servers hands every server one copy of every request (the
-  original, at its trace time, always to the same one): the same load on all, a balance
-  no router gets from real traffic.
+- window: requests arriving in ``[start_s, start_s + duration_s)``, at most
+  ``max_requests``, arrival times re-based to the window's start;
+- ``time_scale`` multiplies every arrival time (2.0: half the rate);
+- ``rate_scale`` keeps the time base: each request is kept ``floor(r)`` times plus once
+  more with probability ``r − floor(r)`` (seeded), extra copies at uniform times before
+  the next request, so the load curve keeps its shape; with ``resample_sizes`` the copies
+  take the sizes of a request drawn from those within RESAMPLE_WINDOW_S, and the original's
+  arrival is drawn in its gap like theirs.
+
+Why a fleet needs ``resample_sizes``: docs/fleet.md, 'Load per server'.
 """
 
 from __future__ import annotations

@@ -2,21 +2,12 @@
 the trainer hosted beside the decode engine (or not), the requests served under the
 mode's step policy, and the mode's result.
 
-- decode-alone: decode on the whole device, no trainer (the TPOT baseline);
-- harvest / harvest-tight: the system the SGLang server runs, built by
-  harvest.colocate.assemble (the same composition root) and stepped through
-  ``Colocation.run_step``; harvest-tight under a tight TPOT target;
-- static: StaticMode, the ladder level nearest 60% decode SMs, trainer always on;
-- trainer-alone: the trainer alone on the whole device;
-- level-graphs: :mod:`.level_graph_check`.
-
-Trainer tokens/s = tokens of completed optimizer steps over the mode's wall time
-(granularity: one step, see ``trainer_steps``). Each serving mode reports what its steps
-ran: ``graphs`` (graphs replayed), ``graph_steps``, ``eager_steps`` and, when false,
-``graphs_reason``.
-
-``ctx`` is the experiment's state the script builds (device, partitioner, model, batch,
-trainer, graphs, result sink, targets, step log); ``args`` its command line.
+Modes: decode-alone, harvest and harvest-tight (built by harvest.colocate.assemble, the
+server's composition root, and stepped through ``Colocation.run_step``), static, trainer-
+alone and level-graphs (:mod:`.level_graph_check`); scripts/colocate_gpu.py describes each.
+Trainer tokens/s counts completed optimizer steps over the mode's wall time; each serving
+mode reports whether its steps replayed graphs. ``ctx`` is the experiment's state the
+script builds; ``args`` its command line.
 """
 
 from __future__ import annotations
