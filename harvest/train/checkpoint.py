@@ -1,21 +1,14 @@
 """Checkpoints: a PEFT adapter plus the state needed to resume exactly, written atomically.
 
-Layout of ``<output_dir>/checkpoint-<step>/`` (the name LlamaFactory and the HF Trainer
-look for when they auto-resume):
+``<output_dir>/checkpoint-<step>/`` holds the PEFT adapter (loadable by PEFT and SGLang's
+LoRA serving), the optimizer, schedule and RNG state (not with ``save_only_model``), the
+Hugging Face ``trainer_state.json`` and, written last, ``harvest_state.json`` (step, data
+position, micro-batch size, job fingerprint, a SHA-256 of every other file). Invariants:
+a kill at any moment leaves the complete checkpoint or none (written into a temporary
+folder, fsynced, renamed); a resume refuses, with a message, a checkpoint whose state file
+is missing or whose checksums disagree.
 
-- ``adapter_config.json``, ``adapter_model.safetensors`` — loadable by
-  ``peft.PeftModel.from_pretrained`` and by SGLang's LoRA serving;
-- ``optimizer.pt``, ``scheduler.pt``, ``rng_state.pth`` — AdamW, LR schedule and RNG state
-  (not with ``save_only_model``: such a checkpoint cannot be resumed, and says so);
-- ``trainer_state.json`` — the Hugging Face TrainerState, log history included (absent in
-  checkpoints of harvest before it; those still resume);
-- ``harvest_state.json`` — step, data position, micro-batch size, the job fingerprint and
-  a SHA-256 of every other file. Written last.
-
-Atomicity: everything is written and fsynced into ``.tmp-checkpoint-<step>-<pid>`` and
-then renamed to its final name, so a kill at any moment leaves either the complete
-checkpoint or no ``checkpoint-<step>`` at all. On resume, a checkpoint whose state file is
-missing or whose checksums disagree is refused with a message (never a silent restart).
+Rules: docs/jobs.md, 'Checkpoints that cannot lie'.
 """
 
 from __future__ import annotations

@@ -1,21 +1,12 @@
 """The fate of every LlamaFactory training argument in a harvest job: honoured, refused or noted.
 
-A job file is a LlamaFactory 0.9.5 SFT/LoRA YAML. Each key of LlamaFactory's argument
-dataclasses (``llamafactory.hparams.parser._TRAIN_ARGS``: model, data, training,
-finetuning and generating arguments) has exactly one fate here:
-
-- **honoured**: harvest does what ``llamafactory-cli train`` does with it (some accept only
-  the values the layer-split trainer supports; those checks live in `harvest.train.job`
-  and name the key);
-- **refused**: a value other than LlamaFactory's default stops the job before anything
-  loads, with the reason (a key left at its default changes nothing, so it passes);
-- **noted**: it cannot change what is trained here (an inference, export or multi-node
-  setting, a DataLoader detail); a value other than the default is accepted and a note
-  says why it has no effect.
-
-Nothing is ignored silently. ``tests/train/test_job_keys.py`` walks LlamaFactory's
-dataclasses and fails on any key without a fate, so an upgrade cannot slip one in; the
-table in ``docs/jobs.md`` is generated from `KEY_FATES` (``python -m harvest.train.job_keys``).
+Each key of LlamaFactory 0.9.5's argument dataclasses (``_TRAIN_ARGS``) has exactly one
+fate in `KEY_FATES`: **honoured** (done as ``llamafactory-cli train`` does; value checks in
+`harvest.train.job`, naming the key), **refused** (a value other than the default stops the
+job before anything loads, with the reason) or **noted** (it cannot change what is trained
+here; a non-default value is accepted with a note saying why). Nothing is ignored
+silently: ``tests/train/test_job_keys.py`` fails on any key without a fate, and the table
+in ``docs/jobs.md`` is generated from `KEY_FATES` (``python -m harvest.train.job_keys``).
 """
 
 from __future__ import annotations

@@ -1,21 +1,14 @@
 """The layer-split LoRA trainer: one optimizer step as a sequence of short, preemptible units.
 
-A step with k micro-batches, grouped ``microbatches_per_pass`` at a time, runs for each
-group: forward of every stage for each micro-batch of the group, then backward of every
-trainable-or-above stage top-down, then (after the last group) one optimizer unit. Units
-are run one at a time by `run_one_unit()` (the profiler drives it directly) or by `run()`
-(harvest.train.run_loop), which consults a `BaseGate` before each unit.
-
-Between units nothing is in flight but kept tensors, so a paused trainer resumes exactly
-where it stopped. A stop (or failure) checkpoints the state of the last completed step:
-weights and optimizer change only in the optimizer unit, the RNG state is snapshotted at
-every step start and the data position is the step number, so resuming redoes the
-interrupted step exactly (harvest.train.trainer_checkpoint).
-
-This module is the unit engine. The trainer's other concerns are parts it holds, each
-in a module of its own, that share its state (unit lock, stats lock, counters):
-``checkpoints`` (trainer_checkpoint), ``evals`` (evaluation.EvalRunner), ``fleet_link``
-(fleet_link: a fleet job's member), ``window_follower`` (window_follow: lent memory).
+A step runs, per group of ``microbatches_per_pass`` micro-batches, the forward of every
+stage, then the backward of every trainable-or-above stage top-down, then (after the last
+group) one optimizer unit. Units run one at a time, by `run_one_unit()` (the profiler) or
+`run()` (harvest.train.run_loop, consulting a `BaseGate` before each unit). Invariants:
+between units nothing is in flight but kept tensors, so a paused trainer resumes exactly
+where it stopped; weights and optimizer change only in the optimizer unit, so a stop or
+failure checkpoints the last completed step and resuming redoes the interrupted one
+exactly. Its other concerns are parts sharing its state: ``checkpoints``, ``evals``,
+``fleet_link``, ``window_follower``.
 """
 
 from __future__ import annotations

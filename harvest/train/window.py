@@ -1,21 +1,14 @@
 """The frozen-weight window: W stages of frozen weights resident on the device.
 
-A *stage* is the embedding, one decoder layer, or the final norm + LM head. Each stage's
-frozen tensors are laid out in one contiguous buffer from a `BaseWindowAllocator`. Before
-every unit the trainer tells the window which stage runs now and which come next; the
-window keeps the next W distinct stages resident: stages outside that set are dropped
-(frozen, so never copied back) and missing ones are loaded — the current one at once,
-the others as prefetches (CUDA: on a copy stream, ordered with the compute stream by
-events, so copies overlap compute; CPU: synchronous copies, same code path).
-
-Module parameters are swapped in place: a resident stage's modules hold views into its
-buffer, an evicted stage's modules hold meta-device placeholders (any use is an error).
-
-Invariant that makes eviction safe: autograd never keeps a reference to window memory.
-While a unit's forward runs, `saved_tensor_hooks()` replaces every saved tensor that lies
-in a window buffer by a handle (stage, byte offset, size, stride, dtype); backward
-rebuilds it from whatever buffer holds that stage then. So a layer's weights can leave
-after its forward unit and come back (to a different address) for its backward unit.
+A *stage* is the embedding, one decoder layer, or the final norm + LM head, its frozen
+tensors in one contiguous buffer from a `BaseWindowAllocator`. Before every unit the
+trainer names the stage that runs now and those next; the window keeps the next W distinct
+stages resident, dropping the others (frozen: never copied back) and loading missing ones
+(the current at once, the rest as prefetches on a copy stream ordered by events).
+Parameters are swapped in place: an evicted stage's modules hold meta-device placeholders.
+Invariant that makes eviction safe: autograd never keeps a reference to window memory
+(`saved_tensor_hooks()` stores a handle for every saved tensor in a window buffer and
+backward rebuilds it from whatever buffer holds that stage then).
 """
 
 from __future__ import annotations
