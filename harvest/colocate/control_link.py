@@ -1,21 +1,14 @@
 """The engine's end of harvest's control plane: a snapshot file it publishes, and the
 operator's commands it runs between steps.
 
-The HTTP endpoint runs in a process of its own (``harvest.sglang.control``) so that
-serving requests never competes with decode for the engine process's GIL. The two meet
-through:
-
-- a **snapshot file**: the engine writes one JSON document (status, the steps recorded
-  since the previous two snapshots, the Prometheus exposition) at most every
-  ``metrics.publish_interval_s``, atomically (write, then rename). The endpoint reads it
-  and serves every GET from its own copy: a thousand scrapes cost the engine nothing.
-- a **command socket** (one end of a socketpair): the endpoint writes one JSON line per
-  operator action (``{"id": 7, "action": "pause"}``, ``{"id": 8, "action": "submit",
-  "args": {"path": ...}}``: harvest.colocate.job_control); a reader thread here, blocked in
-  ``recv`` (the GIL released), queues it and asks for the engine's attention; the engine
-  runs it at its next step or idle tick and writes the reply line
-  (``{"id": 7, "code": 200, "reply": {...}}``). When this process dies the socket
-  closes and the endpoint process exits with it.
+The HTTP endpoint (``harvest.sglang.control``, a process of its own) and the engine meet
+through a **snapshot file** (status, the recent steps and the Prometheus exposition,
+written atomically at most every ``metrics.publish_interval_s``; every GET is served from
+the endpoint's copy) and a **command socket** (one end of a socketpair: one JSON line per
+operator action, ``{"id": 7, "action": "pause"}``; a reader thread here queues it, the
+engine runs it at its next step or idle tick and writes the reply line
+``{"id": 7, "code": 200, "reply": {...}}``). When this process dies the socket closes and
+the endpoint process exits with it. Actions: harvest.colocate.job_control.
 """
 
 from __future__ import annotations

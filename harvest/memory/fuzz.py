@@ -1,21 +1,13 @@
 """Randomized operation sequences against a UnifiedAllocator, checked after every step.
 
-Used by tests/memory/test_fuzz.py and scripts/bench_vmm.py. An independent shadow
-model in plain Python predicts the outcome of every operation (which lends and
-reclaims must succeed or fail, whether a run of lent pages long enough for an arena
-allocation exists) and the statistics after it; the library's own check_integrity
-verifies its internal invariants (no page mapped twice, free lists consistent, counts
-add up). With `write_data` (host backend), every allocation and live KV slot carries a
-tag byte that must survive until it is freed, so an overlap or a wrong mapping shows as
-a changed byte, not only as a bookkeeping mismatch.
-
-Fences are part of the run: lends that never block (``lend(wait=False)``), their
-completion and cancellation, and small-pool frees fenced on a stream. On the host
-backend the run registers a fence stream and holds its fences now and then (as a busy
-GPU stream does), so those lends really wait and the model knows exactly when they
-complete; a blocking call (lend, reclaim) lets the fences pass first.
-
-A violation is recorded, not raised, so a run reports how many steps went wrong.
+Used by tests/memory/test_fuzz.py and scripts/bench_vmm.py. An independent shadow model in
+plain Python predicts every operation's outcome and the statistics after it; the library's
+check_integrity verifies its internal invariants. With `write_data` (host backend) every
+allocation and live KV slot carries a tag byte that must survive until freed, so an overlap
+or a wrong mapping shows as a changed byte. Fences are part of the run: non-blocking lends,
+their completion and cancellation, fenced small-pool frees; on the host backend the run
+holds a registered fence stream's fences now and then, as a busy GPU stream does. A
+violation is recorded, not raised, so a run reports how many steps went wrong.
 """
 
 from __future__ import annotations

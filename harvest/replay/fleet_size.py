@@ -1,21 +1,14 @@
 """`harvest replay --servers auto`: the smallest fleet that holds the target.
 
 A fleet of N servers *holds* the target when, under every router replayed, every server
-running the sizing policy has its TPOT p99 (per output token) within ``--target-tpot-ms``
-(at most 1 % of its tokens over the target: what the fleet report counts as a server
-violating) and its queue delay p99 within ``--max-queue-delay-s`` (an overloaded server's
-steps stay short while its queue grows without bound: TPOT alone would call it held).
-The sizing policy is harvest, the one deployed (the first of harvest, decode-only,
-separate, static that the replay runs and the profile supports): on a fleet where it
-holds, the report then shows every policy, StaticMode's violations included.
+running the sizing policy (harvest, when replayed) has its TPOT p99 within
+``--target-tpot-ms`` and its queue delay p99 within ``--max-queue-delay-s``. The search
+replays only that policy, splitting the trace as ``--servers N`` does: N = 1, 2, 4, ...
+until one holds (at most ``--max-servers``), then bisection; it assumes a fleet that holds
+still holds with a server more, and lists every fleet replayed (``probes``) so a reader
+can check. Deterministic: the same trace, seed and options give the same N.
 
-The trace is split over N servers as ``--servers N`` splits it (:mod:`harvest.replay.fleet`,
-each router's assignment), and the search replays only the sizing policy: N = 1, 2, 4, ...
-until one holds (at most ``--max-servers``), then bisects between the last that did not
-and the first that did. It assumes that a fleet that holds still holds with a server more
-(each server's share of the requests only shrinks); every fleet replayed is listed
-(``probes``), so a reader can see the assumption hold. Deterministic: the same trace, seed
-and options give the same N.
+Rules: docs/fleet.md, 'Capacity planning: the simulated fleet' ('Sizing the fleet').
 """
 
 from __future__ import annotations

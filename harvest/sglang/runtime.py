@@ -2,20 +2,12 @@
 
 Created by the ``Scheduler.__init__`` hook when harvest is enabled (``HARVEST_ENABLED``).
 It describes SGLang to the composition root (:func:`harvest.colocate.assemble.assemble`):
-the device and model, the KV pool (already on harvest's allocator: harvest.sglang.kv_backing)
-with the lending mechanism for SGLang's token allocator, and the trainer's builder (on the
-served weights in place when the job's base model is the served one). Then it passes
-every decode step to :meth:`Colocation.run_step`, which decides the step's plan (its
-level, that level's decode stream and decode CUDA graphs: harvest.sglang.level_graphs,
-handed to the Colocation once at start-up); the step's forward (the target model's
-``forward_batch_generation``, which SGLang's overlap scheduler runs on a stream of its
-own) straight through to :meth:`Colocation.run_forward`, which launches it as the plan
-says; each idle tick to ``on_idle``; and serves the control endpoint, stop signals and
-shutdown.
-
-(A step's KV slots were allocated before the step, when SGLang prepared the batch; the
-hooks on the token allocator's ``check_decode_capacity`` and ``alloc`` take lent chunks
-back there.) Anything wrong at start-up raises (SGLang then refuses to start).
+the device and model, the KV pool on harvest's allocator with the lending mechanism for
+SGLang's token allocator, the per-level decode graphs, and the trainer's builder. Then it
+passes every decode step to :meth:`Colocation.run_step`, the step's forward straight to
+:meth:`Colocation.run_forward`, each idle tick to ``on_idle``, and serves the control
+endpoint, stop signals and shutdown. Anything wrong at start-up raises (SGLang then
+refuses to start). Every hook: docs/sglang-integration.md, 'The hooks'.
 """
 
 from __future__ import annotations
