@@ -1,20 +1,14 @@
 """A reserve sized from what decode allocates (pure policy: numpy, no torch).
 
-Harli's reserve (:mod:`harvest.memory.reserve`) covers decode's own growth, one token per
-request per step, for as long as a reclaim takes. What empties a decode instance's free
-pool faster is arrivals: a request admitted with its whole prompt's KV (from the prefill
-side, or its own prefill) takes thousands of slots at once. So the reserve follows the
-demand the server has seen:
+Harli's reserve (:mod:`harvest.memory.reserve`) covers decode's own growth; arrivals (a
+prompt's whole KV at once) empty the free pool faster, so this reserve follows the demand
+seen. Every allocation is recorded (time, tokens); the reserve is the chosen percentile,
+over the recorded window, of the tokens allocated within one reclaim horizon (the
+trainer's acknowledgement plus the driver's reclaim time for the chunks the demand needs),
+never below Harli's formula, never above the cap. It rises at once and falls only after
+staying lower for ``lower_after_s`` by more than a chunk.
 
-- Every allocation is recorded (time, tokens): decode's growth and arrivals alike.
-- The reclaim horizon is how long decode would wait for lent memory: the trainer's
-  acknowledgement (at most one unit) plus the driver's reclaim time per chunk, for the
-  chunks the demand itself needs.
-- The reserve is the chosen percentile, over the recorded window, of the tokens allocated
-  within any one horizon, never below Harli's formula (the floor), never above the cap.
-- It rises at once and falls only after staying lower for ``lower_after_s`` and by more
-  than a chunk (hysteresis): a quiet minute after a burst does not lend memory that the
-  next burst needs.
+Rules: docs/design.md §1.
 """
 
 from __future__ import annotations

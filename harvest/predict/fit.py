@@ -1,20 +1,13 @@
 """Fitting the two-stage model with scikit-learn (offline, or online off the decode path).
 
-Both stages are linear least squares weighted by ``1/latency²``: that minimises the
-squared *relative* error, which is what MAPE and a QoS margin measure — unweighted
-least squares lets the slowest grid points (large batches) dominate and leaves the
-fastest ones with the largest relative error. Stage 1 constrains b0, k0 >= 0
-(``positive=True``): latency cannot fall as the batch or the context grows, and a
-slightly negative slope fitted to noise would extrapolate to nonsense.
-
-Stage 2 is fitted on stage 1's *predictions* ``L_solo`` rather than the measured solo
-latencies, because at run time the prediction is all the scheduler has; stage-1 error is
-then part of stage 2's measured error instead of hidden. When every co-run sample has
-the same (SM_infer, SM_ft) — one level, e.g. a CPU — only ``b1·SM_infer + k1·SM_ft`` is
-determined; the minimum-norm solution is kept and the fit reported as not identifiable.
-
-scikit-learn and numpy are imported inside the functions: importing
-:mod:`harvest.predict` must not load them (the prediction path never needs them).
+Both stages are linear least squares weighted by ``1/latency²``, minimising the squared
+*relative* error (what MAPE and a QoS margin measure). Stage 1 constrains b0, k0 >= 0:
+latency cannot fall as the batch or context grows. Stage 2 is fitted on stage 1's
+*predictions* (all the scheduler has at run time), so stage-1 error shows in stage 2's
+error instead of hiding. When every co-run sample has the same SM fractions (one level)
+only ``b1·SM_infer + k1·SM_ft`` is determined: the minimum-norm solution is kept and the
+fit reported as not identifiable. scikit-learn and numpy are imported inside the functions
+(importing :mod:`harvest.predict` must not load them).
 """
 
 from __future__ import annotations

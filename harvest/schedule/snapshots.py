@@ -1,19 +1,12 @@
 """What the QoS scheduler reads and returns: the per-step input snapshot, the decision,
 and the scheduler's own state between steps.
 
-The ladder (harvest.ladder.Ladder) is fixed at start-up (docs/design.md §4: the green-context
-ladder is created once) and validated then; the per-step :class:`SchedulerInput` carries
-only what changes every step — one predicted latency per level and the trainer's state.
-Building it costs one small tuple per step, where a dataclass per level would cost
-~0.6 µs each (measured, CPython 3.11).
-
-The three records built every step (input, decision, state) are NamedTuples: immutable
-like a frozen dataclass, but built in ~0.25 µs instead of ~0.8-0.9 µs (a frozen
-dataclass sets each field through ``object.__setattr__``), which was most of the cost
-of a decision. Their tuple-ness (indexing, unpacking) is not part of the contract.
-
-Nothing here imports the predictor: the runtime copies its predictions (converted to
-milliseconds) into a :class:`SchedulerInput`, so either side can change alone.
+The ladder is fixed and validated at start-up; the per-step :class:`SchedulerInput`
+carries only what changes every step (one predicted latency per level, in milliseconds,
+and the trainer's state). The three records built every step are NamedTuples for their
+construction cost (docs/measurements.md, 'The decode step's hook'); their tuple-ness
+(indexing, unpacking) is not part of the contract. Nothing here imports the predictor, so
+either side can change alone.
 """
 
 from __future__ import annotations

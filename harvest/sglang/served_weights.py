@@ -1,19 +1,12 @@
 """The served model's weights as the trainer's frozen weights (same-base-model mode).
 
-When the finetune job's base model is the checkpoint SGLang serves, the trainer need not
-hold a second copy (FlexLLM's observation, arXiv:2402.18789; docs/design.md "Beyond
-Harli"): SGLang's parameters are used in place. SGLang fuses projections that Hugging Face keeps apart, in a fixed row
-order, so row slices of the fused tensors are the HF tensors (views, no copy):
-
-    qkv_proj   [q | k | v] rows   -> q_proj, k_proj, v_proj   (weight, and bias for Qwen2)
-    gate_up_proj [gate | up] rows -> gate_proj, up_proj
-
-Every other parameter keeps its name. With tensor parallelism each rank holds its shard
-(its heads' rows of q/k/v, its part of the intermediate size, its columns of o/down, its
-rows of the padded vocabulary), which is exactly the shard the tensor-parallel trainer
-trains on (harvest.train.tensor_parallel): the fused rows split by the per-rank sizes.
-The trainer validates every tensor's shape and dtype before it starts and the runtime
-falls back to a host copy, with a warning naming the tensor, if anything differs.
+When the job's base model is the checkpoint SGLang serves, the trainer uses SGLang's
+parameters in place (docs/design.md §2). SGLang fuses projections in a fixed row order, so
+row slices of the fused tensors are the HF tensors (views, no copy): ``qkv_proj`` ->
+q/k/v_proj, ``gate_up_proj`` -> gate/up_proj; every other parameter keeps its name. With
+tensor parallelism each rank's shard is exactly the one the tensor-parallel trainer trains
+on. Invariant: every tensor's shape and dtype is validated before the trainer starts, and
+the runtime falls back to a host copy, with a warning naming the tensor, if any differs.
 """
 
 from __future__ import annotations

@@ -1,19 +1,13 @@
 """The tensors a model computes when it loads, checked before a trainer uses them.
 
-A checkpoint holds the weights; a few tensors are not in it and are computed while the
-model is built: non-persistent buffers, chiefly the rotary embedding's ``inv_freq``.
-Transformers builds models under a device context (``with torch.device("meta")``) and
-then fills those buffers in place. In a process it shares with a serving engine, global
-torch state can break that without any error: torch's device contexts find factory
-functions by identity, so a ``torch.arange`` replaced by a wrapper (a ``sitecustomize``, a
-plugin) escapes the context, and the buffer kept the uninitialised memory it was given.
-The trainer then trains with garbage positions: finite garbage silently, NaN as a
-divergence at step 1. This was seen in the SGLang server (harvest's own tests wrapped
-torch's factories); the check turns it into a JobError that says what happened.
-
-Checked: every floating buffer is finite, and every rotary embedding's frequencies equal
-what its config gives (recomputed the way transformers' ``_init_weights`` computes them).
-Cheap: buffers are small (a rotary table is head_dim / 2 numbers).
+A few tensors are not in the checkpoint but computed while the model is built
+(non-persistent buffers, chiefly the rotary embedding's ``inv_freq``, filled in place after
+a meta-device build). In a process shared with a serving engine, global torch state (a
+wrapped factory function escaping torch's device context) can leave them uninitialised
+without any error, and the trainer would train on garbage positions. Checked: every
+floating buffer is finite, and every rotary embedding's frequencies equal what its config
+gives (recomputed as transformers' ``_init_weights`` does); a failure is a JobError saying
+what happened. Cheap: the buffers are small.
 """
 
 from __future__ import annotations

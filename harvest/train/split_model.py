@@ -1,19 +1,13 @@
 """A PEFT causal LM cut into stages that run forward and backward one at a time.
 
-Stages: 0 = token embedding, 1..L = decoder layers, L+1 = final norm + LM head + loss.
-Forward of a stage takes the previous stage's output detached (a fresh leaf that
-requires grad when something below is trainable) and keeps that input and its output;
-backward of a stage is an explicit ``torch.autograd.backward(output, grad)`` whose
-``input.grad`` is handed to the stage below. Positions, rotary embeddings and attention
-masks are computed once per micro-batch, in the embedding stage's forward.
-
-The loss of a micro-batch is its summed token cross-entropy divided by the number of
-label tokens in the whole optimizer step (Hugging Face's ``num_items_in_batch``), so
-gradients accumulated over any split of the step equal the full batch's gradient.
-
-Supported: decoders shaped like Llama/Qwen2/Mistral (``model.embed_tokens``,
-``model.layers``, ``model.norm``, ``model.rotary_emb``, ``lm_head``), with per-layer
-``config.layer_types`` (full / sliding attention) honoured.
+Stages: 0 = token embedding, 1..L = decoder layers, L+1 = final norm + LM head + loss. A
+stage's forward takes the previous stage's output detached (a fresh leaf requiring grad
+when something below is trainable) and keeps its input and output; its backward is an
+explicit ``torch.autograd.backward(output, grad)`` handing ``input.grad`` down. Positions,
+rotary embeddings and masks are computed once per micro-batch, in the embedding stage.
+Invariant: a micro-batch's loss is divided by the label tokens of the whole optimizer step
+(``num_items_in_batch``), so gradients accumulated over any split equal the full batch's.
+Supported: Llama/Qwen2/Mistral-shaped decoders, per-layer ``config.layer_types`` honoured.
 """
 
 from __future__ import annotations
