@@ -2,17 +2,12 @@
 cancel), serving a job's adapter (publish), and the settings that may change while
 serving (the QoS target, the lend fraction, job weights).
 
-They arrive from the control endpoint (harvest.sglang.control, which has already run
-the full job check in a child process for a submission) over the control link, and run
-on the engine thread between decode steps, so each must take milliseconds: a submission
-reads the job file's YAML only (:func:`harvest.train.job.job_identity`) and its model and
-data load on the job's own thread; an adapter is loaded by the engine from a thread of
-its own (:class:`AdapterServing`).
-
-Each returns ``(HTTP status, reply)``: 400 for a malformed or invalid request (nothing
-changes), 404 for a job that does not exist, 409 for one the server's state refuses.
-Every change is logged and visible in ``/harvest/status`` (``settings``, each job's
-``weight`` and ``adapter``) and in the metrics.
+They arrive from the control endpoint over the control link and run on the engine thread
+between decode steps, so each takes milliseconds: a submission (already checked in a child
+process by the endpoint) reads only the job file's YAML here, and adapters load on a
+thread of their own (:class:`AdapterServing`). Each returns ``(HTTP status, reply)``: 400
+for an invalid request (nothing changes), 404 for an unknown job, 409 for one the server's
+state refuses. Every change is logged and visible in ``/harvest/status`` and the metrics.
 """
 
 from __future__ import annotations

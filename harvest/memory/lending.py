@@ -1,18 +1,12 @@
 """When to lend KV chunks to the trainer and when to take them back (pure policy).
 
 Inputs are counts the serving side already has: free token slots per chunk and which
-chunks are lent. The rule (Harli (arXiv:2511.11729) §4.4, docs/design.md §1):
-
-- Free *mapped* slots (free slots in chunks that are not lent) must stay at or above the
-  reserve. Below it, reclaim enough lent chunks to get back over it: at once, whatever
-  the trainer is doing.
-- Lend only above ``reserve + hysteresis_chunks`` chunks' worth of free slots, so a
-  chunk lent is not reclaimed a step later; lend whole free chunks, highest first (the
-  token allocator fills low slots first, so high chunks are the ones that stay empty);
-  never more than ``max_lend_fraction`` of all chunks.
-- Chunk 0 holds SGLang's padding slot (slot 0, never free) and so is never lendable.
-
-No torch, no numpy: the caller computes the per-chunk counts (one ``bincount``).
+chunks are lent. The rule (Harli (arXiv:2511.11729) §4.4, docs/design.md §1): free mapped
+slots stay at or above the reserve (below it, reclaim at once, whatever the trainer is
+doing); lend only above ``reserve + hysteresis_chunks`` chunks' worth, whole free chunks,
+highest first, never more than ``max_lend_fraction`` of all chunks; chunk 0 (SGLang's
+padding slot) is never lendable. No torch, no numpy: the caller computes the per-chunk
+counts (one ``bincount``).
 """
 
 from __future__ import annotations

@@ -1,18 +1,13 @@
 """Evaluation on the trainer's own units: when it is due, one pass over the eval sets, and
 running a pass's units between the trainer's steps.
 
-The Hugging Face Trainer's semantics (``DefaultFlowCallback``): ``eval_strategy: steps``
-evaluates after every ``eval_steps`` steps (a fraction < 1 of the run; unset: the logging
-interval) once ``eval_delay`` steps have passed, and after the last step; ``epoch`` at
-each epoch end; ``eval_on_start`` before the first step. ``eval_loss`` is the mean over
-samples of their batch's mean token loss, batches of ``per_device_eval_batch_size`` in
-dataset order (its ``evaluation_loop``); with several eval sets (``eval_on_each_dataset``)
-each gets ``eval_<name>_loss``. ``do_eval`` evaluates after the last step as well (where
-``llamafactory-cli train`` calls ``trainer.evaluate()``; harvest logs that evaluation once).
-
-A pass is a list of units, one (stage, eval micro-batch) forward each, without
-gradients, so decode preempts evaluation exactly as it preempts training. Evaluation
-uses no random numbers and changes no weights: training is the same with or without it.
+When and what follow the Hugging Face Trainer (``DefaultFlowCallback``, ``evaluation_loop``):
+``eval_strategy``, ``eval_steps``, ``eval_delay``, ``eval_on_start``, ``do_eval``;
+``eval_loss`` per set (``eval_<name>_loss`` with ``eval_on_each_dataset``). A pass is a
+list of units, one (stage, eval micro-batch) forward each without gradients, so decode
+preempts evaluation exactly as it preempts training. Invariant: evaluation uses no random
+numbers and changes no weights, so training is the same with or without it.
+Semantics: docs/jobs.md, 'Evaluation'.
 """
 
 from __future__ import annotations

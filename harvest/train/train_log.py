@@ -1,17 +1,12 @@
 """The trainer's log, in the formats LlamaFactory's and Hugging Face's tools read.
 
-harvest keeps a `transformers.TrainerState` and drives the same callbacks the Hugging Face
-Trainer drives under ``llamafactory-cli train``: LlamaFactory's own ``LogCallback`` (it
-writes ``trainer_log.jsonl``, which LlamaBoard reads) and Hugging Face's reporter callbacks
-for ``report_to``. ``trainer_state.json`` goes into every checkpoint and into output_dir at
-the end (LlamaFactory's ``plot_loss`` reads it there), so nothing here re-implements their
-formats.
-
-Log lines follow the Hugging Face Trainer: every ``logging_steps`` steps (a fraction < 1 of
-the run, as there), the first step with ``logging_first_step``, at epoch ends with
-``logging_strategy: epoch``, never with ``no``; the logged loss is the mean of the steps
-since the last line; the learning rate is the one the step used. Resuming from
-checkpoint-N rolls the log back to step N, so redone steps never appear twice.
+harvest keeps a `transformers.TrainerState` and drives the callbacks the Hugging Face
+Trainer drives under ``llamafactory-cli train`` (LlamaFactory's ``LogCallback`` writing
+``trainer_log.jsonl``; the ``report_to`` reporters), and writes ``trainer_state.json`` into
+every checkpoint and output_dir, so nothing here re-implements their formats. Log lines
+follow the Hugging Face Trainer's ``logging_*`` rules; resuming from checkpoint-N rolls the
+log back to step N, so redone steps never appear twice.
+Rules: docs/jobs.md, 'What a job leaves in output_dir'.
 """
 
 from __future__ import annotations

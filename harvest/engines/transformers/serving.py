@@ -1,17 +1,12 @@
 """Trace requests served through a decode batch in wall-clock time, and the TPOT/ITL
 summary of what was served: the serving loop of the GPU co-location experiment.
 
-Requests (harvest.replay's model): a window of the trace, arrival times scaled by
-``time_scale``, context and output lengths capped. A request joins the running batch at
-the first step boundary after its arrival (wall clock) and leaves after
-``generated - 1`` decode steps (its prefill ran on a prefill instance and produced the
-first token). Its KV cache arrives as random values: a step's cost does not depend on
-them (as with the model's random weights).
-
-TPOT = a step's latency, measured by the mode's step timer (CUDA events on the decode
-stream, a host timer on CPU), as the scheduler sees it; ITL = the wall time between a
-request's tokens (control decision, joins and leaves included). The stream is
-synchronised after each step, as a serving loop reading its tokens does.
+Requests follow harvest.replay's model: a window of the trace, arrival times scaled by
+``time_scale``; a request joins the batch at the first step boundary after its arrival
+and leaves after ``generated - 1`` decode steps (its prefill ran elsewhere), its KV cache
+random values (a step's cost does not depend on them). TPOT is a step's latency from the
+mode's step timer, as the scheduler sees it; ITL the wall time between a request's tokens.
+The stream is synchronised after each step, as a serving loop reading its tokens does.
 """
 
 from __future__ import annotations

@@ -1,18 +1,13 @@
 """Decode steps through SGLang's ModelRunner, in this process (sglang 0.5.23).
 
-The served path, minus the scheduler: the same ModelRunner, model implementation,
-attention backend, KV pool and (on a GPU) decode CUDA graphs a ``launch_server`` decode
-instance builds, set up the way SGLang's own single-batch benchmark
-(``sglang.benchmark.one_batch``) does it. A step is what ``Scheduler.run_batch`` does for
-a decode batch — ``ForwardBatch.init_new``, ``ModelRunner.forward``, ``sample`` — and the
-timed span starts after ``ScheduleBatch.prepare_for_decode``, which SGLang runs while
-choosing the next batch, outside ``run_batch``. This is the span harvest's per-step hook
-measures online, so offline and online samples are the same quantity.
-
-SGLang keeps process-wide state (published server args, torch.distributed), so one
-engine per process: `harvest profile` is a command, not a library call. With
-``tp_size`` N > 1 this engine is TP rank 0 and drives ranks 1..N-1, each this engine in
-a process of its own (:mod:`.sglang_ranks`).
+The served path minus the scheduler: the ModelRunner, model, attention backend, KV pool
+and (on a GPU) decode CUDA graphs a ``launch_server`` decode instance builds, set up as
+``sglang.benchmark.one_batch`` does. A step is what ``Scheduler.run_batch`` does for a
+decode batch, timed from after ``ScheduleBatch.prepare_for_decode``: the span harvest's
+per-step hook measures online, so offline and online samples are the same quantity.
+SGLang keeps process-wide state, so one engine per process (`harvest profile` is a
+command, not a library call); with ``tp_size`` N > 1 this engine is rank 0 and drives
+ranks 1..N-1 (:mod:`.sglang_ranks`).
 """
 
 from __future__ import annotations

@@ -1,18 +1,13 @@
 """Where `harvest profile --tp N` runs its N tensor-parallel ranks, checked before any
 model loads.
 
-SGLang runs one process per TP rank. On GPUs rank ``r`` takes GPU ``r``. On a CPU it
-reads rank ``r``'s cores from ``SGLANG_CPU_OMP_THREADS_BIND`` ("0-3|4-7": the r-th
-``|``-separated group); unset, it gives each rank a NUMA node and refuses more ranks than
-nodes, which stops ``--tp 2`` on a one-node machine. So when the operator has not set it,
-the profiler splits the cores this process may use (``os.sched_getaffinity``) into N
-contiguous groups and sets it for the engine's processes. Ranks 1..N-1 are pinned to
-their group with one torch thread per core (harvest.predict.profiler.sglang_ranks). Rank
-0 shares the profiling process with the co-run trainer, whose threads --trainer-cpu-threads
-sets, so it is not pinned: it decodes on its group's core count less the trainer's
-(harvest.predict.profiler.session), as a server's decode thread does beside a job.
-
-Nothing here imports torch: the checks run before anything heavy loads.
+On GPUs rank ``r`` takes GPU ``r``. On a CPU SGLang reads rank ``r``'s cores from
+``SGLANG_CPU_OMP_THREADS_BIND`` (the r-th ``|``-separated group), else gives each rank a
+NUMA node; so when the operator has not set it, the profiler splits the cores this process
+may use into N contiguous groups and sets it. Ranks 1..N-1 are pinned to their group;
+rank 0 shares the profiling process with the co-run trainer and decodes on its group's
+core count less the trainer's. Nothing here imports torch.
+Rules: profiles/README.md, 'Tensor parallelism'.
 """
 
 from __future__ import annotations
