@@ -6,12 +6,10 @@ one parser, so every flag and field accepts the same forms and refuses with the 
     HOST  (a name, IPv4 or IPv6)     parse_host (metrics.host)
     PORT                             parse_port (metrics.port)
 
-A port is 1-65535; 0 only where the caller names what it means (``zero="off"``). An IPv6
-address with a port is written in brackets. Errors are :class:`AddressError`, whose text
-says what was given and why it is refused; the caller adds the flag or field it came
-from (:func:`named`, or argparse's ``argument --flag:`` for the ``*_type`` functions).
-
-Standard library only: `harvest ctl` and `harvest top` run without torch.
+A port is 1-65535; 0 only where the caller names what it means (``zero="off"``). Errors are
+:class:`AddressError`, saying what was given and why it is refused; the caller adds the
+flag or field (:func:`named`, or argparse for the ``*_type`` functions). Standard library
+only: `harvest ctl` and `harvest top` run without torch.
 """
 
 from __future__ import annotations

@@ -1,17 +1,13 @@
 """Whether KV lending runs on this rank, and why not: one state where the step loop kept
 flags that had to agree.
 
-The lending mechanism (harvest.sglang.kv_lending.KvLendingController on SGLang, or
+The lending mechanism (harvest.sglang.kv_lending.KvLendingController, or
 :class:`NoKvLending`) moves the chunks; :class:`LendingSwitch` holds its
-:class:`LendingState` and is the one place that turns it off or on again. An operator's
-pause is not a state here: the mechanism returns the memory (``return_all``) and lends
-again on resume (``resume_lending``) while the state stays LENDING.
-
-STOPPED outranks BROKEN: an operator's stop after a failed check is a stop, and a check
-failing after a stop leaves it one (the messages say what failed either way). On a
-tensor-parallel instance the state changes only with the ranks' agreement (the same
-exchange on every rank): a rank's own failed check is reported there, and every rank
-turns BROKEN at once (harvest.colocate.rank_decision).
+:class:`LendingState` and is the one place that turns it off or on again. Invariants: an
+operator's pause is not a state here (the mechanism returns and re-lends the memory while
+the state stays LENDING); STOPPED outranks BROKEN; on a tensor-parallel instance the state
+changes only with the ranks' agreement, so every rank turns BROKEN at the same exchange
+(harvest.colocate.rank_decision).
 """
 
 from __future__ import annotations

@@ -1,16 +1,12 @@
 """The arithmetic of the fleet's collectives, over a torch.distributed gloo group.
 
-Host (CPU, fp32) copies of the LoRA tensors travel, whatever the trainer's device: a LoRA
-adapter is megabytes, the copy runs on the member's sync thread, and the decode process's
-GPU gets no communicator of the trainer's (its SMs and streams stay the scheduler's).
-
-- :func:`weighted_average` (periodic rounds): each member's weights weighted by the tokens
-  it trained since the last round, Σ tokens_i·w_i / Σ tokens_i; a round where nobody
-  trained (the fleet's first) takes the plain mean.
-- :class:`OuterNesterov` (DiLoCo's outer optimizer): the round's mean is not taken as is;
-  its change from the fleet's previous weights is an outer gradient for Nesterov momentum.
-- :func:`sum_gradients` (every_step): gradients weighted by each member's label tokens,
-  so the sum is the gradient of the whole step's loss, as one process computes it.
+Host (CPU, fp32) copies of the LoRA tensors travel, whatever the trainer's device, so the
+decode process's GPU gets no communicator of the trainer's. :func:`weighted_average`
+(periodic rounds) weights each member by the tokens it trained since the last round (a
+round where nobody trained takes the plain mean); :class:`OuterNesterov` (DiLoCo's outer
+optimizer) takes the mean's change as an outer gradient for Nesterov momentum;
+:func:`sum_gradients` (every_step) weights gradients by label tokens, so the sum is the
+whole step's gradient as one process computes it.
 """
 
 from __future__ import annotations

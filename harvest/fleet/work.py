@@ -1,16 +1,12 @@
 """Which global steps each member trains: a queue shared through the store.
 
-Step ``t`` of the job means the samples a one-process run trains at step ``t`` (the
-epoch order drawn from the job's seed, harvest.train.data.StepBatches). Members *claim*
-steps one at a time: first from the re-queue (steps a dead or departed member had not
-synced), then the next unused step number (an atomic counter). So every step is
-claimed once, by whichever member is free; a member whose server is busy claims fewer.
-
-A member's claimed steps stay *unsynced* until a round carries its weights into the
-fleet's; then they are *committed* (a counter). A member that dies loses its unsynced
-work with its weights; its steps (published under ``claims/<member>``) go back to the
-queue, so the committed steps are always the ones in the fleet's weights and the union
-of all steps trained into them is the dataset, each sample once per epoch.
+Step ``t`` means the samples a one-process run trains at step ``t``. Members *claim* steps
+one at a time, first from the re-queue (steps a dead or departed member had not synced),
+then the next unused number (an atomic counter), so every step is claimed once, by
+whichever member is free. Claimed steps stay *unsynced* until a round carries them into the
+fleet's weights, then are *committed*; a dead member's unsynced steps (``claims/<member>``)
+go back to the queue. Invariant: the committed steps are exactly those in the fleet's
+weights, and every sample is trained once per epoch.
 """
 
 from __future__ import annotations

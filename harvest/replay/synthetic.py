@@ -1,16 +1,13 @@
 """Synthetic latency profiles with exactly known coefficients, for replay tests and for
 the replay benchmark until a measured GPU profile exists.
 
-A synthetic profile is a real :class:`~harvest.predict.schema.Profile` (it loads, saves
-and predicts like a measured one) whose grid points are computed, noise-free, from the
-coefficients it stores; its provenance says ``synthetic`` in the device name, the
-command line and the finetune description, so it is never mistaken for a measurement.
-
-:func:`harli_a100_llama3_8b` is shaped after what Harli reports for Llama-3-8B decode on
-an A100 (§2, §5, fig. 8-10), not measured: ~11 ms of fixed cost per step (reading 16 GB
-of bf16 weights at ~1.5 TB/s), 128 KiB of KV per token read once per step (≈ 0.09 µs
-per context token), sublinear slow-down with fewer SMs (fig. 9) and a co-location
-slow-down growing linearly with the trainer's SM share (eq. 3, fig. 10).
+A synthetic profile is a real :class:`~harvest.predict.schema.Profile` whose grid points are
+computed, noise-free, from the coefficients it stores; its provenance says ``synthetic``
+(device name, command line, finetune description), so it is never mistaken for a
+measurement. :func:`harli_a100_llama3_8b` is shaped after what Harli reports for
+Llama-3-8B decode on an A100 (§2, §5, fig. 8-10), not measured: ~11 ms fixed cost per step,
+≈ 0.09 µs per context token, sublinear slow-down with fewer SMs, and a co-location
+slow-down linear in the trainer's SM share (eq. 3).
 """
 
 from __future__ import annotations

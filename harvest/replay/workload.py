@@ -1,16 +1,13 @@
 """The requests a replay feeds the decode instance: a window of the trace, stretched in
 time and thinned or multiplied in rate.
 
-- window: requests arriving in ``[start_s, start_s + duration_s)``, at most
-  ``max_requests``, arrival times re-based to the window's start;
-- ``time_scale`` multiplies every arrival time (2.0: half the rate);
-- ``rate_scale`` keeps the time base: each request is kept ``floor(r)`` times plus once
-  more with probability ``r − floor(r)`` (seeded), extra copies at uniform times before
-  the next request, so the load curve keeps its shape; with ``resample_sizes`` the copies
-  take the sizes of a request drawn from those within RESAMPLE_WINDOW_S, and the original's
-  arrival is drawn in its gap like theirs.
-
-Why a fleet needs ``resample_sizes``: docs/fleet.md, 'Load per server'.
+The window is the requests arriving in ``[start_s, start_s + duration_s)`` (at most
+``max_requests``), re-based to its start; ``time_scale`` multiplies every arrival time;
+``rate_scale`` keeps the time base and keeps each request ``floor(r)`` times plus once more
+with probability ``r − floor(r)`` (seeded), extra copies at uniform times before the next
+request, so the load curve keeps its shape. With ``resample_sizes`` the copies take the
+sizes of a request within RESAMPLE_WINDOW_S of it, and the original's arrival is drawn in
+its gap like theirs: why a fleet needs that, docs/fleet.md, 'Load per server'.
 """
 
 from __future__ import annotations

@@ -2,15 +2,13 @@
 control endpoint (harvest.sglang.control), as kvcached's ``kvctl`` does for its limits.
 
     harvest ctl [--server URL] jobs
-    harvest ctl submit JOB.yaml              # checked as `harvest train --check` does, then queued
-    harvest ctl cancel NAME
-    harvest ctl publish NAME [--as ADAPTER]  # its adapter into the same SGLang server
+    harvest ctl submit JOB.yaml | cancel NAME | publish NAME [--as ADAPTER]
     harvest ctl set --target-tpot-ms 35 --max-lend-fraction 0.5 --weight NAME=3
     harvest ctl pause | resume | stop
 
-Exit status: 0 when the server did it, 1 when it refused (its reason on stderr: the
-reply's ``error``), 2 for a bad command line. ``--json`` prints the server's reply as is.
-Standard library only: it runs on an operator's machine without torch or SGLang.
+Exit status: 0 when the server did it, 1 when it refused (the reply's ``error`` on
+stderr), 2 for a bad command line; ``--json`` prints the reply as is. Standard library
+only: it runs on an operator's machine without torch or SGLang.
 """
 
 from __future__ import annotations

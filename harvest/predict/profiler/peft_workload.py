@@ -1,15 +1,10 @@
 """Co-run workload: a real PEFT LoRA training step on the finetune base model.
 
-Used when no harvest trainer job is given. Units are whole-model, not per layer:
-
-- ``forward``: forward pass with autograd recording, loss computed, graph dropped;
-- ``backward``: backward through a graph recorded once and retained
-  (``retain_graph=True``), LoRA gradients computed then dropped — no optimizer step,
-  which would change the parameters the retained graph saved (a LoRA AdamW step is a
-  few small element-wise kernels, negligible next to a backward pass).
-
-The forward/backward split lets the profiler measure stage 2 per trainer phase (Harli
-found one model enough on its GPUs; harvest checks on every profile). The data are
+Used when no harvest trainer job is given. Units are whole-model: ``forward`` (autograd
+recording, loss computed, graph dropped) and ``backward`` (through a graph recorded once
+and retained, LoRA gradients computed then dropped). No optimizer step: it would change the
+parameters the retained graph saved, and a LoRA AdamW step is negligible next to a
+backward pass. The split lets the profiler fit stage 2 per trainer phase. The data are
 random in-vocabulary tokens: a step's cost depends on shapes, not values.
 """
 
