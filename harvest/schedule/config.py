@@ -20,42 +20,12 @@ from harvest.settings import Integer, Number, from_mapping, invalid, setting, va
 class SchedulerConfig:
     """Knobs of Harli's rule (§6.2) and of harvest's additions to it.
 
-    - ``target_tpot_ms``: the per-token decode latency target (Harli evaluates 40 ms).
-    - ``initial_margin``: decisions aim under ``target × (1 − margin)``. 5% covers the
-      stage-2 predictor's reported error (Harli (arXiv:2511.11729) §8.4: < 5%). It is also the margin's
-      lower bound: feedback only ever adds to it.
-    - ``max_margin``: the feedback margin never exceeds this, so one bad stretch cannot
-      shut the trainer out indefinitely.
-    - ``margin_growth`` / ``margin_decay``: added after each measured violation of a
-      co-located step / removed after each co-located step within target. If the margin
-      governs violations, it settles where violations happen with probability
-      ``decay / (growth + decay)``: the defaults give ≈ 0.5%, half the 1% violation
-      rate the co-location benchmark allows.
-    - ``hysteresis_steps``: a level change that QoS does not require (the current level
-      still fits) waits until a better level has been available for this many
-      consecutive steps; 1 disables hysteresis. 3 steps ≈ 120 ms at 40 ms, close to the
-      ~100 ms between adjustments Harli shows in §8.6 (Fig. 14).
-    - ``hysteresis_gain``: ... unless the better level predicts at least this fraction of
-      the target more latency than the current one (the current level wastes that much
-      of the budget); ``None``: never skip the wait.
-    - ``floor_after_paused_steps``: after this many consecutive steps in which the
-      trainer had work but was paused, run it for one step on the safest level that
-      predicts under ``target × (1 − floor_margin − (margin − initial_margin))``: without
-      the initial headroom, but with what the feedback margin learned from violations (a
-      minimum-progress floor of one step in ``K + 1`` while predicted slack exists);
-      ``None`` disables the floor.
-    - ``floor_margin``: the margin the floor keeps (≤ ``initial_margin``; 0 = the raw
-      predicted target).
-    - ``backoff_steps``: a co-located violation the margin cannot absorb (it was already
-      within half a growth step of ``max_margin``) keeps the trainer paused for this
-      many decisions, floor included: the predictor is off by more than the margin can
-      cover (a slowed machine, a load the profile never saw) and co-locating on its
-      word would keep violating. Each further such violation doubles the backoff, up to
-      ``max_backoff_steps``; it starts from ``backoff_steps`` again once co-located
-      steps on target have decayed the margin a full growth step below its maximum.
-      32 steps ≈ 1.3 s at 40 ms: long enough for the online predictor to see solo steps
-      of the changed machine. ``None``: no backoff (the margin is the only feedback).
-    - ``ring_size``: how many recent decisions are kept for inspection.
+    The QoS target (``target_tpot_ms``), the feedback margin (``initial_margin``,
+    ``max_margin``, ``margin_growth``, ``margin_decay``), hysteresis (``hysteresis_steps``,
+    ``hysteresis_gain``), the minimum-progress floor (``floor_after_paused_steps``,
+    ``floor_margin``), the backoff (``backoff_steps``, ``max_backoff_steps``) and
+    ``ring_size``. Each field's description is its setting's; why the defaults are what they
+    are: docs/design.md §4, 'The scheduler's knobs'.
     """
 
     # Set in harvest.yaml as ``qos.initial_margin``; an old file's ``qos.margin`` is refused

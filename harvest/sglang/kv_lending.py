@@ -456,18 +456,11 @@ class KvLendingController:
         - no live-slot count in the allocator (SGLang's slots are never marked there);
         - every free slot is in a mapped chunk (none in a lent, moving or broken one), in
           the pool (not the padding slot 0), and free once;
-        - free slots + lent and lending slots <= the pool's slots (the rest are SGLang's in
-          use; its own idle leak check accounts for those, lent slots included).
+        - free slots + lent and lending slots <= the pool's slots.
 
-        Scheduler thread, between steps (SGLang's free lists and lend/reclaim are that
-        thread's). Cost: the allocator's own check, the chunk table (one foreign call, then
-        a Python object per chunk: most of the time) and one ``bincount`` over the free
-        slots. Measured on a 2-core CPU machine (SGLang's TokenToKVPoolAllocator on a
-        host-backed allocator, 512 chunks, 80% lent, median of 50): 1.4 ms with 128-token
-        chunks (64k slots), 2.2 ms with 1024-token chunks (512k slots, Llama-3-8B's chunk
-        size), about 1.1 ms of either the chunk table and 0.03-0.1 ms the allocator's own
-        check; 2.5 and 6 ms with another test run sharing the cores. On a GPU the free list's min/max and the per-chunk counts are read back: it waits
-        for the decode stream, so idle only."""
+        Scheduler thread, between steps, idle only on a GPU (it waits for the decode stream).
+        Cost: docs/measurements.md, 'The KV integrity check'.
+        """
         self._last_integrity_check = time.monotonic()
         self.num_integrity_checks += 1
         self.allocator.check_integrity()
