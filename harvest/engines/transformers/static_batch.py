@@ -15,31 +15,15 @@ from harvest.engines.transformers.model import cache_layers, on_stream
 
 class SlotDecodeBatch:
     """Requests decoding together in ``max_batch_size`` fixed slots of one transformers
-    ``StaticCache`` (``max_context + max_steps`` columns), for CUDA graphs: every tensor a
-    step reads or writes keeps its address (token ids, per-slot positions, a 4-D boolean
-    attention mask per slot, the cache and its write column), and a step reads nothing
-    back to the host, so :meth:`decode_step` can be captured once per (ladder level,
-    bucket) and replayed (:mod:`.captured_graphs`).
+    ``StaticCache``, for CUDA graphs: every tensor a step reads or writes keeps its address
+    and a step reads nothing back to the host, so :meth:`decode_step` can be captured once per
+    (ladder level, bucket) and replayed (:mod:`.captured_graphs`). Invariants: each slot
+    computes what it would decoding alone; a request stays at most ``max_steps`` steps; a step
+    runs on the smallest bucket holding the active slots ``[0, num_requests)``; :meth:`join`
+    and :meth:`leave` are host work outside the captured step.
 
-    Layout. ``StaticLayer`` writes one column for the whole batch (its
-    ``cumulative_length``, a device scalar; the same class in transformers 5.17 and 5.19),
-    so slots share a write column: a slot's context sits in columns ``[0, ctx)`` of its
-    row, and the tokens it decodes go where the shared column points, a ring over
-    ``[max_context, max_context + max_steps)`` advanced on the device by every step. The
-    mask says which columns are a slot's own (its context, then the ring columns written
-    since it joined), position ids are per slot; attention does not depend on the order
-    of the key columns, so each slot computes what it would decoding alone. A request may
-    stay at most ``max_steps`` steps (the ring's length; :meth:`step` checks).
-
-    Buckets. Active requests occupy slots ``[0, num_requests)`` (a leave moves the last
-    slots into the holes); a step computes the smallest bucket (from ``buckets``, always
-    ``max_batch_size``) holding them, through views of the same tensors, so one graph per
-    (level, bucket) serves every batch size. Inactive slots inside the bucket compute
-    garbage nobody reads (a join resets its slot's row).
-
-    Host work stays outside the captured step: :meth:`join` (the prefill of ``prompts``
-    into a free slot, or random KV: a step's cost does not depend on it) and
-    :meth:`leave` run eagerly on the caller's stream; :meth:`after_step` counts tokens."""
+    Layout and buckets: docs/design.md §4, 'Capturable decode batches'.
+    """
 
     def __init__(self, model, device, max_batch_size: int, max_context: int, max_steps: int, *, buckets=None,
                  seed: int = 0):
