@@ -92,7 +92,7 @@ def profile_figures(profile: dict) -> dict:
     return {
         "stage1_quality": [{"decode_sms": levels[i]["decode_sms"], **lv["quality"]} for i, lv in enumerate(profile["stage1"])],
         "stage2_quality": profile["stage2"]["combined"]["quality"],
-        # Issue 4: a decode step of the model, time vs decode SMs (solo, largest grid point).
+        # A decode step of the model, time vs decode SMs (solo, largest grid point).
         "decode_step_ms_vs_decode_sms": [
             [levels[s["level"]]["decode_sms"], round(s["latency_s"] * 1e3, 3)] for s in profile["samples"]
             if s["stage"] == "solo" and (s["batch_size"], s["context_length"]) == biggest],
