@@ -66,7 +66,9 @@ class HarvestMode:
         from harvest.schedule import TrainerAction
 
         self.colocation, self._run = colocation, TrainerAction.RUN
-        self.timer = colocation.timer = RecordingTimer(colocation.timer)
+        # Both read the timer: the colocation times each step, its rank decision feeds the
+        # measurements back.
+        self.timer = colocation.timer = colocation.decides.timer = RecordingTimer(colocation.timer)
 
     @property
     def level(self):
