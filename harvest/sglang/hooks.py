@@ -82,7 +82,9 @@ def _token_alloc(original, allocator, need_size, *args, **kwargs):
     if result is None and _took_lent_chunks_back(allocator, need_size):
         result = original(allocator, need_size, *args, **kwargs)
     if result is not None:
-        lending = getattr(allocator, "_harvest_lending", None)  # kv_lending.LENDING_ATTR, without its import
+        from harvest.sglang.kv_lending import lending_of
+
+        lending = lending_of(allocator)
         if lending is not None:
             lending.record_allocation(need_size)
     return result
