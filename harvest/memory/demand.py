@@ -20,6 +20,9 @@ import math
 import numpy as np
 
 
+UPDATE_INTERVAL_S = 1.0  # the server and the replay work the reserve out at most this often (a few ms at most)
+
+
 @dataclasses.dataclass(frozen=True)
 class ReserveDecision:
     tokens: int

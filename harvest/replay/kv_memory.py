@@ -21,7 +21,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from harvest.config import MemoryConfig
-from harvest.memory.demand import AllocationDemand, DemandReserve
+from harvest.memory.demand import UPDATE_INTERVAL_S, AllocationDemand, DemandReserve
 from harvest.memory.lending import LendingPolicy, plan, reclaim_count
 from harvest.memory.reserve import reserve_tokens
 from harvest.settings import from_mapping
@@ -35,7 +35,6 @@ DEFAULT_LEND_MS_PER_CHUNK = DEFAULT_RECLAIM_MS_PER_CHUNK  # the H100 measured bo
 # two norms of 4096: 218,112,000 parameters in bf16.
 LLAMA3_8B_LAYER_BYTES = 218_112_000 * 2
 LLAMA3_8B_STAGES = 34  # the embedding, 32 decoder layers, the final norm with the LM head
-RESERVE_INTERVAL_S = 1.0  # as the server's KvLendingController.RESERVE_INTERVAL_S
 SERIES_INTERVAL_S = 10.0
 MAX_SERIES_POINTS = 720  # a longer replay widens the interval (by whole multiples of 10 s)
 LENDING, STATIC_SHARE = "lending", "static"
@@ -263,8 +262,8 @@ class LendingModel:
         first = max(t, self._last_pass + self.lend_interval_s)
         if first <= until:
             self.lending_pass(first)
-        if self.reserve is not None and self._reserve_at + RESERVE_INTERVAL_S < until:
-            self.lending_pass(max(self._reserve_at + RESERVE_INTERVAL_S, self._last_pass + self.lend_interval_s))
+        if self.reserve is not None and self._reserve_at + UPDATE_INTERVAL_S < until:
+            self.lending_pass(max(self._reserve_at + UPDATE_INTERVAL_S, self._last_pass + self.lend_interval_s))
         if until - self._last_pass >= self.lend_interval_s:
             self.lending_pass(until)
         self._owed_s = 0.0  # done while no request ran
@@ -286,7 +285,7 @@ class LendingModel:
     def lending_pass(self, t: float) -> None:
         """``KvLendingController.maybe_lend``: the auto reserve when due, then the plan."""
         self._last_pass = t
-        if self.reserve is not None and t - self._reserve_at >= RESERVE_INTERVAL_S:
+        if self.reserve is not None and t - self._reserve_at >= UPDATE_INTERVAL_S:
             self._reserve_at = t
             decision = self.reserve.update(t)
             if decision.tokens != self.policy.reserve_tokens:

@@ -20,6 +20,7 @@ import time
 import torch
 
 from harvest.logs import get_logger
+from harvest.memory import demand
 from harvest.memory.lending import LendingPolicy, plan, reclaim_count
 from harvest.memory.lent_budget import LentMemoryBudget
 from harvest.memory.stats import ChunkState
@@ -180,7 +181,6 @@ class KvLendingController:
             self.metrics.urgent_reclaim(waited)
         return took
 
-    RESERVE_INTERVAL_S = 1.0  # the auto reserve is worked out at most this often (a few ms at most)
 
     def record_allocation(self, tokens: int) -> None:
         """SGLang allocated ``tokens`` slots (decode's growth or an arrival's prompt): the
@@ -191,7 +191,7 @@ class KvLendingController:
     def _follow_demand(self, now: float) -> None:
         """The auto reserve, from the demand recorded (one rank: tensor-parallel ranks keep
         the reserve they started with, which every rank has alike)."""
-        if self.reserve is None or self.ranks is not None or now - self._reserve_updated < self.RESERVE_INTERVAL_S:
+        if self.reserve is None or self.ranks is not None or now - self._reserve_updated < demand.UPDATE_INTERVAL_S:
             return
         self._reserve_updated = now
         decision = self.reserve.update(now)
