@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from harvest.predict.online import OnlineSettings
-from harvest.schedule.config import SchedulerConfig
+from harvest.schedule.scheduler_config import SchedulerConfig
 from harvest.schedule.fair_share import JobQueueConfig
 from harvest.setting_kinds import LabelSet
 from harvest.settings import (Boolean, FilePath, Host, Integer, ListOf, Number, Port, SettingError, from_mapping, invalid,
@@ -84,7 +84,7 @@ class MetricsConfig:
     # A nice value, not Linux's SCHED_IDLE: SCHED_IDLE's weight (3 against a nice-0
     # thread's 1024; nice 10: 110) starved the endpoint while decode and the trainer kept
     # the cores busy, which is when /metrics and /harvest/status are needed
-    # (harvest.sglang.control._lower_priority).
+    # (harvest.sglang.endpoint_server._lower_priority).
     endpoint_nice: int = setting(DEFAULT_ENDPOINT_NICE, "nice increment of harvest's endpoint process: decode and "
                                  "the trainer win a contended core, the endpoint still gets a share (0: the server's)",
                                  Integer(minimum=0, maximum=19))

@@ -112,7 +112,7 @@ def _poller_process(port, num_clients, nice, interval_s, stop, results):
 def _endpoint_pid(srv) -> int:
     """harvest's endpoint process of the server this benchmark runs (not another server's
     on this machine)."""
-    pids = srv.processes("harvest.sglang.control")
+    pids = srv.processes("harvest.sglang.endpoint_server")
     if len(pids) != 1:
         raise RuntimeError(f"expected one harvest endpoint process, found {sorted(pids)}")
     return pids.pop()

@@ -48,7 +48,7 @@ def time_calls(fn, calls: int, rounds: int) -> float:
 
 def held_out_mape(profile, folds: int, seed: int) -> tuple[float, float, int]:
     from harvest.predict.fit import fit_models
-    from harvest.predict.model import LatencyPredictor
+    from harvest.predict.latency_model import LatencyPredictor
 
     records = list(profile.samples)
     order = list(range(len(records)))
@@ -75,7 +75,7 @@ def held_out_mape(profile, folds: int, seed: int) -> tuple[float, float, int]:
 
 def eight_level_predictor(profile):
     from harvest.ladder import GREEN_CONTEXTS, Ladder, Level
-    from harvest.predict.model import LatencyPredictor, SoloCoefficients
+    from harvest.predict.latency_model import LatencyPredictor, SoloCoefficients
 
     base = profile.predictor()
     ladder = Ladder(132, tuple(Level(d, 132 - d) for d in (24, 40, 56, 72, 88, 104, 120)) + (Level(132, 0),), GREEN_CONTEXTS)

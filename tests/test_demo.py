@@ -11,7 +11,7 @@ import pytest
 
 from harvest import demo
 from harvest.colocate.status import StatusReporter
-from harvest.compute.ladder import plan_ladder
+from harvest.compute.ladder_planning import plan_ladder
 from harvest.ladder import Ladder
 
 LADDERS = {

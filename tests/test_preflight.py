@@ -228,7 +228,7 @@ def test_a_profile_of_another_tp_degree_is_refused_unless_allowed(tiny_llama_pat
 
 def test_jobs_are_checked_at_the_servers_tensor_parallel_degree(tiny_llama_path, setup_dir):
     """What a tp = 2 server's trainer would refuse is refused at launch and by ctl submit's check."""
-    from harvest.sglang.control import check_job_in_child
+    from harvest.sglang.endpoint_server import check_job_in_child
 
     config = colocation_config.write(setup_dir, tiny_llama_path)
     _edit_yaml(setup_dir / "job.yaml", optim="adafactor")

@@ -10,7 +10,7 @@ the step as the plan says (on the level's decode stream, with its decode graphs)
 predictor and the metrics), then the KV lending check.
 """
 
-from harvest.colocate.controller import StepController, StepLoad, StepPlan
+from harvest.colocate.step_controller import StepController, StepLoad, StepPlan
 from harvest.colocate.step_timer import CpuStepTimer, CudaStepTimer, make_step_timer
 from harvest.colocate.trainer_host import TrainerHost
 

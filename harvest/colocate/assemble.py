@@ -113,7 +113,7 @@ def assemble(config, engine: EngineAdapter, *, partitioner=None):
 def _assemble(config, engine: EngineAdapter, partitioner, jobs: tuple):
     from harvest.colocate.colocation import Colocation
     from harvest.colocate.lending_state import NoKvLending
-    from harvest.colocate.controller import StepController
+    from harvest.colocate.step_controller import StepController
     from harvest.colocate.step_timer import make_step_timer
     from harvest.schedule import QoSController
 
@@ -162,12 +162,12 @@ def _assemble(config, engine: EngineAdapter, partitioner, jobs: tuple):
                                    cpu_threads=config.trainer.cpu_threads, nice=config.trainer.nice,
                                    tp_rank=engine.tp_rank, max_running=max_running,
                                    quantum_s=config.queue.quantum_s, starvation_s=config.queue.starvation_s)
-    control = StepController(partitioner=partitioner, qos=qos, trainer_host=trainer_host,
+    step_controller = StepController(partitioner=partitioner, qos=qos, trainer_host=trainer_host,
                              predictor=None if refiner is None else refiner.predictor, refiner=refiner,
                              metrics=metrics, target_tpot_ms=config.qos.target_tpot_ms)
     if refiner is not None:
         import sklearn.linear_model  # noqa: F401 - pay the ~1 s import at start-up, not in the first refit
-    colocation = Colocation(config=config, partitioner=partitioner, control=control, trainer_host=trainer_host,
+    colocation = Colocation(config=config, partitioner=partitioner, step_controller=step_controller, trainer_host=trainer_host,
                             lending=lending, timer=make_step_timer(engine.device_type), metrics=metrics,
                             refiner=refiner, gpu_sampler=_gpu_sampler(engine), device_type=engine.device_type,
                             refit_min_interval_s=config.online.refit_min_interval_s,

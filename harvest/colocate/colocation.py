@@ -19,7 +19,7 @@ import math
 import time
 from typing import Callable
 
-from harvest.colocate.controller import StepLoad
+from harvest.colocate.step_controller import StepLoad
 from harvest.colocate.lending_state import LendingSwitch, NoKvLending
 from harvest.colocate.rank_decision import rank_decision
 from harvest.colocate.step_profiler import StepProfiler
@@ -31,12 +31,12 @@ __all__ = ["Colocation", "NoKvLending", "leave_cores_to_trainer"]
 
 
 class Colocation:
-    def __init__(self, *, config, partitioner, control, trainer_host, lending, timer, metrics, refiner,
+    def __init__(self, *, config, partitioner, step_controller, trainer_host, lending, timer, metrics, refiner,
                  gpu_sampler=None, device_type: str = "cpu", refit_min_interval_s: float = 2.0,
                  engine_places_forward: bool = False, ranks=None, trainer_tp=None, adapters=None):
         self.config = config
         self.partitioner = partitioner
-        self.control = control
+        self.step_controller = step_controller
         self.trainer_host = trainer_host
         self.lending = lending
         self.timer = timer
@@ -72,7 +72,7 @@ class Colocation:
         # rank at each step and idle tick. ``trainer_tp``: the trainer's TensorParallel.
         self.ranks = ranks
         self.trainer_tp = trainer_tp
-        self.decides = rank_decision(ranks, control=control, timer=timer, lending=lending, switch=self.lending_switch,
+        self.decides = rank_decision(ranks, step_controller=step_controller, timer=timer, lending=lending, switch=self.lending_switch,
                                      trainer_host=trainer_host, metrics=metrics, trainer_tp=trainer_tp,
                                      request_attention=self.request_attention)
         # harvest.colocate.job_control.AdapterServing: finished jobs' adapters into the
@@ -164,7 +164,7 @@ class Colocation:
             self._attend()
         self.decides.feed_back()
         if not self.timer.outstanding:
-            self.control.forget_unmeasured()  # steps whose measurement was lost: not waited for
+            self.step_controller.forget_unmeasured()  # steps whose measurement was lost: not waited for
         self.decides.idle()  # the trainer on the level with the most trainer SMs; lending
         self._check_kv_integrity()
         self.maybe_refit()

@@ -1,7 +1,7 @@
 """The engine's end of harvest's control plane: a snapshot file it publishes, and the
 operator's commands it runs between steps.
 
-The HTTP endpoint (``harvest.sglang.control``, a process of its own) and the engine meet
+The HTTP endpoint (``harvest.sglang.endpoint_server``, a process of its own) and the engine meet
 through a **snapshot file** (status, the recent steps and the Prometheus exposition,
 written atomically at most every ``metrics.publish_interval_s``; every GET is served from
 the endpoint's copy) and a **command socket** (one end of a socketpair: one JSON line per

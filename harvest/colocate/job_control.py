@@ -122,7 +122,7 @@ def change_settings(colocation, args: dict) -> tuple[int, dict]:
     changes: list[Callable[[], str]] = []
     try:
         if "target_tpot_ms" in args:
-            qos = dataclasses.replace(colocation.control.qos.config, target_tpot_ms=args["target_tpot_ms"])
+            qos = dataclasses.replace(colocation.step_controller.qos.config, target_tpot_ms=args["target_tpot_ms"])
             changes.append(lambda: _set_target(colocation, qos))
         if "max_lend_fraction" in args:
             if colocation.ranks is not None:
@@ -149,10 +149,10 @@ def change_settings(colocation, args: dict) -> tuple[int, dict]:
 
 
 def _set_target(colocation, qos) -> str:
-    control = colocation.control
-    before = control.qos.config.target_tpot_ms
-    control.qos.config = qos
-    control.target_s = qos.target_tpot_ms / 1e3
+    step_controller = colocation.step_controller
+    before = step_controller.qos.config.target_tpot_ms
+    step_controller.qos.config = qos
+    step_controller.target_s = qos.target_tpot_ms / 1e3
     _metrics_settings(colocation)
     logger.info("operator: qos.target_tpot_ms %.3g -> %.3g", before, qos.target_tpot_ms)
     return f"target_tpot_ms {before:g} -> {qos.target_tpot_ms:g}"
@@ -180,7 +180,7 @@ def _set_weight(host, name: str, weight: float) -> str:
 def current_settings(colocation) -> dict:
     """The run-time values (``/harvest/status`` ``settings``)."""
     policy = getattr(colocation.lending, "policy", None)
-    return {"target_tpot_ms": colocation.control.qos.config.target_tpot_ms,
+    return {"target_tpot_ms": colocation.step_controller.qos.config.target_tpot_ms,
             "max_lend_fraction": policy.max_lend_fraction if policy is not None else None}
 
 

@@ -20,13 +20,13 @@ logger = get_logger(__name__)
 _OPERATOR_CODES = {"pause": OperatorCode.PAUSE, "resume": OperatorCode.RESUME, "stop": OperatorCode.STOP}
 
 
-def rank_decision(ranks, *, control, timer, lending, switch, trainer_host, metrics, trainer_tp,
+def rank_decision(ranks, *, step_controller, timer, lending, switch, trainer_host, metrics, trainer_tp,
                   request_attention: Callable[[], None]):
     """:class:`Alone` without tensor parallelism (``ranks`` None), else :class:`WithRanks`."""
     if ranks is None:
-        return Alone(control=control, timer=timer, lending=lending, switch=switch, trainer_host=trainer_host,
+        return Alone(step_controller=step_controller, timer=timer, lending=lending, switch=switch, trainer_host=trainer_host,
                      metrics=metrics, request_attention=request_attention)
-    return WithRanks(ranks, control=control, timer=timer, lending=lending, switch=switch, trainer_host=trainer_host,
+    return WithRanks(ranks, step_controller=step_controller, timer=timer, lending=lending, switch=switch, trainer_host=trainer_host,
                      metrics=metrics, trainer_tp=trainer_tp)
 
 
@@ -37,8 +37,8 @@ class Alone:
     last_agreement = None
     every_ranks_trainer_ended = False
 
-    def __init__(self, *, control, timer, lending, switch, trainer_host, metrics, request_attention):
-        self.control = control
+    def __init__(self, *, step_controller, timer, lending, switch, trainer_host, metrics, request_attention):
+        self.step_controller = step_controller
         self.timer = timer
         self.lending = lending
         self.switch = switch
@@ -50,17 +50,17 @@ class Alone:
 
     # -- the step and the idle tick (engine thread) ------------------------------------------
     def step(self, load):
-        return self.control.before_step(load)
+        return self.step_controller.before_step(load)
 
     def feed_back(self) -> None:
         for tag, measured_s in self.timer.completed():
-            self.control.after_step(tag, measured_s)
+            self.step_controller.after_step(tag, measured_s)
 
     def lend(self) -> None:
         self.lending.maybe_lend()  # at most every lend interval: a busy server lends too
 
     def idle(self) -> None:
-        self.control.on_idle()
+        self.step_controller.on_idle()
         self.lending.maybe_lend()
 
     def attend(self) -> None:
@@ -105,9 +105,9 @@ class WithRanks:
     lend clock, the operator's commands) and every rank applies that decision and what
     else the exchange says, at the same point of the scheduler loop."""
 
-    def __init__(self, ranks, *, control, timer, lending, switch, trainer_host, metrics, trainer_tp):
+    def __init__(self, ranks, *, step_controller, timer, lending, switch, trainer_host, metrics, trainer_tp):
         self.ranks = ranks
-        self.control = control
+        self.step_controller = step_controller
         self.timer = timer
         self.lending = lending
         self.switch = switch
@@ -174,16 +174,16 @@ class WithRanks:
         """One exchange: rank 0's decision (a step's plan when ``load`` is given, else the
         idle tick's), applied here with what else the ranks agreed. Returns the step's plan
         (None on an idle tick)."""
-        ranks, control, lending = self.ranks, self.control, self.lending
+        ranks, step_controller, lending = self.ranks, self.step_controller, self.lending
         row = new_row()
         plan = None
         if ranks.leader:
             if load is not None:
-                plan = control.before_step(load)
+                plan = step_controller.before_step(load)
                 row[Field.TAG] = plan.step
             else:
-                control.on_idle()
-            row[Field.LEVEL], row[Field.RUN] = control.applied
+                step_controller.on_idle()
+            row[Field.LEVEL], row[Field.RUN] = step_controller.applied
             row[Field.OPERATOR], self._operator_out = self._operator_out, OperatorCode.NONE
             row[Field.LENDING_REQUEST], self._lending_out = self._lending_out, LendingRequest.NONE
             row[Field.LEND_TICK] = lending.lend_due()
@@ -199,11 +199,11 @@ class WithRanks:
         self.last_agreement = agreed
         if ranks.leader:
             for tag, seconds in self._slowest.add(agreed.measurements):
-                control.after_step(tag, seconds)
+                step_controller.after_step(tag, seconds)
         elif load is not None:
-            plan = control.follow(agreed.tag, agreed.level, agreed.run)
+            plan = step_controller.follow(agreed.tag, agreed.level, agreed.run)
         elif agreed.level >= 0:
-            control.apply_decision(agreed.level, agreed.run)
+            step_controller.apply_decision(agreed.level, agreed.run)
         self._apply(agreed)
         self._lend_tick = agreed.lend_tick
         return plan

@@ -10,7 +10,7 @@ import itertools
 import math
 import time
 
-from harvest.colocate.controller import StepRecord
+from harvest.colocate.step_controller import StepRecord
 from harvest.colocate.job_control import current_settings
 
 STEP_FIELDS = ("seq", *StepRecord._fields)
@@ -43,7 +43,7 @@ class StatusReporter:
         recorded since the snapshot before the last (rows of ``STEP_FIELDS``) and the
         Prometheus exposition. Counts as a publish of the gauges."""
         self._last_publish = time.monotonic()
-        control = self.colocation.control
+        control = self.colocation.step_controller
         status = {**self.status(), **extra_status}  # records the queued steps and publishes the gauges
         newest = control.num_recorded
         since, self._steps_seq_before_last, self._steps_seq_last = self._steps_seq_before_last, self._steps_seq_last, newest
@@ -86,7 +86,7 @@ class StatusReporter:
     def status(self) -> dict:
         """The ``/harvest/status`` document (queued step bookkeeping done first)."""
         colo = self.colocation
-        control = colo.control
+        control = colo.step_controller
         control.record_steps()
         self.publish()
         host = colo.trainer_host

@@ -10,7 +10,7 @@ Nothing here imports torch at module level.
 
 from harvest.compute.factory import create_partitioner
 from harvest.compute.greenctx_lib import GreenContextError, GreenContextsUnavailable
-from harvest.compute.ladder import (
+from harvest.compute.ladder_planning import (
     DEFAULT_NUM_LEVELS,
     MAX_LEVELS,
     arch_constraints,

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from harvest.compute.greenctx_lib import GreenContextError
-from harvest.compute.ladder import DEFAULT_NUM_LEVELS
+from harvest.compute.ladder_planning import DEFAULT_NUM_LEVELS
 from harvest.compute.partitioner import BasePartitioner, WholeDevicePartitioner, _parse_device
 from harvest.ladder import Ladder, LadderError
 from harvest.logs import get_logger
@@ -29,7 +29,7 @@ def create_partitioner(
     """The partitioner for ``device`` ("cpu", "cuda", "cuda:N", torch.device or an index).
 
     ``levels`` and ``min_trainer_sms`` are passed to the ladder planner
-    (harvest.compute.ladder.plan_ladder). Never raises for a machine that cannot
+    (harvest.compute.ladder_planning.plan_ladder). Never raises for a machine that cannot
     partition SMs: it logs a warning naming the reason and returns a
     WholeDevicePartitioner whose ``reason`` holds the same text.
     """

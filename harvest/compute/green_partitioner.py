@@ -1,6 +1,6 @@
 """GreenContextPartitioner: the SM ladder built with CUDA green contexts.
 
-Start-up: query the device -> plan the ladder (harvest.compute.ladder) -> preview each
+Start-up: query the device -> plan the ladder (harvest.compute.ladder_planning) -> preview each
 level with the driver's own split (no contexts yet) -> build it (csrc/greenctx) -> wrap
 each level's streams as ``torch.cuda.ExternalStream`` on the partitioner's
 harvest.ladder.Ladder. Every step raises
@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from harvest.compute import device as device_env
 from harvest.compute import greenctx_lib
 from harvest.compute.greenctx_lib import GreenContextsUnavailable
-from harvest.compute.ladder import DEFAULT_NUM_LEVELS, check_driver_version, device_constraints, plan_ladder
+from harvest.compute.ladder_planning import DEFAULT_NUM_LEVELS, check_driver_version, device_constraints, plan_ladder
 from harvest.compute.partitioner import BasePartitioner
 from harvest.ladder import Ladder, LadderError, Level
 from harvest.logs import get_logger

@@ -14,7 +14,7 @@ Typical use (the scheduler)::
 from harvest.predict.buckets import BatchSizeBuckets
 from harvest.predict.compat import ProfileMismatchError, RuntimeIdentity, check_compatible, load_for, model_config_hash
 from harvest.predict.fit import FitError, FitQuality, LatencySample, fit_corun, fit_models, fit_solo
-from harvest.predict.model import CoRunCoefficients, LatencyPredictor, ProfiledRange, SoloCoefficients
+from harvest.predict.latency_model import CoRunCoefficients, LatencyPredictor, ProfiledRange, SoloCoefficients
 from harvest.predict.online import OnlineRefiner, OnlineSettings
 from harvest.predict.schema import SCHEMA_VERSION, Profile, ProfileError
 

@@ -12,7 +12,7 @@ from typing import Sequence
 from harvest.predict.buckets import BatchSizeBuckets
 from harvest.predict.fit import CoRunFit, FitError, fit_models
 from harvest.ladder import Ladder
-from harvest.predict.model import ProfiledRange
+from harvest.predict.latency_model import ProfiledRange
 from harvest.predict.schema import (
     SCHEMA_NAME,
     SCHEMA_VERSION,

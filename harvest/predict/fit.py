@@ -18,7 +18,7 @@ from typing import Sequence
 
 from harvest.predict.buckets import BatchSizeBuckets
 from harvest.ladder import Ladder
-from harvest.predict.model import COMBINED_PHASE, CoRunCoefficients, SoloCoefficients
+from harvest.predict.latency_model import COMBINED_PHASE, CoRunCoefficients, SoloCoefficients
 
 MIN_SOLO_SAMPLES = 3
 MIN_CORUN_SAMPLES = 2

@@ -21,7 +21,7 @@ from typing import Sequence
 
 from harvest.logs import get_logger
 from harvest.predict.fit import FitError, LatencySample, fit_corun, fit_solo
-from harvest.predict.model import LatencyPredictor
+from harvest.predict.latency_model import LatencyPredictor
 from harvest.settings import Integer, Number, setting, validate
 
 logger = get_logger(__name__)

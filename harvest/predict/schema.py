@@ -24,7 +24,7 @@ from harvest.predict import strict_json
 from harvest.predict.buckets import BatchSizeBuckets
 from harvest.predict.fit import FitQuality, LatencySample
 from harvest.ladder import Ladder
-from harvest.predict.model import CoRunCoefficients, LatencyPredictor, ProfiledRange, SoloCoefficients
+from harvest.predict.latency_model import CoRunCoefficients, LatencyPredictor, ProfiledRange, SoloCoefficients
 
 SCHEMA_NAME = "harvest-latency-profile"
 SCHEMA_VERSION = 3

@@ -175,7 +175,7 @@ class HarvestPolicy(BasePolicy):
         if profile.predictor is None:
             raise PolicyRefused(f"harvest needs the co-location (stage-2) model: {profile.stage2_missing}")
         try:
-            self.controller = QoSController(config, profile.ladder)
+            self.qos = QoSController(config, profile.ladder)
         except ValueError as exc:
             raise PolicyRefused(f"harvest: {exc}") from exc
         self.predictor = profile.predictor
@@ -192,7 +192,7 @@ class HarvestPolicy(BasePolicy):
         solo, colo, errors = self._solo, self._colo, self.errors
         self.predictor.predict_levels(batch_size, sum_context, solo, colo, self._decision_model)
         whole_s = solo[self.whole_level]
-        decision = self.controller.decide(
+        decision = self.qos.decide(
             SchedulerInput(tuple([c * 1e3 for c in colo]), TrainerState.RUNNING, whole_s * 1e3)
         )
         level = decision.level_index
@@ -203,14 +203,14 @@ class HarvestPolicy(BasePolicy):
             latency, share = expected * errors.scale * errors.noise_factor(), self._shares[level]
         if not latency <= MAX_STEP_S:  # before the scheduler logs and backs off over it
             raise step_too_long(latency)
-        self.controller.observe_measurement(latency * 1e3)
+        self.qos.observe_measurement(latency * 1e3)
         return latency, level, share
 
     def level_label(self) -> str:
         return f"chosen per step from {self._num_levels} levels ({self.profile.ladder.describe()})"
 
     def extra(self) -> dict:
-        return {"scheduler": self.controller.stats().to_dict(), "scheduler_config": self.controller.config.to_dict()}
+        return {"scheduler": self.qos.stats().to_dict(), "scheduler_config": self.qos.config.to_dict()}
 
 
 def make_policy(

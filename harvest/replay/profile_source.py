@@ -1,7 +1,7 @@
 """The latency profile as the replay needs it: stage 1 always, stage 2 when present.
 
 A full profile loads through :class:`~harvest.predict.schema.Profile` (every invariant
-checked) and gives the real :class:`~harvest.predict.model.LatencyPredictor`. A profile
+checked) and gives the real :class:`~harvest.predict.latency_model.LatencyPredictor`. A profile
 without stage 2 (the co-run stage skipped or cut short: ``stage2`` absent or null) loads
 through :class:`~harvest.predict.schema.Stage1Profile`, checked the same way but for
 stage 2, so the baselines that need no co-location model (decode-only, separate) run,
@@ -17,7 +17,7 @@ from pathlib import Path
 
 from harvest.predict.buckets import BatchSizeBuckets
 from harvest.ladder import Ladder
-from harvest.predict.model import CoRunCoefficients, LatencyPredictor, ProfiledRange, SoloCoefficients
+from harvest.predict.latency_model import CoRunCoefficients, LatencyPredictor, ProfiledRange, SoloCoefficients
 from harvest.predict.schema import (
     GridPointRecord,
     MemorySection,

@@ -17,7 +17,7 @@ from typing import Sequence
 from harvest.predict.buckets import BatchSizeBuckets
 from harvest.predict.fit import FitQuality
 from harvest.ladder import GREEN_CONTEXTS, Ladder, Level
-from harvest.predict.model import CoRunCoefficients, ProfiledRange, SoloCoefficients
+from harvest.predict.latency_model import CoRunCoefficients, ProfiledRange, SoloCoefficients
 from harvest.predict.schema import (
     SCHEMA_NAME,
     SCHEMA_VERSION,

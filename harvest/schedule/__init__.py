@@ -2,8 +2,8 @@
 decode step, choose the SM level whose predicted co-located latency is closest under the
 TPOT target, or pause the trainer. Pure policy: standard library only (no torch, numpy or scikit-learn)."""
 
-from harvest.schedule.config import SchedulerConfig
-from harvest.schedule.controller import QoSController, SchedulerStats
+from harvest.schedule.scheduler_config import SchedulerConfig
+from harvest.schedule.qos_controller import QoSController, SchedulerStats
 from harvest.schedule.margin import backoff_after, is_violation, margin_after
 from harvest.schedule.rule import advance, choose, closest_under, safest_under
 from harvest.schedule.snapshots import (

@@ -11,7 +11,7 @@ Rules: docs/design.md §4, 'The feedback margin (harvest/schedule/margin.py)'.
 
 from __future__ import annotations
 
-from harvest.schedule.config import SchedulerConfig
+from harvest.schedule.scheduler_config import SchedulerConfig
 
 
 def is_violation(config: SchedulerConfig, measured_ms: float) -> bool:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 
 from harvest.ladder import Ladder
-from harvest.schedule.config import SchedulerConfig
+from harvest.schedule.scheduler_config import SchedulerConfig
 from harvest.schedule.snapshots import (
     Decision,
     DecisionReason,

@@ -1,5 +1,5 @@
 """Where harvest's control endpoint listens, and starting its process from the engine
-process (the endpoint itself: harvest.sglang.control).
+process (the endpoint itself: harvest.sglang.endpoint_server).
 
 The endpoint process gets the command socket's other end as an inherited descriptor and
 the API keys in its environment (never on its command line, which any local user can
@@ -80,7 +80,7 @@ class EndpointProcess:
             env.pop(var, None)
             if value:
                 env[var] = value
-        command = [sys.executable, "-m", "harvest.sglang.control", "--host", settings.host, "--port", str(settings.port),
+        command = [sys.executable, "-m", "harvest.sglang.endpoint_server", "--host", settings.host, "--port", str(settings.port),
                    "--backlog", str(settings.backlog), "--workers", str(settings.workers),
                    "--idle-timeout-s", str(settings.idle_timeout_s), "--nice", str(settings.nice),
                    "--snapshot", str(snapshot_path), "--poll-interval-s", str(poll_interval_s),

@@ -1,5 +1,5 @@
 """`harvest ctl`: change a running harvest server from the command line, through its
-control endpoint (harvest.sglang.control), as kvcached's ``kvctl`` does for its limits.
+control endpoint (harvest.sglang.endpoint_server), as kvcached's ``kvctl`` does for its limits.
 
     harvest ctl [--server URL] jobs
     harvest ctl submit JOB.yaml | cancel NAME | publish NAME [--as ADAPTER]

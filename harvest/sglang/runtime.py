@@ -42,7 +42,7 @@ class HarvestRuntime:
 
         self.colocation = colocation
         self.reporter = StatusReporter(colocation, interval_s=colocation.config.metrics.publish_interval_s)
-        self.control = None  # harvest.colocate.control_link.ControlLink while the endpoint runs
+        self.control_link = None  # harvest.colocate.control_link.ControlLink while the endpoint runs
         self.endpoint = None  # harvest.sglang.control_endpoint.EndpointProcess
         self._run_dir = None
         self.shutdown_signals = None
@@ -94,7 +94,7 @@ class HarvestRuntime:
         return runtime
 
     def _start_control(self, config, server_args) -> None:
-        """harvest's HTTP endpoint, in a process of its own (harvest.sglang.control): this
+        """harvest's HTTP endpoint, in a process of its own (harvest.sglang.endpoint_server): this
         process only publishes a snapshot file and runs the commands between steps."""
         import tempfile
         from pathlib import Path
@@ -113,7 +113,7 @@ class HarvestRuntime:
                                               admin_api_key=getattr(server_args, "admin_api_key", None),
                                               poll_interval_s=max(0.05, interval_s / 2), where=where,
                                               tp_size=server_args.tp_size)
-        self.control = ControlLink(self.endpoint.commands, snapshot_path, self.colocation.command,
+        self.control_link = ControlLink(self.endpoint.commands, snapshot_path, self.colocation.command,
                                    self.colocation.request_attention)
         self.colocation.attention_handlers.append(self._serve_commands)
         self._publish()
@@ -151,16 +151,16 @@ class HarvestRuntime:
     def _publish(self) -> None:
         """The gauges, and the endpoint's snapshot when it runs (at most every
         ``metrics.publish_interval_s``: about a millisecond on the engine thread)."""
-        if self.control is None:
+        if self.control_link is None:
             self.reporter.maybe_publish()
             return
         try:
-            self.control.publish(self.reporter.snapshot(decode_graphs=self._decode_graphs_status()))
+            self.control_link.publish(self.reporter.snapshot(decode_graphs=self._decode_graphs_status()))
         except OSError as exc:  # a full or vanished temp dir must not stop serving
             logger.warning("harvest: could not publish the control snapshot (%s)", exc)
 
     def _serve_commands(self) -> bool:
-        if self.control.serve_commands():
+        if self.control_link.serve_commands():
             self._publish()  # the reply said the new state: the status says it too
         return False
 
@@ -175,9 +175,9 @@ class HarvestRuntime:
     def close(self) -> None:
         # The trainer checkpoints first; within SGLang's 15 s between ShutdownReq and SIGKILL.
         self.colocation.close(trainer_timeout_s=10.0)
-        if self.control is not None:
-            self.control.close()  # the endpoint process exits when its command socket closes
-            self.control = None
+        if self.control_link is not None:
+            self.control_link.close()  # the endpoint process exits when its command socket closes
+            self.control_link = None
         if self.endpoint is not None:
             self.endpoint.close()
             self.endpoint = None

@@ -134,7 +134,7 @@ class Server:
 
     def processes(self, module: str) -> set[int]:
         """The ids of this server's live processes running ``python -m <module>`` (e.g.
-        ``harvest.sglang.control``, harvest's endpoint) or titled ``<module>`` (SGLang's
+        ``harvest.sglang.endpoint_server``, harvest's endpoint) or titled ``<module>`` (SGLang's
         ``sglang::detokenizer``, ``sglang::scheduler_TP0``). Found by the session launch starts
         the server in, which every process it forks stays in even after its parent is gone:
         never another server's, whoever runs one on this machine."""

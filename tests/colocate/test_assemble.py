@@ -57,11 +57,11 @@ def test_every_section_reaches_the_part_it_configures(tiny_llama_path):
                            build_trainer=lambda job: _Trainer(), jobs=("job",))
     colocation = assemble(config, engine)
     try:
-        assert colocation.control.qos.config is config.qos
-        assert colocation.control.target_s == pytest.approx(0.012)
+        assert colocation.step_controller.qos.config is config.qos
+        assert colocation.step_controller.target_s == pytest.approx(0.012)
         assert colocation.refiner.settings is config.online and colocation.refit_min_interval_s == 7.0
-        assert colocation.control.predictor is colocation.refiner.predictor
-        assert colocation.partitioner.ladder.num_levels == 1 and colocation.control.qos.ladder is colocation.partitioner.ladder
+        assert colocation.step_controller.predictor is colocation.refiner.predictor
+        assert colocation.partitioner.ladder.num_levels == 1 and colocation.step_controller.qos.ladder is colocation.partitioner.ladder
         host = colocation.trainer_host
         assert (host.cpu_threads, host.nice) == (1, 3) and host.scheduler_state() is TrainerState.BUILDING
         assert host.on_unit == colocation._after_trainer_unit and host.on_fault == colocation._on_trainer_fault

@@ -331,7 +331,7 @@ def test_the_idle_tick_catches_a_corrupted_state_and_stops_lending_and_the_train
     from harvest.colocate.step_timer import CpuStepTimer
 
     control = types.SimpleNamespace(on_idle=lambda: None, record_steps=lambda: None, forget_unmeasured=lambda: None)
-    colocation = Colocation(config=None, partitioner=None, control=control, trainer_host=host, lending=lending,
+    colocation = Colocation(config=None, partitioner=None, step_controller=control, trainer_host=host, lending=lending,
                             timer=CpuStepTimer(), metrics=None, refiner=None)
     lending.integrity_interval_s = 0.0  # every idle tick
     colocation.on_idle()

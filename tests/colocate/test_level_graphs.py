@@ -12,7 +12,7 @@ import types
 import pytest
 
 from harvest.colocate.colocation import Colocation, NoKvLending
-from harvest.colocate.controller import StepController, StepLoad
+from harvest.colocate.step_controller import StepController, StepLoad
 from harvest.colocate.step_timer import CudaStepTimer
 from harvest.compute.partitioner import BasePartitioner
 from harvest.ladder import GREEN_CONTEXTS, Ladder, Level
@@ -141,7 +141,7 @@ def test_the_chosen_levels_graph_is_the_one_replayed_on_its_stream():
     config = types.SimpleNamespace(qos=types.SimpleNamespace(target_tpot_ms=50.0),
                                    metrics=types.SimpleNamespace(publish_interval_s=1.0),
                                    trainer=types.SimpleNamespace(cpu_threads=1, nice=2))
-    colocation = Colocation(config=config, partitioner=partitioner, control=control, trainer_host=None,
+    colocation = Colocation(config=config, partitioner=partitioner, step_controller=control, trainer_host=None,
                             lending=NoKvLending(), timer=CudaStepTimer(cuda=cuda), metrics=None, refiner=None,
                             engine_places_forward=True)
     runtime = HarvestRuntime(colocation)

@@ -56,7 +56,7 @@ def colocation(host, release_on_pause=True):
     config = types.SimpleNamespace(memory=types.SimpleNamespace(release_on_pause=release_on_pause),
                                    trainer=types.SimpleNamespace(cpu_threads=1, nice=2))
     control = types.SimpleNamespace(on_idle=lambda: None, forget_unmeasured=lambda: None, after_step=None)
-    return Colocation(config=config, partitioner=None, control=control, trainer_host=host, lending=Lending(),
+    return Colocation(config=config, partitioner=None, step_controller=control, trainer_host=host, lending=Lending(),
                       timer=CpuStepTimer(), metrics=None, refiner=None)
 
 

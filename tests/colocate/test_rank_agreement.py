@@ -156,7 +156,7 @@ def _ranks(size=2):
     for rank in range(size):
         config = types.SimpleNamespace(memory=types.SimpleNamespace(release_on_pause=True),
                                        trainer=types.SimpleNamespace(cpu_threads=1, nice=2))
-        colo = Colocation(config=config, partitioner=None, control=Control(rank), trainer_host=Host(),
+        colo = Colocation(config=config, partitioner=None, step_controller=Control(rank), trainer_host=Host(),
                           lending=Lending(), timer=Timer(rank), metrics=None, refiner=None,
                           ranks=ThreadRanks(group, rank), trainer_tp=TrainerTp())
         built.append(colo)
@@ -190,10 +190,10 @@ def test_rank_0_decides_and_hears_the_slowest_rank():
     for _ in range(3):
         _on_every_rank(colos, _step)
     leader, follower = colos
-    assert follower.control.steps == 0 and follower.control.decisions == [(2, True)] * 3  # rank 0's, every step
+    assert follower.step_controller.steps == 0 and follower.step_controller.decisions == [(2, True)] * 3  # rank 0's, every step
     # Each step's measurement reaches rank 0 at the next exchange, as the slower rank's.
-    assert leader.control.measured == [(101, 0.015), (102, 0.015)]
-    assert follower.control.measured == []
+    assert leader.step_controller.measured == [(101, 0.015), (102, 0.015)]
+    assert follower.step_controller.measured == []
     for colo in colos:  # rank 0's lend clock ticks for both
         assert [c for c in colo.lending.calls if c[0] == "tick"] == [("tick", True)] * 3
 

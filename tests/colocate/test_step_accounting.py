@@ -84,7 +84,7 @@ def _colocation(every: int = 1) -> Colocation:
     partitioner = types.SimpleNamespace(description="cpu", current_index=0, ladder=Ladder.whole_device(1, "CPU device"))
     clock = _Clock()
     colocation = Colocation(config=config, partitioner=partitioner,
-                            control=_Control(clock), trainer_host=None, lending=_Lending(clock), timer=CpuStepTimer(),
+                            step_controller=_Control(clock), trainer_host=None, lending=_Lending(clock), timer=CpuStepTimer(),
                             metrics=None, refiner=None)
     # Account every step (7 on a server), on the doubles' clocks.
     colocation.profiler = StepProfiler(every=every, wall_ns=clock.wall_ns, cpu_ns=clock.cpu_ns)
@@ -93,7 +93,7 @@ def _colocation(every: int = 1) -> Colocation:
 
 def test_hook_accounting_leaves_the_engine_out_and_times_each_part():
     colocation = _colocation()
-    clock = colocation.control.clock
+    clock = colocation.step_controller.clock
 
     def engine(scheduler, batch):
         clock.spend(ENGINE_US)
@@ -103,8 +103,8 @@ def test_hook_accounting_leaves_the_engine_out_and_times_each_part():
     results = [colocation.run_step(StepLoad(4, 400, True), engine, None, "batch") for _ in range(5)]
     status = StatusReporter(colocation).status()
 
-    assert results == ["result"] * 5 and len(colocation.control.measured) == 5
-    assert min(colocation.control.measured) >= ENGINE_SLEEP_S  # the step timer measured the engine
+    assert results == ["result"] * 5 and len(colocation.step_controller.measured) == 5
+    assert min(colocation.step_controller.measured) >= ENGINE_SLEEP_S  # the step timer measured the engine
     # Each part's wall time in its own bucket; the engine's time (wall and CPU) in none.
     parts = status["hook_wall_us_median_by_part"]
     assert tuple(parts) == HARVEST_PARTS == ("decide", "feedback", "lending")

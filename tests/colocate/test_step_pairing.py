@@ -87,14 +87,14 @@ def colocation(timer, *, places_forward=False):
     config = types.SimpleNamespace(qos=types.SimpleNamespace(target_tpot_ms=50.0),
                                    trainer=types.SimpleNamespace(cpu_threads=1, nice=2))
     control = controller()
-    return Colocation(config=config, partitioner=control.partitioner, control=control, trainer_host=None,
+    return Colocation(config=config, partitioner=control.partitioner, step_controller=control, trainer_host=None,
                       lending=NoKvLending(), timer=timer, metrics=None, refiner=None,
                       engine_places_forward=places_forward)
 
 
 def measured_by_step(colo):
     """{step number (1-based, in order): measured ms} of the recorded steps."""
-    return [round(record.measured_ms, 3) for record in colo.control.recent_steps]
+    return [round(record.measured_ms, 3) for record in colo.step_controller.recent_steps]
 
 
 def test_a_timer_that_drops_the_oldest_keeps_every_later_step_paired():
@@ -112,7 +112,7 @@ def test_a_timer_that_drops_the_oldest_keeps_every_later_step_paired():
     colo.on_idle()
     # Only steps 5 and 6 were measured, each with its own latency; 1-4 were given up.
     assert measured_by_step(colo) == [5.0, 6.0]
-    assert colo.control.unmeasured_steps == 4
+    assert colo.step_controller.unmeasured_steps == 4
     # And the pairing holds from then on.
     for step in range(7, 10):
         cuda.recording = step
@@ -142,7 +142,7 @@ def test_a_step_that_raises_is_not_measured_and_does_not_shift_the_others():
         cuda.finished.add(step)
     colo.on_idle()
     assert measured_by_step(colo) == [1.0, 3.0, 5.0]
-    assert colo.control.unmeasured_steps == 2
+    assert colo.step_controller.unmeasured_steps == 2
 
 
 def test_the_cpu_timer_pairs_the_same_way_when_the_engine_raises():
@@ -161,9 +161,9 @@ def test_the_cpu_timer_pairs_the_same_way_when_the_engine_raises():
         else:
             colo.run_step(LOAD, engine, fail)
     colo.on_idle()
-    records = colo.control.recent_steps
-    assert len(records) == 2 and colo.control.unmeasured_steps == 2
-    assert colo.control.qos.stats().num_measurements == 2  # each the latest decision's
+    records = colo.step_controller.recent_steps
+    assert len(records) == 2 and colo.step_controller.unmeasured_steps == 2
+    assert colo.step_controller.qos.stats().num_measurements == 2  # each the latest decision's
 
 
 def test_the_step_runs_on_the_level_stream_ordered_both_ways_with_the_engine_stream():

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from harvest import native
-from harvest.compute import greenctx_lib, ladder
+from harvest.compute import greenctx_lib, ladder_planning as ladder
 from harvest.compute.greenctx_lib import GreenContextError, GreenContextsUnavailable
 from tests.conftest import gpu_unavailable_reason
 

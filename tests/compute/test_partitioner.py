@@ -16,7 +16,7 @@ import pytest
 
 from harvest.compute import factory, green_partitioner, greenctx_lib
 from harvest.compute.greenctx_lib import DeviceProperties, GreenContextError, GreenContextsUnavailable
-from harvest.compute.ladder import plan_ladder
+from harvest.compute.ladder_planning import plan_ladder
 from harvest.compute.partitioner import BasePartitioner, WholeDevicePartitioner, _parse_device
 from harvest.ladder import GREEN_CONTEXTS, Ladder, LadderError, Level
 from tests.conftest import gpu_unavailable_reason

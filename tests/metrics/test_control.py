@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from harvest.colocate.control_link import ControlLink
-from harvest.sglang.control import strict
+from harvest.sglang.endpoint_server import strict
 from harvest.sglang.control_endpoint import ControlEndpointError, EndpointProcess, EndpointSettings, check_bindable
 
 pytestmark = pytest.mark.timeout(120)

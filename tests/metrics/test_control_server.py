@@ -48,7 +48,7 @@ def test_the_endpoint_listens_where_the_instance_says_and_serves_strict_json(tin
         steps = strict_loads(_get("127.0.0.1", instance_port, "/harvest/steps"))
         status = strict_loads(_get("127.0.0.1", instance_port, "/harvest/status"))
         metrics = _get("127.0.0.1", instance_port, "/metrics").decode()
-        endpoints = srv.processes("harvest.sglang.control")  # this server's only, not another test suite's
+        endpoints = srv.processes("harvest.sglang.endpoint_server")  # this server's only, not another test suite's
         yaml_port_used = _listening(yaml_port)
     assert listening == {"0.0.0.0"} and not yaml_port_used  # the command line won over harvest.yaml
     rows = steps["steps"]
@@ -60,9 +60,9 @@ def test_the_endpoint_listens_where_the_instance_says_and_serves_strict_json(tin
     assert "harvest_decode_step_seconds_count" in metrics
     assert len(endpoints) == 1  # one endpoint process for the instance ...
     deadline = time.monotonic() + 10
-    while srv.processes("harvest.sglang.control") and time.monotonic() < deadline:
+    while srv.processes("harvest.sglang.endpoint_server") and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not srv.processes("harvest.sglang.control")  # ... gone with the server
+    assert not srv.processes("harvest.sglang.endpoint_server")  # ... gone with the server
 
 
 def test_a_busy_metrics_port_stops_the_server_before_the_model_loads(tiny_llama_path, tmp_path):

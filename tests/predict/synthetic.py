@@ -6,7 +6,7 @@ import random
 
 from harvest.predict.buckets import BatchSizeBuckets
 from harvest.ladder import Ladder, Level
-from harvest.predict.model import CoRunCoefficients, SoloCoefficients
+from harvest.predict.latency_model import CoRunCoefficients, SoloCoefficients
 from harvest.predict.schema import (
     FinetuneIdentity,
     GridPointRecord,

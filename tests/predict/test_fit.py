@@ -12,7 +12,7 @@ import pytest
 from harvest.predict.buckets import BatchSizeBuckets
 from harvest.predict.fit import FitError, LatencySample, corun_features, corun_regressor, fit_corun, fit_models, fit_solo, solo_regressor
 from harvest.ladder import Ladder
-from harvest.predict.model import LatencyPredictor, ProfiledRange
+from harvest.predict.latency_model import LatencyPredictor, ProfiledRange
 from tests.predict.synthetic import BUCKETS, H100_LADDER, TRUE_CORUN, records, true_solo
 
 

@@ -134,7 +134,7 @@ def test_bad_arguments_are_refused_with_the_flag_named(argv, message, capsys, tm
 
 
 def test_levels_the_device_cannot_have_are_said_plainly():
-    from harvest.compute.ladder import plan_ladder
+    from harvest.compute.ladder_planning import plan_ladder
     from harvest.compute.partitioner import WholeDevicePartitioner
     from harvest.predict.profiler.session import levels_note
 

@@ -6,7 +6,7 @@ from typing import Sequence
 
 from harvest.predict.buckets import BatchSizeBuckets
 from harvest.ladder import Ladder, Level
-from harvest.predict.model import CoRunCoefficients, SoloCoefficients
+from harvest.predict.latency_model import CoRunCoefficients, SoloCoefficients
 from harvest.replay import profile_source, synthetic
 from harvest.replay.comparison import ReplaySettings
 from harvest.replay.simulator import DecodeLimits

@@ -86,7 +86,7 @@ def test_harvest_pauses_the_trainer_when_no_level_fits():
 def test_harvest_policy_holds_a_real_qos_controller():
     profile = make_profile()
     policy = HarvestPolicy(profile, trainer_model.build(profile), LatencyErrors(), SchedulerConfig(target_tpot_ms=40.0))
-    assert type(policy.controller) is QoSController
+    assert type(policy.qos) is QoSController
     latency, level, share = policy.step(4, 800)
     assert (level, share, latency) == (2, 0.0, pytest.approx(0.010))  # hysteresis: paused first, on the whole device
 
@@ -168,7 +168,7 @@ def test_a_trace_without_decode_steps_still_reports():
 
 
 def _with_phase_models(profile, forward: tuple[float, float], backward: tuple[float, float]):
-    from harvest.predict.model import CoRunCoefficients, LatencyPredictor
+    from harvest.predict.latency_model import CoRunCoefficients, LatencyPredictor
 
     predictor = LatencyPredictor(profile.ladder, profile.buckets, profile.solo, profile.corun, profile.profiled_range,
                                  corun_by_phase={"forward": CoRunCoefficients(*forward), "backward": CoRunCoefficients(*backward)})

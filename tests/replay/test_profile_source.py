@@ -8,7 +8,7 @@ import json
 import pytest
 
 from harvest.ladder import Ladder
-from harvest.predict.model import CoRunCoefficients, SoloCoefficients
+from harvest.predict.latency_model import CoRunCoefficients, SoloCoefficients
 from harvest.predict.schema import ProfileError
 from harvest.replay import comparison, profile_source, synthetic, trainer_model
 

@@ -55,7 +55,7 @@ def walk(ctl, inp, measured):
 def test_controller_backs_off_after_a_violation_at_the_maximum_margin(caplog):
     ctl = controller(initial_margin=0.05, max_margin=0.2, margin_growth=0.05, margin_decay=0.01, hysteresis_steps=1,
                      backoff_steps=4, max_backoff_steps=16)
-    with caplog.at_level(logging.WARNING, logger="harvest.schedule.controller"):
+    with caplog.at_level(logging.WARNING, logger="harvest.schedule.qos_controller"):
         got = walk(ctl, FIT, [41.0] * 3)  # margin 0.10, 0.15, 0.20: absorbed
         assert [d.reason for d in got] == [FITS] * 3 and ctl.state.backoff_until == 0
         got = walk(ctl, FIT, [41.0])  # at the maximum: backoff for the next 4 decisions
@@ -68,7 +68,7 @@ def test_controller_backs_off_after_a_violation_at_the_maximum_margin(caplog):
     assert ctl.margin == pytest.approx(0.2)  # paused steps do not move the margin
     # Then the trainer resumes; the next violation doubles the backoff.
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="harvest.schedule.controller"):
+    with caplog.at_level(logging.INFO, logger="harvest.schedule.qos_controller"):
         got = walk(ctl, FIT, [41.0])
     assert got[0].reason is FITS and ctl.state.backoff_length == 8
     assert [r.levelname for r in caplog.records] == ["INFO"] and "pauses for 8 decisions" in caplog.text
@@ -79,7 +79,7 @@ def test_controller_backs_off_after_a_violation_at_the_maximum_margin(caplog):
                         hysteresis_steps=1, backoff_steps=4, max_backoff_steps=4)
     walk(capped, FIT, [41.0] * 4 + [None] * 4)
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="harvest.schedule.controller"):
+    with caplog.at_level(logging.INFO, logger="harvest.schedule.qos_controller"):
         walk(capped, FIT, [41.0])
     assert capped.stats().num_backoffs == 2 and not caplog.records
     assert ctl.stats().decisions_by_reason[BACKOFF] == 12

@@ -105,7 +105,7 @@ def test_max_margin_warning_once_per_excursion():
     records = []
     handler = logging.Handler()
     handler.emit = records.append  # type: ignore[method-assign]
-    logger = logging.getLogger("harvest.schedule.controller")
+    logger = logging.getLogger("harvest.schedule.qos_controller")
     logger.addHandler(handler)
     try:
         ctl = controller(

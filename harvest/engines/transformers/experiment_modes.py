@@ -120,7 +120,7 @@ def run_mode(mode, args, ctx) -> dict:
             result.update(serving_graphs_report(ctx))
             ctx["step_log"][mode] = steps
             if colocation is not None:
-                result.update(qos=colocation.control.qos.stats().to_dict(), prediction_error=colocation.refiner.error,
+                result.update(qos=colocation.step_controller.qos.stats().to_dict(), prediction_error=colocation.refiner.error,
                               control_us_per_step=round(colocation.profiler.summary()["hook_overhead_us_per_step"], 2))
         else:
             result["wall_s"] = round(wall_s, 2)

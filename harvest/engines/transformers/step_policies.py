@@ -72,7 +72,7 @@ class HarvestMode:
 
     @property
     def level(self):
-        return self.colocation.control.level
+        return self.colocation.step_controller.level
 
     def run_step(self, load, step) -> None:
         self.colocation.run_step(load, step)
@@ -90,7 +90,7 @@ class HarvestMode:
 
     def last_step(self) -> tuple[int, int, bool]:
         """(measurement tag, level index, trainer ran) of the latest step."""
-        decision = self.colocation.control.last_decision
+        decision = self.colocation.step_controller.last_decision
         return decision.step, decision.level_index, decision.trainer_action is self._run
 
     def idle(self) -> None:

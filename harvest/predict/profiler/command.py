@@ -12,7 +12,7 @@ import math
 import sys
 from pathlib import Path
 
-from harvest.compute.ladder import DEFAULT_NUM_LEVELS, MAX_LEVELS
+from harvest.compute.ladder_planning import DEFAULT_NUM_LEVELS, MAX_LEVELS
 from harvest.settings import argument
 from harvest.train.trainer_cpu import TrainerConfig
 

@@ -21,7 +21,7 @@ from harvest.predict.profiler.corun import CoRunError
 from harvest.predict.profiler.engines import BaseDecodeEngine, EngineConfig, EngineError
 from harvest.predict.profiler.measure import MeasureConfig, MeasurementError, timer_for
 from harvest.predict.profiler.partial import PartialRun, PartialRunError, grid_key, partial_path
-from harvest.predict.profiler.report import write_report
+from harvest.predict.profiler.plot import write_plot
 from harvest.predict.profiler.runner import plan_points, run_grid
 from harvest.predict.profiler.tp_layout import TensorParallelError, check_gpus, cpu_core_groups, format_threads_bind
 from harvest.predict.profiler.trainer_alone import measure_section
@@ -209,7 +209,7 @@ def profile(args, model_path: str, measure: MeasureConfig) -> int:
     except ProfileError as exc:  # a fit no decode step can have (e.g. co-location speeding decode up)
         raise ProfilingFailed(f"the fit of the measured grid points is not a usable profile: {exc}") from exc
     result.save(out)
-    write_report(result, report_path)
+    write_plot(result, report_path)
     partial.finish()
     print(describe_fit(result))
     print(f"wrote {out} and {report_path}")

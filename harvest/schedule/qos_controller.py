@@ -21,7 +21,7 @@ from typing import Any, Mapping
 
 from harvest.ladder import Ladder
 from harvest.logs import get_logger
-from harvest.schedule.config import SchedulerConfig
+from harvest.schedule.scheduler_config import SchedulerConfig
 from harvest.schedule.margin import backoff_after, margin_after
 from harvest.schedule.rule import advance, choose
 from harvest.schedule.snapshots import (

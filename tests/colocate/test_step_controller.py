@@ -11,7 +11,7 @@ from harvest.colocate import StepController, StepLoad
 from harvest.compute import create_partitioner
 from harvest.predict.buckets import BatchSizeBuckets
 from harvest.ladder import Ladder
-from harvest.predict.model import CoRunCoefficients, LatencyPredictor, ProfiledRange, SoloCoefficients
+from harvest.predict.latency_model import CoRunCoefficients, LatencyPredictor, ProfiledRange, SoloCoefficients
 from harvest.schedule import DecisionReason, QoSController, SchedulerConfig, TrainerAction, TrainerState
 
 # Solo step: 1 ms + 0.1 ms per request. Co-located: x1.2 backward, x2.0 forward.

@@ -7,7 +7,7 @@ Invariants: prediction is plain float arithmetic on coefficients in tuples (it r
 every level before every decode step: nothing allocated per call); coefficients are
 replaced by assigning new tuples in one statement, so a reader finishes consistently.
 
-Rules: docs/design.md §3, 'The predictor's hot path (harvest/predict/model.py)'.
+Rules: docs/design.md §3, 'The predictor's hot path (harvest/predict/latency_model.py)'.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Ladder planning (harvest.compute.ladder): realistic GPUs, odd SM counts, bad input.
+"""Ladder planning (harvest.compute.ladder_planning): realistic GPUs, odd SM counts, bad input.
 
 Invariants checked for every plan: at most MAX_LEVELS levels, ascending decode SMs, the
 last level is the whole device (trainer 0), every partial level is realisable (decode a
@@ -15,7 +15,7 @@ import textwrap
 
 import pytest
 
-from harvest.compute.ladder import (
+from harvest.compute.ladder_planning import (
     MAX_LEVELS,
     arch_constraints,
     check_driver_version,
@@ -265,7 +265,7 @@ def test_planning_imports_and_runs_with_torch_unimportable():
                 if name.split(".")[0] in ("torch", "numpy", "sglang"):
                     raise ImportError(name + " is blocked for this test")
         sys.meta_path.insert(0, Refuse())
-        from harvest.compute.ladder import plan_ladder
+        from harvest.compute.ladder_planning import plan_ladder
         import harvest.compute  # the whole package imports torch only where streams are made
         plan = plan_ladder(132, (9, 0), 6)
         partitioner = harvest.compute.create_partitioner("cpu")

@@ -16,7 +16,7 @@ from harvest.predict.schema import Profile
 PHASE_MARKERS = {None: "o", "forward": "s", "backward": "^", "mixed": "D"}
 
 
-def write_report(profile: Profile, path: str | Path) -> Path:
+def write_plot(profile: Profile, path: str | Path) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")

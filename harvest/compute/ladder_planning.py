@@ -7,7 +7,7 @@ trainer at least ``min_trainer_sms``); the whole-device level is always present.
 the driver's dry-run split has the final word (``green_partitioner.preview_ladder``).
 Standard library only (policy imports no torch).
 
-Rules: docs/design.md §4, 'Planning the ladder (harvest/compute/ladder.py)'.
+Rules: docs/design.md §4, 'Planning the ladder (harvest/compute/ladder_planning.py)'.
 """
 
 from __future__ import annotations

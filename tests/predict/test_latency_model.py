@@ -8,7 +8,7 @@ import pytest
 
 from harvest.predict.buckets import BatchSizeBuckets
 from harvest.ladder import Ladder, Level
-from harvest.predict.model import CoRunCoefficients, LatencyPredictor, ProfiledRange, SoloCoefficients
+from harvest.predict.latency_model import CoRunCoefficients, LatencyPredictor, ProfiledRange, SoloCoefficients
 from tests.predict.synthetic import BUCKETS, H100_LADDER, TRUE_CORUN, true_solo
 
 RANGE = ProfiledRange(4, 64, 256.0, 33000.0)
