@@ -48,9 +48,10 @@ class MemoryConfig:
                                       Number(minimum=1.0))
     reserve_lower_after_s: float = setting(30.0, "auto reserve: how long a lower demand must last before the "
                                            "reserve falls, in seconds (it rises at once)", Number(minimum=0.0))
-    reclaim_ms_per_chunk: float = setting(7.0, "the driver's time to reclaim one KV chunk, in ms (the reclaim "
-                                          "horizon of the auto reserve; 5-7 ms per 128 MiB chunk on an H100)",
-                                          Number(minimum=0.0))
+    reclaim_ms_per_chunk: float | None = setting(None, "the driver's time to reclaim one KV chunk, in ms (the auto "
+                                                 "reserve's horizon); auto: the profile's measured figure, else 7 ms "
+                                                 "with a warning",
+                                                 Number(minimum=0.0), words={"auto": None})
     hysteresis_chunks: int = setting(1, "free slots kept above the reserve, in chunks, before anything is lent "
                                      "(hysteresis)", Integer(minimum=0))
     max_lend_fraction: float = setting(0.8, "never lend more than this share of the KV pool",

@@ -13,7 +13,6 @@ Anything wrong raises here, at start-up (a serving engine then refuses to start)
 from __future__ import annotations
 
 import dataclasses
-import math
 from pathlib import Path
 from typing import Any, Callable
 
@@ -131,7 +130,12 @@ def _assemble(config, engine: EngineAdapter, partitioner, jobs: tuple):
         policy = lending_policy(config, engine.kv)
         lending = engine.kv.lending_controller(policy, budget, config.memory, metrics)
         if config.memory.reserve_tokens is None and hasattr(lending, "reserve"):
-            lending.reserve = demand_reserve(config, policy, engine.kv)
+            costs = chunk_costs(config, engine.kv)
+            if costs.warning is not None:
+                logger.warning("KV lending: %s", costs.warning)
+            logger.info("KV lending: the auto reserve counts %.3g ms per chunk reclaimed (%s)",
+                        costs.reclaim_ms_per_chunk, costs.detail)
+            lending.reserve = demand_reserve(config, policy, engine.kv, costs)
         if metrics is not None:
             metrics.set_reserve(policy.reserve_tokens)
         # Lend and reclaim unmap KV pages only after the kernels queued on these streams
@@ -229,38 +233,44 @@ def kv_fence_streams(ladder, device: str, engine_streams=()) -> list:
 
 
 def lending_policy(config, kv: KvPool):
-    """When to lend and reclaim the engine's KV chunks (harvest.memory.lending)."""
-    from harvest.memory.lending import LendingPolicy
-    from harvest.memory.reserve import reserve_tokens
+    """When to lend and reclaim the engine's KV chunks (harvest.memory.lending_setup, as
+    the replay builds it)."""
+    from harvest.memory import lending_setup
 
     g = kv.allocator.geometry
-    num_chunks = min(g.num_chunks, math.ceil((kv.num_tokens + 1) / g.tokens_per_chunk))
-    reserve = config.memory.reserve_tokens
-    if reserve is None:
-        # Harli (arXiv:2511.11729) §4.4 with T_swap taken as two steps (a trainer layer swaps out within a
-        # unit boundary; units are shorter than a step): reserve = 2 * max_bs tokens,
-        # capped at a quarter of the pool (SGLang's max_running_requests default on a
-        # CPU is 4096, far above any real decode batch there).
-        target_s = config.qos.target_tpot_ms / 1e3
-        reserve = min(reserve_tokens(2 * target_s, target_s, max(1, kv.max_batch_size), g.kv_bytes_per_token),
-                      kv.num_tokens // 4)
-    return LendingPolicy(tokens_per_chunk=g.tokens_per_chunk, num_chunks=num_chunks, reserve_tokens=reserve,
-                         hysteresis_chunks=config.memory.hysteresis_chunks,
-                         max_lend_fraction=config.memory.max_lend_fraction)
+    return lending_setup.lending_policy(
+        tokens_per_chunk=g.tokens_per_chunk, num_chunks=lending_setup.pool_chunks(kv.num_tokens, g.tokens_per_chunk, g.num_chunks),
+        pool_tokens=kv.num_tokens, max_batch_size=kv.max_batch_size, kv_bytes_per_token=g.kv_bytes_per_token,
+        target_tpot_ms=config.qos.target_tpot_ms, memory=config.memory)
 
 
-def demand_reserve(config, policy, kv: KvPool):
-    """The auto reserve (harvest.memory.demand): the demand decode's allocations show, over
-    one reclaim horizon (the trainer's acknowledgement, at most a step, plus the driver's
-    time per chunk), with the policy's reserve (Harli's formula) as its floor."""
-    from harvest.memory.demand import AllocationDemand, DemandReserve
+def chunk_costs(config, kv: KvPool):
+    """What reclaiming (and lending) one of the engine's KV chunks costs
+    (harvest.memory.lend_costs): harvest.yaml's ``memory.reclaim_ms_per_chunk`` when set,
+    else the profile's measured ``memory`` section scaled to the engine's chunk, else the
+    default (with a warning to log). A damaged memory section raises ProfileError."""
+    from harvest.memory import lend_costs
 
-    memory = config.memory
-    return DemandReserve(floor_tokens=policy.reserve_tokens, cap_tokens=max(policy.reserve_tokens, kv.num_tokens // 2),
-                         tokens_per_chunk=policy.tokens_per_chunk, ack_s=config.qos.target_tpot_ms / 1e3,
-                         reclaim_s_per_chunk=memory.reclaim_ms_per_chunk / 1e3, percentile=memory.reserve_percentile,
-                         lower_after_s=memory.reserve_lower_after_s,
-                         demand=AllocationDemand(window_s=memory.reserve_window_s))
+    measured = None
+    if config.profile is not None:
+        from harvest.predict.schema import read_memory_section
+
+        measured = read_memory_section(config.profile)
+    return lend_costs.resolve(kv.allocator.geometry.chunk_bytes, measured=measured,
+                              measured_where=None if config.profile is None else f"profile {config.profile}",
+                              configured_reclaim_ms=config.memory.reclaim_ms_per_chunk,
+                              configured_where="harvest.yaml's memory.reclaim_ms_per_chunk")
+
+
+def demand_reserve(config, policy, kv: KvPool, costs=None):
+    """The auto reserve (harvest.memory.lending_setup.demand_reserve, as the replay builds
+    it), its reclaim horizon from ``costs`` (default: :func:`chunk_costs`)."""
+    from harvest.memory import lending_setup
+
+    costs = chunk_costs(config, kv) if costs is None else costs
+    return lending_setup.demand_reserve(policy, pool_tokens=kv.num_tokens, target_tpot_ms=config.qos.target_tpot_ms,
+                                        memory=config.memory, reclaim_ms_per_chunk=costs.reclaim_ms_per_chunk,
+                                        cost_source=costs.label)
 
 
 def job_file_builder(allocator, device: str, budget=None, weight_source_for: Callable | None = None, tp=None,

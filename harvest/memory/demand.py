@@ -78,8 +78,9 @@ class DemandReserve:
     """The reserve in tokens, from the demand seen, with Harli's formula as its floor.
 
     ``ack_s``: longest wait for the trainer to let go of lent chunks (one unit);
-    ``reclaim_s_per_chunk``: the driver's time to reclaim one chunk (the profile's figure);
-    ``cap_tokens``: the most the reserve may be (a share of the pool)."""
+    ``reclaim_s_per_chunk``: the driver's time to reclaim one chunk (harvest.memory.lend_costs);
+    ``cap_tokens``: the most the reserve may be (a share of the pool); ``cost_source``:
+    where the reclaim figure came from, in words (the reasons name it when given)."""
 
     floor_tokens: int
     cap_tokens: int
@@ -89,6 +90,7 @@ class DemandReserve:
     percentile: float = 99.0
     lower_after_s: float = 30.0
     demand: AllocationDemand = dataclasses.field(default_factory=AllocationDemand)
+    cost_source: str = ""
 
     def __post_init__(self) -> None:
         for name in ("floor_tokens", "cap_tokens"):
@@ -122,18 +124,24 @@ class DemandReserve:
             horizon = longer
         if not converged:  # what arrives within a reclaim keeps outgrowing it: reclaims cannot keep pace
             return ReserveDecision(self.cap_tokens, f"allocations arrive about as fast as chunks can be reclaimed "
-                                                    f"({demand} tokens within {horizon * 1e3:.0f} ms and growing); "
+                                                    f"({demand} tokens within {self._horizon(horizon)} and growing); "
                                                     f"capped at {self.cap_tokens} tokens")
         if demand <= self.floor_tokens:
             tokens, reason = self.floor_tokens, (f"Harli's formula ({self.floor_tokens} tokens) covers the "
-                                                 f"p{self.percentile:g} demand within {horizon * 1e3:.0f} ms "
+                                                 f"p{self.percentile:g} demand within {self._horizon(horizon)} "
                                                  f"({demand} tokens)")
         else:
             tokens, reason = demand, (f"p{self.percentile:g} of tokens allocated within one reclaim horizon "
-                                      f"({horizon * 1e3:.0f} ms) over the last {self.demand.window_s:g} s")
+                                      f"({self._horizon(horizon)}) over the last {self.demand.window_s:g} s")
         if tokens > self.cap_tokens:
             tokens, reason = self.cap_tokens, f"{reason}; capped at {self.cap_tokens} tokens"
         return ReserveDecision(tokens, reason)
+
+    def _horizon(self, horizon_s: float) -> str:
+        """The horizon in words, with the reclaim figure's source when known."""
+        if not self.cost_source:
+            return f"{horizon_s * 1e3:.0f} ms"
+        return f"{horizon_s * 1e3:.0f} ms; {self.reclaim_s_per_chunk * 1e3:.3g} ms per chunk reclaimed: {self.cost_source}"
 
     def update(self, now: float) -> ReserveDecision:
         """The reserve to apply now: up at once, down only after ``lower_after_s`` below

@@ -204,14 +204,17 @@ class TrainerSection:
 @dataclasses.dataclass(frozen=True)
 class MemorySection:
     """What moving one KV chunk between decode and the trainer costs on the device: the
-    driver time of one lend (``lend_ms_per_chunk``) and one reclaim
-    (``reclaim_ms_per_chunk``) of a chunk of ``chunk_bytes`` (`scripts/bench_vmm.py
-    --backend cuda`: 5-7 ms per 128 MiB chunk on an H100). `harvest replay` charges
-    reclaims this time."""
+    median time of one lend (``lend_ms_per_chunk``) and one reclaim
+    (``reclaim_ms_per_chunk``) of a chunk of ``chunk_bytes`` (``pages_per_chunk`` pages;
+    None in a section written before `harvest profile` measured it), through the unified
+    allocator while decode-like kernels run (harvest.memory.lend_timing; 5-7 ms per 128
+    MiB chunk on an H100). The server's auto reserve and `harvest replay` charge
+    reclaims this time (harvest.memory.lend_costs)."""
 
     chunk_bytes: int
     lend_ms_per_chunk: float
     reclaim_ms_per_chunk: float
+    pages_per_chunk: int | None = None
 
     def __post_init__(self) -> None:
         if self.chunk_bytes < 1:
@@ -220,6 +223,13 @@ class MemorySection:
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"profile.memory.{name}={value!r}: must be a finite number of ms >= 0 (driver time per chunk)")
+        pages = self.pages_per_chunk
+        if pages is not None and (pages < 1 or self.chunk_bytes % pages):
+            raise ValueError(f"profile.memory.pages_per_chunk={pages!r}: must be >= 1 and divide chunk_bytes={self.chunk_bytes}")
+
+    def ms_per_page(self, ms_per_chunk: float) -> float | None:
+        """A per-chunk figure per page (None when the pages are not recorded)."""
+        return None if self.pages_per_chunk is None else ms_per_chunk / self.pages_per_chunk
 
 
 @dataclasses.dataclass(frozen=True)
@@ -402,6 +412,8 @@ def _as_written_in_version(data: dict, version: int) -> dict:
         data["provenance"] = {k: v for k, v in data["provenance"].items() if k != "tp_size"}
     if data.get("memory", 0) is None:
         del data["memory"]  # optional: absent when not measured (module doc)
+    elif data.get("memory") is not None and data["memory"].get("pages_per_chunk", 0) is None:
+        del data["memory"]["pages_per_chunk"]  # a section written before it was recorded, written back as read
     return data
 
 
@@ -433,7 +445,24 @@ def _readable(data) -> dict:
         data = {**data, "provenance": {**provenance, "tp_size": 1}}  # measured on one rank: --tp came later
     if "memory" not in data:
         data = {**data, "memory": None}  # optional in every version (module doc)
+    elif isinstance(data["memory"], dict) and "pages_per_chunk" not in data["memory"]:
+        data = {**data, "memory": {**data["memory"], "pages_per_chunk": None}}  # optional (MemorySection)
     return data
+
+
+def read_memory_section(path: str | Path) -> MemorySection | None:
+    """The measured lend/reclaim costs of the profile at ``path``, read and checked
+    without the rest of it (the server's auto reserve; every tensor-parallel rank reads
+    it). None when the profile has none (an older profile). ProfileError naming the file
+    and the field for a damaged one."""
+    data = read_profile_json(path)
+    try:
+        section = _readable(data)["memory"]
+        if section is None:
+            return None
+        return strict_json.dataclass_from_dict(MemorySection, section, "profile.memory")
+    except (strict_json.StrictJsonError, ProfileError) as exc:
+        raise ProfileError(f"{path}: {exc}") from exc
 
 
 def _check_consistency(p: Profile) -> None:

@@ -21,16 +21,16 @@ from typing import Any, Mapping
 import numpy as np
 
 from harvest.config import MemoryConfig
-from harvest.memory.demand import UPDATE_INTERVAL_S, AllocationDemand, DemandReserve
-from harvest.memory.lending import LendingPolicy, plan, reclaim_count
-from harvest.memory.reserve import reserve_tokens
+from harvest.memory import lend_costs, lending_setup
+from harvest.memory.demand import UPDATE_INTERVAL_S
+from harvest.memory.lending import plan, reclaim_count
 from harvest.settings import from_mapping
 
 MIB = 2**20
 DEFAULT_TOKENS_PER_CHUNK = 1024  # Llama-3-8B: 128 MiB chunks (module doc)
-DEFAULT_FIGURE_CHUNK_BYTES = 128 * MIB  # the chunk the default figures are for
-DEFAULT_RECLAIM_MS_PER_CHUNK = MemoryConfig().reclaim_ms_per_chunk  # 7 ms: harvest.yaml's default
-DEFAULT_LEND_MS_PER_CHUNK = DEFAULT_RECLAIM_MS_PER_CHUNK  # the H100 measured both alike (gpu-validation.md)
+DEFAULT_FIGURE_CHUNK_BYTES = lend_costs.DEFAULT_FIGURE_CHUNK_BYTES  # 128 MiB: the chunk the default figures are for
+DEFAULT_RECLAIM_MS_PER_CHUNK = lend_costs.DEFAULT_MS_PER_CHUNK  # 7 ms: harvest.yaml's stated default
+DEFAULT_LEND_MS_PER_CHUNK = lend_costs.DEFAULT_MS_PER_CHUNK  # the H100 measured both alike (gpu-validation.md)
 # One Llama-3-8B decoder layer: q, o 4096x4096; k, v 4096x1024; gate, up, down 4096x14336;
 # two norms of 4096: 218,112,000 parameters in bf16.
 LLAMA3_8B_LAYER_BYTES = 218_112_000 * 2
@@ -38,7 +38,6 @@ LLAMA3_8B_STAGES = 34  # the embedding, 32 decoder layers, the final norm with t
 SERIES_INTERVAL_S = 10.0
 MAX_SERIES_POINTS = 720  # a longer replay widens the interval (by whole multiples of 10 s)
 LENDING, STATIC_SHARE = "lending", "static"
-RECLAIM_FIELD = "profile.memory.reclaim_ms_per_chunk"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,27 +111,12 @@ def resolve(
         raise ValueError(f"--kv-chunk-tokens={tpc!r}: must be an integer >= 1")
     if stage_mib is not None and not (isinstance(stage_mib, (int, float)) and math.isfinite(stage_mib) and stage_mib > 0):
         raise ValueError(f"--trainer-stage-mib={stage_mib!r}: must be a number of MiB > 0")
-    chunk_bytes = tpc * kv_bytes_per_token
-    measured = getattr(profile, "memory", None)
-    warning = None
-    if measured is not None:
-        scale = chunk_bytes / measured.chunk_bytes
-        reclaim, lend = measured.reclaim_ms_per_chunk * scale, measured.lend_ms_per_chunk * scale
-        source = f"the profile's memory section, for its {measured.chunk_bytes / MIB:g} MiB chunk, scaled by size"
-    else:
-        scale = chunk_bytes / DEFAULT_FIGURE_CHUNK_BYTES
-        reclaim, lend = DEFAULT_RECLAIM_MS_PER_CHUNK * scale, DEFAULT_LEND_MS_PER_CHUNK * scale
-        source = f"harvest.yaml's default, {DEFAULT_RECLAIM_MS_PER_CHUNK:g} ms per 128 MiB chunk, scaled by size"
-        if "reclaim_ms_per_chunk" not in overrides:
-            warning = (
-                f"warning: {profile.label} has no lend/reclaim figures ({RECLAIM_FIELD} and lend_ms_per_chunk absent): a "
-                f"reclaim costs the default {DEFAULT_RECLAIM_MS_PER_CHUNK:g} ms per 128 MiB chunk ({reclaim:.3g} ms per "
-                f"replayed chunk of {tpc} tokens); give --memory reclaim_ms_per_chunk=MS, or add the profile's memory section "
-                "(scripts/bench_vmm.py --backend cuda measures it)"
-            )
-    if "reclaim_ms_per_chunk" in overrides:
-        reclaim = config.reclaim_ms_per_chunk
-        source = f"reclaim: --memory reclaim_ms_per_chunk; lend: {source}"
+    # the replay's chunk is a modelling choice: the default figure is scaled to it, as a measured one is
+    costs = lend_costs.resolve(tpc * kv_bytes_per_token, measured=getattr(profile, "memory", None),
+                               measured_where=getattr(profile, "label", "the profile"), configured_reclaim_ms=config.reclaim_ms_per_chunk,
+                               configured_where="--memory reclaim_ms_per_chunk",
+                               default_chunk_bytes=DEFAULT_FIGURE_CHUNK_BYTES)
+    reclaim, lend = costs.reclaim_ms_per_chunk, costs.lend_ms_per_chunk
     settings = MemorySettings(
         tokens_per_chunk=tpc,
         reclaim_ms_per_chunk=reclaim,
@@ -140,10 +124,10 @@ def resolve(
         stage_bytes=LLAMA3_8B_LAYER_BYTES if stage_mib is None else max(1, round(stage_mib * MIB)),
         max_stages=LLAMA3_8B_STAGES if max_stages is None else max_stages,
         config=dataclasses.replace(config, reclaim_ms_per_chunk=reclaim),
-        source=source,
+        source=costs.detail,
     )
     settings.check()
-    return settings, warning
+    return settings, None if costs.warning is None else f"warning: {costs.warning}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,24 +163,16 @@ class LendingModel:
                  kv_bytes_per_token: int):
         tpc = memory.tokens_per_chunk
         slots = capacity_tokens + 1  # slot 0: SGLang's padding slot, never free
-        num_chunks = math.ceil(slots / tpc)
+        num_chunks = lending_setup.pool_chunks(capacity_tokens, tpc)
         self.top_size = slots - (num_chunks - 1) * tpc  # the top chunk's slots (fewer: never lendable)
         self.highest_lendable = num_chunks - 1 if self.top_size == tpc else num_chunks - 2
         cfg = memory.config
-        target_s = target_tpot_ms / 1e3
-        # harvest/colocate/assemble.py: lending_policy and demand_reserve
-        floor = min(reserve_tokens(2 * target_s, target_s, max(1, max_batch_size), kv_bytes_per_token), capacity_tokens // 4)
-        self.policy = LendingPolicy(tokens_per_chunk=tpc, num_chunks=num_chunks,
-                                    reserve_tokens=floor if cfg.reserve_tokens is None else cfg.reserve_tokens,
-                                    hysteresis_chunks=cfg.hysteresis_chunks, max_lend_fraction=cfg.max_lend_fraction)
-        self.reserve = None
-        self._record = None
-        if cfg.reserve_tokens is None:
-            self.reserve = DemandReserve(floor_tokens=floor, cap_tokens=max(floor, capacity_tokens // 2), tokens_per_chunk=tpc,
-                                         ack_s=target_s, reclaim_s_per_chunk=memory.reclaim_ms_per_chunk / 1e3,
-                                         percentile=cfg.reserve_percentile, lower_after_s=cfg.reserve_lower_after_s,
-                                         demand=AllocationDemand(window_s=cfg.reserve_window_s))
-            self._record = self.reserve.demand.record
+        self.policy = lending_setup.lending_policy(tokens_per_chunk=tpc, num_chunks=num_chunks, pool_tokens=capacity_tokens,
+                                                   max_batch_size=max_batch_size, kv_bytes_per_token=kv_bytes_per_token,
+                                                   target_tpot_ms=target_tpot_ms, memory=cfg)
+        self.reserve = lending_setup.demand_reserve(self.policy, pool_tokens=capacity_tokens, target_tpot_ms=target_tpot_ms,
+                                                    memory=cfg, reclaim_ms_per_chunk=memory.reclaim_ms_per_chunk)
+        self._record = None if self.reserve is None else self.reserve.demand.record
         self.capacity = capacity_tokens
         self.tpc = tpc
         self.lend_interval_s = cfg.lend_interval_s

@@ -12,7 +12,7 @@ import pytest
 from harvest.colocate.assemble import EngineAdapter, assemble
 from harvest.colocate.colocation import NoKvLending
 from harvest.compute import WholeDevicePartitioner
-from harvest.config import HarvestConfig
+from harvest.config import HarvestConfig, MemoryConfig
 from harvest.predict.compat import ProfileMismatchError
 from harvest.predict.online import OnlineSettings
 from harvest.schedule import SchedulerConfig, TrainerState
@@ -162,3 +162,83 @@ def test_start_up_refuses_two_jobs_with_one_name_or_one_output_folder(tmp_path):
     with pytest.raises(JobRefused, match=rf"jobs\[1\] .* has the output_dir {tmp_path}/sub/\.\./out/x/\.\./a of"):
         job_specs([a, same_folder])
     assert [spec.name for spec in job_specs([a, _job_file(tmp_path / "c.yaml", output_dir="out/c")])] == ["a", "c"]
+
+
+class _LendingWithReserve(NoKvLending):
+    reserve = None  # the server's lending controller has one (harvest.sglang.kv_lending)
+
+
+class _Log:
+    def __init__(self):
+        self.lines = []
+
+    def __getattr__(self, level):
+        return lambda message, *args: self.lines.append((level, message % args))
+
+
+def _assemble_with_kv(tiny_llama_path, monkeypatch, config):
+    from harvest.colocate.assemble import KvPool
+    from harvest.memory import UnifiedAllocator
+
+    log = _Log()
+    monkeypatch.setattr("harvest.colocate.assemble.logger", log)
+    alloc = UnifiedAllocator(num_layers=2, kv_heads=2, head_dim=16, dtype_bytes=4, max_tokens=8 * 128, page_bytes=16 * 1024)
+    lending = _LendingWithReserve()
+    kv = KvPool(allocator=alloc, num_tokens=8 * 128 - 1, max_batch_size=4,
+                lending_controller=lambda policy, budget, memory, metrics: lending)
+    engine = EngineAdapter(device="cpu", model_path=str(tiny_llama_path), model_dtype="float32", kv=kv, jobs=())
+    colocation = assemble(config, engine)
+    colocation.close(trainer_timeout_s=5.0)
+    colocation.partitioner.close()
+    return lending.reserve, [line for line in log.lines if "KV lending" in line[1]], alloc.geometry.chunk_bytes
+
+
+def test_the_auto_reserve_counts_the_profiles_measured_reclaim_cost_scaled_to_the_served_chunk(tiny_llama_path, tmp_path,
+                                                                                             monkeypatch):
+    import json
+
+    data = json.loads(CPU_PROFILE.read_text())
+    chunk_bytes = 4 * 16 * 1024  # the pool below: 2 layers, K and V, one 16 KiB page each
+    data["memory"] = {"chunk_bytes": 2 * chunk_bytes, "lend_ms_per_chunk": 1.0, "reclaim_ms_per_chunk": 0.5, "pages_per_chunk": 8}
+    profile = tmp_path / "measured.json"
+    profile.write_text(json.dumps(data))
+    reserve, lines, served = _assemble_with_kv(tiny_llama_path, monkeypatch, _config(profile=profile))
+    assert served == chunk_bytes
+    assert reserve.reclaim_s_per_chunk == pytest.approx(0.25e-3) and reserve.cost_source == "measured by `harvest profile`"
+    assert [level for level, _ in lines] == ["info"]
+    assert f"0.25 ms per chunk reclaimed (profile {profile}'s memory section, measured for a 0.125 MiB chunk, scaled" in lines[0][1]
+    # harvest.yaml's figure wins over the profile's
+    reserve, lines, _ = _assemble_with_kv(tiny_llama_path, monkeypatch,
+                                          _config(profile=profile, memory=MemoryConfig(reclaim_ms_per_chunk=2.0)))
+    assert reserve.reclaim_s_per_chunk == pytest.approx(2e-3) and "harvest.yaml" in reserve.cost_source
+    assert [level for level, _ in lines] == ["info"]
+
+
+def test_without_a_measured_or_configured_reclaim_cost_the_default_is_used_with_one_warning(tiny_llama_path, monkeypatch):
+    reserve, lines, _ = _assemble_with_kv(tiny_llama_path, monkeypatch, _config())  # the committed profile: no memory section
+    assert reserve.reclaim_s_per_chunk == pytest.approx(7e-3) and reserve.cost_source == "the default"
+    assert [level for level, _ in lines] == ["warning", "info"]
+    assert lines[0][1].startswith(f"KV lending: profile {CPU_PROFILE} has no lend/reclaim figures (profile.memory.reclaim_ms")
+    assert "the default 7 ms per chunk" in lines[0][1]
+    # a fixed reserve has no reclaim horizon: nothing to warn about
+    reserve, lines, _ = _assemble_with_kv(tiny_llama_path, monkeypatch, _config(memory=MemoryConfig(reserve_tokens=64)))
+    assert reserve is None and lines == []
+
+
+@pytest.mark.parametrize("memory, message", [
+    ({"chunk_bytes": 65536, "lend_ms_per_chunk": 1.0, "reclaim_ms_per_chunk": -2.0}, "profile.memory.reclaim_ms_per_chunk=-2.0"),
+    ({"chunk_bytes": 65536, "lend_ms_per_chunk": 1e999, "reclaim_ms_per_chunk": 2.0}, "profile.memory.lend_ms_per_chunk: expected a finite number"),
+    ({"chunk_bytes": 65536, "lend_ms_per_chunk": 1.0}, "profile.memory: missing field(s) reclaim_ms_per_chunk"),
+])
+def test_a_damaged_memory_section_refuses_the_start_naming_the_file_and_field(tiny_llama_path, tmp_path, monkeypatch, memory,
+                                                                             message):
+    import json
+
+    from harvest.predict.schema import ProfileError
+
+    data = json.loads(CPU_PROFILE.read_text())
+    profile = tmp_path / "bad.json"
+    profile.write_text(json.dumps({**data, "memory": memory}).replace("Infinity", "1e999"))
+    with pytest.raises(ProfileError) as refused:
+        _assemble_with_kv(tiny_llama_path, monkeypatch, _config(profile=profile))
+    assert str(refused.value).startswith(f"{profile}: {message}")

@@ -182,7 +182,7 @@ def test_the_sample_replay_reports_memory(tmp_path, profile_data, capsys):
     memory_settings_ = data["settings"]["memory"]
     # the profile's figures are for 64 MiB; the replay's chunk is 1024 tokens x 128 KiB = 128 MiB
     assert memory_settings_["reclaim_ms_per_chunk"] == 6.0 and memory_settings_["lend_ms_per_chunk"] == 4.0
-    assert memory_settings_["figures_from"].startswith("the profile's memory section")
+    assert memory_settings_["figures_from"] == "with-memory.json's memory section, measured for a 64 MiB chunk, scaled to 128 MiB"
     policies = data["runs"][0]["policies"]
     harvest, static = policies["harvest"]["memory"], policies["static"]["memory"]
     assert "memory" not in policies["separate"] and "memory" not in policies["decode-only"]
@@ -248,6 +248,8 @@ def test_the_memory_section_round_trips_and_a_profile_without_it_is_written_as_b
         (["--memory", "bogus=1"], "--memory: unknown key(s) bogus"),
         (["--memory", "max_lend_fraction=2"], "--memory: max_lend_fraction"),
         (["--memory", "reclaim_ms_per_chunk=-3"], "--memory: reclaim_ms_per_chunk"),
+        (["--memory", "reclaim_ms_per_chunk=nan"], "--memory: reclaim_ms_per_chunk='nan': expected 'auto' or a finite number >= 0"),
+        (["--memory", "reclaim_ms_per_chunk=inf"], "--memory: reclaim_ms_per_chunk='inf': expected 'auto' or a finite number >= 0"),
         (["--kv-chunk-tokens", "0"], "--kv-chunk-tokens=0: must be an integer >= 1"),
         (["--trainer-stage-mib", "0"], "--trainer-stage-mib=0.0: must be a number of MiB > 0"),
         (["--trainer-stages", "0"], "--trainer-stages=0: must be an integer >= 1"),
