@@ -3,7 +3,10 @@ whether CUDA_DEVICE_MAX_CONNECTIONS gives harvest's streams their own hardware q
 
 Everything is probed through harvest's own native libraries (the driver API, opened at run
 time), so the answer is what harvest itself will see. Without a driver or GPU it says
-so plainly; that is a valid configuration (CPU development), not an error.
+so plainly; that is a valid configuration (CPU development), not an error. Given a
+profile (``--profile``, or ``--config`` naming harvest.yaml and so its profile), it shows
+the lend/reclaim costs the profile measured and which figure a server's auto reserve
+counts (harvest.memory.lend_costs); a profile or config it cannot read exits 1.
 """
 
 from __future__ import annotations
@@ -40,13 +43,15 @@ def _native_libraries() -> dict[str, dict[str, Any]]:
     return result
 
 
-def collect() -> dict[str, Any]:
-    """The full report as a JSON-able dict (the schema of `harvest doctor --json`)."""
+def collect(profile=None, config=None) -> dict[str, Any]:
+    """The full report as a JSON-able dict (the schema of `harvest doctor --json`);
+    ``profile`` / ``config``: paths given with --profile / --config (see :func:`lend_costs`)."""
     import torch
 
     gpus, no_gpu_reason, driver_version = probe_gpus()
     ladder = _ladder(gpus)
-    return {
+    extra = {} if profile is None and config is None else {"lend_costs": lend_costs(profile, config)}
+    return {**extra, 
         # A source checkout on PYTHONPATH (the GPU validation) has no distribution metadata.
         "harvest": _version("harvest") or harvest.__version__,
         "python": platform.python_version(),
@@ -74,6 +79,48 @@ def collect() -> dict[str, Any]:
         "ladder": ladder,
         "cuda_connections": cuda_connections(ladder if gpus else None),
     }
+
+
+def lend_costs(profile=None, config=None) -> dict[str, Any]:
+    """What a lend and a reclaim of one KV chunk cost as ``profile`` measured them (its
+    ``memory`` section; with ``config``, harvest.yaml's profile and its own
+    ``memory.reclaim_ms_per_chunk``, which wins), and the figure a server's auto reserve
+    counts. ``error`` says why a file could not be read."""
+    from harvest.memory import lend_costs as costs_mod
+
+    report: dict[str, Any] = {"profile": None if profile is None else str(profile), "config": None,
+                              "configured_reclaim_ms_per_chunk": None, "memory": None, "reserve_counts": None,
+                              "error": None}
+    if config is not None:
+        from harvest.config import ConfigError, load
+
+        report["config"] = str(config)
+        try:
+            loaded = load(config)
+        except ConfigError as exc:
+            return {**report, "error": str(exc)}
+        report["configured_reclaim_ms_per_chunk"] = loaded.memory.reclaim_ms_per_chunk
+        if profile is None and loaded.profile is not None:
+            profile = loaded.profile
+            report["profile"] = str(profile)
+    section = None
+    if profile is not None:
+        from harvest.predict.schema import ProfileError, read_memory_section
+
+        try:
+            section = read_memory_section(profile)
+        except ProfileError as exc:
+            return {**report, "error": str(exc)}
+    if section is not None:
+        report["memory"] = {**dataclasses.asdict(section), "lend_ms_per_page": section.ms_per_page(section.lend_ms_per_chunk),
+                            "reclaim_ms_per_page": section.ms_per_page(section.reclaim_ms_per_chunk)}
+    chunk_bytes = section.chunk_bytes if section is not None else costs_mod.DEFAULT_FIGURE_CHUNK_BYTES
+    resolved = costs_mod.resolve(chunk_bytes, measured=section, measured_where=None if profile is None else f"profile {profile}",
+                                 configured_reclaim_ms=report["configured_reclaim_ms_per_chunk"],
+                                 configured_where="harvest.yaml's memory.reclaim_ms_per_chunk")
+    report["reserve_counts"] = {"reclaim_ms_per_chunk": resolved.reclaim_ms_per_chunk, "source": resolved.source,
+                                "detail": resolved.detail, "warning": resolved.warning}
+    return report
 
 
 def cuda_connections(ladder: dict[str, Any] | None, environ=None) -> dict[str, Any]:
@@ -143,6 +190,7 @@ def render_text(report: dict[str, Any]) -> str:
             lines.extend(f"  note: {note}" for note in ladder["preview_notes"])
         else:
             lines.append(f"SM ladder: 1 level, no spatial partitioning ({ladder['note']})")
+    lines.extend(_lend_cost_lines(report.get("lend_costs")))
     connections = report.get("cuda_connections")
     if connections is not None:
         value = connections["env"] if connections["env"] is not None else "unset"
@@ -154,20 +202,49 @@ def render_text(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-HELP = "report versions, GPU, VMM and green-context support"
+def _lend_cost_lines(costs: dict[str, Any] | None) -> list[str]:
+    if costs is None:
+        return []
+    if costs["error"] is not None:
+        return [f"lend/reclaim costs: cannot read them: {costs['error']}"]
+    lines = []
+    memory, counts = costs["memory"], costs["reserve_counts"]
+    if costs["profile"] is None:
+        lines.append("lend/reclaim costs: no profile given or configured")
+    elif memory is None:
+        lines.append(f"lend/reclaim costs: profile {costs['profile']} has no memory section (not measured; re-run "
+                     "`harvest profile` to measure them)")
+    else:
+        pages = memory["pages_per_chunk"]
+        per_page = ("" if pages is None else f" ({pages} pages: {memory['lend_ms_per_page'] * 1e3:.3g} / "
+                    f"{memory['reclaim_ms_per_page'] * 1e3:.3g} us per page)")
+        lines.append(f"lend/reclaim costs: profile {costs['profile']}: a lend {memory['lend_ms_per_chunk']:.3g} ms, a "
+                     f"reclaim {memory['reclaim_ms_per_chunk']:.3g} ms per chunk of {memory['chunk_bytes'] / 2**20:.4g} "
+                     f"MiB{per_page}")
+    lines.append(f"  the auto reserve counts {counts['reclaim_ms_per_chunk']:.3g} ms per chunk reclaimed: {counts['detail']}"
+                 + ("" if memory is None or counts["source"] != "profile" else " (a server scales it to its own chunk's bytes)"))
+    if counts["warning"]:
+        lines.append(f"  WARNING: {counts['warning']}")
+    return lines
+
+
+HELP = "report versions, GPU, VMM and green-context support (and a profile's lend/reclaim costs)"
 
 
 def add_arguments(parser) -> None:
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    parser.add_argument("--profile", default=None, help="a calibration profile: show the lend/reclaim costs it measured")
+    parser.add_argument("--config", default=None, help="a harvest.yaml: show the lend/reclaim costs of its profile and "
+                        "its memory.reclaim_ms_per_chunk")
 
 
 def run(args) -> int:
     import json
 
-    report = collect()
+    report = collect(getattr(args, "profile", None), getattr(args, "config", None))
     if args.json:
         json.dump(report, sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
         print(render_text(report))
-    return 0
+    return 1 if report.get("lend_costs", {}).get("error") else 0

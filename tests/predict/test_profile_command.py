@@ -45,6 +45,9 @@ def _check_profile(out, engine: str) -> Profile:
     assert not partial_path(out).exists()
     predictor = profile.predictor()
     assert predictor.predict_colo(0, 2, 100.0) > 0 and predictor.predict_solo(0, 2, 100.0) > 0
+    memory = profile.memory  # lend/reclaim timed on the host backend: the tiny model's chunk of 2 layers x K, V x 64 KiB
+    assert memory is not None and memory.chunk_bytes == 4 * 64 * 1024 and memory.pages_per_chunk == 4
+    assert memory.lend_ms_per_chunk > 0 and memory.reclaim_ms_per_chunk > 0
     return profile
 
 

@@ -7,6 +7,7 @@ run made with other settings is refused in seconds, not after loading two models
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -25,7 +26,7 @@ from harvest.predict.profiler.plot import write_plot
 from harvest.predict.profiler.runner import plan_points, run_grid
 from harvest.predict.profiler.tp_layout import TensorParallelError, check_gpus, cpu_core_groups, format_threads_bind
 from harvest.predict.profiler.trainer_alone import measure_section
-from harvest.predict.schema import FinetuneIdentity, Grid, MeasurementSettings, ProfileError
+from harvest.predict.schema import FinetuneIdentity, Grid, MeasurementSettings, MemorySection, ProfileError
 from harvest.train import trainer_cpu
 
 logger = get_logger(__name__)
@@ -197,6 +198,7 @@ def profile(args, model_path: str, measure: MeasureConfig) -> int:
             partial.close()
     finally:
         partitioner.close()
+    memory = lend_costs_section(model_path, device, dtype, args.tp)
 
     measurement = MeasurementSettings(
         timer_for_name(device), measure.warmup_steps, measure.timed_steps, measure.trim_fraction, sys.getswitchinterval(), torch.get_num_threads()
@@ -208,12 +210,36 @@ def profile(args, model_path: str, measure: MeasureConfig) -> int:
         raise ProfilingFailed(f"cannot fit the measured grid points: {exc}") from exc
     except ProfileError as exc:  # a fit no decode step can have (e.g. co-location speeding decode up)
         raise ProfilingFailed(f"the fit of the measured grid points is not a usable profile: {exc}") from exc
+    if memory is not None:
+        result = dataclasses.replace(result, memory=memory)
     result.save(out)
     write_plot(result, report_path)
     partial.finish()
     print(describe_fit(result))
     print(f"wrote {out} and {report_path}")
     return 0
+
+
+def lend_costs_section(model_path: str, device: str, dtype: str, tp_size: int) -> MemorySection | None:
+    """The profile's ``memory`` section: a lend and a reclaim of one chunk of the served
+    geometry (one rank's), timed through the unified allocator under decode-like load
+    (harvest.memory.lend_timing), after the grid. None, with a warning, when it cannot be
+    measured: the server then counts the stated default (harvest.memory.lend_costs)."""
+    from harvest.memory.lend_timing import KvShape, measure
+    from harvest.predict.profiler.grid_capacity import DTYPE_BYTES, read_config
+    from harvest.sglang.kv_backing import HOST_PAGE_BYTES
+
+    on_cuda = device.startswith("cuda")
+    try:
+        shape = KvShape.of_model(read_config(model_path), DTYPE_BYTES[dtype], tp_size)
+        timing = measure(shape, backend="cuda" if on_cuda else "host", device=int(device.partition(":")[2] or 0),
+                         page_bytes=0 if on_cuda else HOST_PAGE_BYTES)
+    except (RuntimeError, OSError) as exc:  # the allocator's and the measurement's errors, the library missing
+        print(f"harvest profile: warning: lend/reclaim not timed ({exc}); the profile has no memory section, and a "
+              "server counts the default reclaim cost (harvest.yaml's memory.reclaim_ms_per_chunk)", file=sys.stderr)
+        return None
+    print(f"lend/reclaim under decode-like load: {timing.describe()}")
+    return MemorySection(**timing.section_fields())
 
 
 def command_line(args) -> list[str]:
