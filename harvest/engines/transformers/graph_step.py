@@ -1,11 +1,14 @@
 """The serving step with graphs on (``--graphs on`` of the GPU experiment): a
-:class:`~.static_batch.SlotDecodeBatch` whose step is one CUDA graph per (ladder level,
+:class:`~.static_batch.SlotDecodeBatch` or (``--kv paged``) a
+:class:`~.paged_batch.PagedDecodeBatch` whose step is one CUDA graph per (ladder level,
 bucket), captured on the level's decode stream before serving
 (:func:`capture_serving_graphs`, into a :class:`~.captured_graphs.CapturedLevelGraphs`)
 and replayed for the level the partitioner is on, i.e. the one the QoS decision chose
 (:class:`GraphStep`); eager on that stream where no graph was captured (always without
-CUDA). The load the scheduler sees is what such a step computes: bucket x the cache's
-columns (``SlotDecodeBatch.padded_sum_context``).
+CUDA). The load the scheduler sees is what such a step computes
+(``padded_sum_context``): bucket x the cache's columns for the slot batch, each request's
+pages for the paged one. The batch's host bookkeeping (``check_room`` before the replay,
+``after_step`` after it: a paged batch's new pages) stays outside the graph.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from harvest.engines.transformers.paged_batch import PagedDecodeBatch
     from harvest.engines.transformers.static_batch import SlotDecodeBatch
 
 
@@ -21,7 +25,7 @@ class GraphStep:
     is on, i.e. the one the QoS decision chose; the batch's bucket), replayed on that
     level's decode stream; eager there where no graph was captured (or without CUDA)."""
 
-    def __init__(self, batch: SlotDecodeBatch, graphs, partitioner):
+    def __init__(self, batch: SlotDecodeBatch | PagedDecodeBatch, graphs, partitioner):
         self.batch, self.graphs, self.partitioner = batch, graphs, partitioner
         self.graph_steps = self.eager_steps = 0
 
@@ -36,7 +40,7 @@ class GraphStep:
         batch.after_step()
 
 
-def capture_serving_graphs(batch: SlotDecodeBatch, graphs, ladder) -> dict:
+def capture_serving_graphs(batch: SlotDecodeBatch | PagedDecodeBatch, graphs, ladder) -> dict:
     """One graph per (level, bucket) of the slot batch's step, each on the level's decode
     stream (the batch may be empty: inactive slots compute garbage, a join resets them)."""
     report = {"buckets": list(batch.buckets), "levels": ladder.num_levels, "captured": 0, "capture_s": 0.0,
