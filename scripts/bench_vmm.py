@@ -6,13 +6,27 @@
 The last stdout line is one JSON object. What each figure measures:
 
   map_calls_per_lend, unmap_calls_per_lend, access_calls_per_lend
-      Backend calls (counted inside the library) to lend ONE chunk of a Llama-like
-      geometry (2 MiB pages, 8 pages per chunk). Per page: one unmap out of its KV
-      range, one map of the dummy page into that KV slot, one map into the general
-      arena; access is set once per contiguous run (one per KV range + one for the
-      arena). access_calls_per_lend_of_4 is the same for 4 adjacent chunks lent as one
-      batch (still one access call per KV range run). --num-layers sets the layers of
-      this geometry (default 4; 32 is Llama-3-8B's full KV geometry: 64 pages per chunk).
+      Backend calls (counted inside the library, the same on the host and the CUDA
+      backend) to lend ONE chunk (its first lend) of a Llama-like geometry (2 MiB pages,
+      8 pages per chunk). Per page: one unmap out of its KV range, one map of the dummy
+      page into that KV slot, one map into the general arena; then two access calls:
+      one over the KV side (a fully mapped span from the chunk's slice of the first KV
+      range to its slice of the last) and one over the chunk's arena run.
+      access_calls_per_lend_of_4 is the same for 4 adjacent chunks lent as one batch
+      (still two). --num-layers sets the layers of this geometry (default 4; 32 is
+      Llama-3-8B's full KV geometry: 64 pages per chunk).
+  map_calls_per_reclaim, unmap_calls_per_reclaim, access_calls_per_reclaim
+      The same for reclaiming that chunk: one unmap of its arena run, one map of the
+      arena's dummy run over it (one allocation of a chunk's pages), one access call;
+      per page one unmap of the dummy out of its KV slot and one map of the page back;
+      one access call over the KV side.
+  driver_calls_per_lend, driver_calls_per_reclaim, driver_calls_per_lend_again
+      Their sums (map + unmap + set-access; the fence calls, an event record and wait per
+      fenced stream, are not counted). _again: the chunk lent a second time, which first
+      unmaps the arena's dummy run from its arena slots (one call more). The floor with
+      one physical allocation per page: 3 calls per page for a lend (KV slice out, dummy
+      in, page into the arena: separate mappings, since cuMemMap maps an allocation from
+      offset 0 only) and 2 per page for a reclaim, plus the access calls.
   create_calls_after_init
       cuMemCreate-equivalent calls after start-up, summed over every allocator this
       run made (all the work below included). Must be 0.
@@ -107,6 +121,10 @@ def measure_lend(backend: str, num_layers: int = 4) -> dict:
     alloc.reclaim(5)
     reclaim = alloc.counters().minus(before)
     before = alloc.counters()
+    alloc.lend(5)
+    again = alloc.counters().minus(before)
+    alloc.reclaim(5)
+    before = alloc.counters()
     alloc.lend([6, 7, 8, 9])
     batch = alloc.counters().minus(before)
     alloc.reclaim([6, 7, 8, 9])
@@ -131,6 +149,9 @@ def measure_lend(backend: str, num_layers: int = 4) -> dict:
         "map_calls_per_reclaim": reclaim.map,
         "unmap_calls_per_reclaim": reclaim.unmap,
         "access_calls_per_reclaim": reclaim.set_access,
+        "driver_calls_per_lend": lend.mapping_calls,
+        "driver_calls_per_reclaim": reclaim.mapping_calls,
+        "driver_calls_per_lend_again": again.mapping_calls,
         "lend_us_median": round(statistics.median(lend_us), 1),
         "reclaim_us_median": round(statistics.median(reclaim_us), 1),
     }

@@ -36,7 +36,7 @@ Allocator::Allocator(const hvmm_config_t& config)
       device_ordinal_(config.device_ordinal),
       backend_(make_backend(config)),
       geometry_(compute_geometry(config, backend_->page_bytes())),
-      pool_(*backend_, geometry_.total_pages()),
+      pool_(*backend_, geometry_.total_pages(), geometry_.arena_dummy(), geometry_.pages_per_chunk),
       kv_(std::make_unique<KvArena>(*backend_, pool_, geometry_)),
       arena_(std::make_unique<GeneralArena>(*backend_, pool_, geometry_)),
       states_(geometry_.num_chunks, HVMM_CHUNK_MAPPED) {
@@ -521,6 +521,23 @@ hvmm_counters_t Allocator::counters() const {
   return out;
 }
 
+void Allocator::debug_backend_call(int32_t kind, va_t address, uint64_t bytes, int64_t page) {
+  std::lock_guard<std::mutex> remap(remap_mu_);  // not in the middle of a move
+  switch (static_cast<CallKind>(kind)) {
+    case CallKind::kMap:
+      if (page < 0 || static_cast<uint64_t>(page) >= pool_.num_pages()) {
+        throw_invalid("page=" + std::to_string(page) + " is not a pool page [0, " + std::to_string(pool_.num_pages()) +
+                      ")");
+      }
+      backend_->map(address, pool_.handle(static_cast<page_id_t>(page)), bytes);
+      return;
+    case CallKind::kUnmap: backend_->unmap(address, bytes); return;
+    case CallKind::kSetAccess: backend_->set_access(address, bytes); return;
+    default:
+      throw_invalid("kind=" + std::to_string(kind) + " is not map (4), unmap (5) or set_access (6)");
+  }
+}
+
 void Allocator::check_integrity() {
   std::lock_guard<std::mutex> remap(remap_mu_);
   std::lock_guard<std::mutex> lock(state_mu_);
@@ -557,11 +574,11 @@ void Allocator::check_integrity() {
       if (kv_table.page_at(s) != kNoPage && !broken(s % geometry_.num_chunks)) ++seen[kv_table.page_at(s)];
     }
     const MappingTable& arena_table = arena_->table();
-    uint64_t arena_dummies = 0;
+    uint64_t arena_dummies = 0;  // slots of the arena's dummy run (GeneralArena::check says which)
     for (uint64_t s = 0; s < arena_table.num_slots(); ++s) {
       if (arena_table.page_at(s) != kNoPage && !broken(s / geometry_.pages_per_chunk)) {
         ++seen[arena_table.page_at(s)];
-        arena_dummies += arena_table.page_at(s) == geometry_.dummy_page();
+        arena_dummies += arena_table.page_at(s) == geometry_.arena_dummy();
       }
     }
     if (small_) {
@@ -572,9 +589,11 @@ void Allocator::check_integrity() {
     for (uint64_t page = 0; page < seen.size() && violation.empty(); ++page) {
       const bool is_kv = page < geometry_.num_kv_pages();
       if (is_kv && broken(page % geometry_.num_chunks)) continue;
-      // The dummy page: in every KV slice of the lent chunks and every arena slot of the
-      // reclaimed ones (GeneralArena::check says which arena slots may hold it).
-      const uint64_t want = page == geometry_.dummy_page() ? lent * geometry_.pages_per_chunk + arena_dummies : 1;
+      // The dummy page: in every KV slice of the lent chunks and nowhere else. The arena's
+      // dummy run: only in the arena, over the reclaimed chunks (GeneralArena::check).
+      const uint64_t want = page == geometry_.dummy_page()    ? lent * geometry_.pages_per_chunk
+                            : page == geometry_.arena_dummy() ? arena_dummies
+                                                              : 1;
       if (seen[page] != want) {
         violation = "page " + std::to_string(page) + " is mapped " + std::to_string(seen[page]) + " times, expected " +
                     std::to_string(want) + (seen[page] > want ? " (owned twice)" : " (leaked)");

@@ -68,6 +68,8 @@ class Allocator {
   hvmm_counters_t counters() const;
   Backend& backend() { return *backend_; }
   void check_integrity();
+  // Tests only (hvmm_debug_backend_call): one raw map / unmap / set_access.
+  void debug_backend_call(int32_t kind, va_t address, uint64_t bytes, int64_t page);
 
  private:
   // A lend that recorded its KV fences and waits for them to pass.

@@ -73,10 +73,11 @@ void Backend::free_range(va_t va, uint64_t bytes) {
   log_call({CallKind::kFreeRange, 0, va, bytes, 0, 0});
 }
 
-phys_handle_t Backend::create_page() {
+phys_handle_t Backend::create_page(uint64_t pages) {
+  if (pages == 0) throw_internal("create_page: an allocation of 0 pages");
   before_call(CallKind::kCreate);
-  const phys_handle_t page = do_create_page();
-  log_call({CallKind::kCreate, 0, 0, page_bytes_, 0, 0});
+  const phys_handle_t page = do_create_page(pages * page_bytes_);
+  log_call({CallKind::kCreate, 0, 0, pages * page_bytes_, 0, 0});
   return page;
 }
 
@@ -86,10 +87,10 @@ void Backend::release_page(phys_handle_t page) {
   log_call({CallKind::kRelease, 0, 0, page_bytes_, 0, 0});
 }
 
-void Backend::map(va_t va, phys_handle_t page) {
+void Backend::map(va_t va, phys_handle_t page, uint64_t bytes) {
   before_call(CallKind::kMap);
-  do_map(va, page);
-  log_call({CallKind::kMap, 0, va, page_bytes_, 0, 0});
+  do_map(va, page, bytes);
+  log_call({CallKind::kMap, 0, va, bytes, 0, 0});
 }
 
 void Backend::unmap(va_t va, uint64_t bytes) {
@@ -213,9 +214,12 @@ void VaRange::reset() noexcept {
   backend_ = nullptr;
 }
 
-PhysPage::PhysPage(Backend& backend) : backend_(&backend) { handle_ = backend.create_page(); }
+PhysPage::PhysPage(Backend& backend, uint64_t pages) : backend_(&backend), pages_(pages) {
+  handle_ = backend.create_page(pages);
+}
 
-PhysPage::PhysPage(PhysPage&& other) noexcept : backend_(other.backend_), handle_(other.handle_) {
+PhysPage::PhysPage(PhysPage&& other) noexcept
+    : backend_(other.backend_), handle_(other.handle_), pages_(other.pages_) {
   other.backend_ = nullptr;
 }
 
@@ -224,6 +228,7 @@ PhysPage& PhysPage::operator=(PhysPage&& other) noexcept {
     reset();
     backend_ = other.backend_;
     handle_ = other.handle_;
+    pages_ = other.pages_;
     other.backend_ = nullptr;
   }
   return *this;

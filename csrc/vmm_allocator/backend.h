@@ -1,10 +1,18 @@
 // backend.h — the seven memory operations the allocator needs, behind one interface.
 //
-// Both backends give the same semantics: `reserve` makes an inaccessible virtual range,
-// `create_page` commits one physical page, `map` puts a page at a page-aligned address
-// inside a reserved range (inaccessible until `set_access`), `unmap` takes a contiguous
-// run of mapped pages out again (the range stays reserved), and fences order reuse after
-// the streams that used memory. Which backend is in use changes nothing above this file.
+// Both backends give the same semantics, the CUDA driver's (cuda.h, group CUDA_VA):
+// `reserve` makes an inaccessible virtual range; `create_page` commits one physical
+// allocation of one page or more; `map` puts one allocation, from its first byte
+// (cuMemMap's offset "currently must be zero"), at a page-aligned address inside a
+// reserved range where nothing is mapped, and the new mapping has no access until
+// `set_access` ("all mappings start with no accessibility setup"); `unmap` takes whole
+// mappings out again (the range stays reserved; cuMemUnmap "cannot unmap a sub-range"
+// of a mapping); `set_access` grants read/write over "a fully mapped address range"
+// (several adjacent mappings may share one call, as NVIDIA's vectorAddMMAP sample does;
+// a hole refuses it); and fences order reuse after the streams that used memory. The
+// host backend checks these rules itself and refuses what the driver refuses, so a CPU
+// run cannot pass with a call sequence a GPU would reject. Which backend is in use
+// changes nothing above this file.
 //
 // Every public call is counted by kind (hvmm_counters_t) so tests and the benchmark can
 // assert exactly how many driver calls an operation made, can be made to fail on
@@ -52,7 +60,7 @@ struct CallRecord {
   CallKind kind;
   int32_t result;   // fence_query: 1 passed, 0 not yet; otherwise 0
   va_t address;     // reserve, free_range, map, unmap, set_access
-  uint64_t bytes;   // reserve, free_range, unmap, set_access (map: one page)
+  uint64_t bytes;   // reserve, free_range, map, unmap, set_access, create
   stream_t stream;  // fence_record
   event_t event;    // event_create, fence_record, fence_query, fence_wait
 };
@@ -68,11 +76,14 @@ class Backend {
 
   va_t reserve(uint64_t bytes);
   void free_range(va_t va, uint64_t bytes);
-  phys_handle_t create_page();
+  // One physical allocation of `pages` pages (one cuMemCreate).
+  phys_handle_t create_page(uint64_t pages = 1);
   void release_page(phys_handle_t page);
-  void map(va_t va, phys_handle_t page);  // exactly one page at va
-  void unmap(va_t va, uint64_t bytes);    // a contiguous run of whole mapped pages
-  void set_access(va_t va, uint64_t bytes);
+  // `bytes` of the allocation `page`, from its start, at va (one cuMemMap); bytes must
+  // not exceed the allocation.
+  void map(va_t va, phys_handle_t page, uint64_t bytes);
+  void unmap(va_t va, uint64_t bytes);       // whole adjacent mappings, no hole
+  void set_access(va_t va, uint64_t bytes);  // whole adjacent mappings, no hole
   // A fence on `stream`; recycle it with release_fence once it has passed.
   event_t record_fence(stream_t stream);
   bool fence_passed(event_t event);
@@ -101,9 +112,9 @@ class Backend {
 
   virtual va_t do_reserve(uint64_t bytes) = 0;
   virtual void do_free_range(va_t va, uint64_t bytes) = 0;
-  virtual phys_handle_t do_create_page() = 0;
+  virtual phys_handle_t do_create_page(uint64_t bytes) = 0;
   virtual void do_release_page(phys_handle_t page) = 0;
-  virtual void do_map(va_t va, phys_handle_t page) = 0;
+  virtual void do_map(va_t va, phys_handle_t page, uint64_t bytes) = 0;
   virtual void do_unmap(va_t va, uint64_t bytes) = 0;
   virtual void do_set_access(va_t va, uint64_t bytes) = 0;
   virtual event_t do_create_event() = 0;
@@ -185,7 +196,7 @@ class VaRange {
 class PhysPage {
  public:
   PhysPage() = default;
-  explicit PhysPage(Backend& backend);
+  explicit PhysPage(Backend& backend, uint64_t pages = 1);
   PhysPage(PhysPage&& other) noexcept;
   PhysPage& operator=(PhysPage&& other) noexcept;
   PhysPage(const PhysPage&) = delete;
@@ -193,11 +204,13 @@ class PhysPage {
   ~PhysPage();
 
   phys_handle_t handle() const { return handle_; }
+  uint64_t pages() const { return pages_; }
 
  private:
   void reset() noexcept;
   Backend* backend_ = nullptr;
   phys_handle_t handle_ = 0;
+  uint64_t pages_ = 0;
 };
 
 }  // namespace harvest::vmm

@@ -98,10 +98,10 @@ class CudaBackend final : public Backend {
     HVMM_CU_THROW(cu_->cuMemAddressFree(static_cast<CUdeviceptr>(va), bytes));
   }
 
-  phys_handle_t do_create_page() override {
+  phys_handle_t do_create_page(uint64_t bytes) override {
     ContextScope scope(cu_, context_);
     CUmemGenericAllocationHandle handle = 0;
-    HVMM_CU_THROW(cu_->cuMemCreate(&handle, page_bytes(), &prop_, 0));
+    HVMM_CU_THROW(cu_->cuMemCreate(&handle, bytes, &prop_, 0));
     return static_cast<phys_handle_t>(handle);
   }
 
@@ -110,9 +110,11 @@ class CudaBackend final : public Backend {
     HVMM_CU_THROW(cu_->cuMemRelease(static_cast<CUmemGenericAllocationHandle>(page)));
   }
 
-  void do_map(va_t va, phys_handle_t page) override {
+  void do_map(va_t va, phys_handle_t page, uint64_t bytes) override {
     ContextScope scope(cu_, context_);
-    HVMM_CU_THROW(cu_->cuMemMap(static_cast<CUdeviceptr>(va), page_bytes(), 0,
+    // Offset 0: cuMemMap's offset "currently must be zero" (cuda.h), so a mapping always
+    // starts at its allocation's first byte.
+    HVMM_CU_THROW(cu_->cuMemMap(static_cast<CUdeviceptr>(va), bytes, 0,
                                 static_cast<CUmemGenericAllocationHandle>(page), 0));
   }
 

@@ -215,4 +215,11 @@ int hvmm_debug_hold_fences(hvmm_allocator_t* allocator, int32_t held) {
                  [&] { require(allocator, "allocator").impl.backend().hold_fences(held != 0); });
 }
 
+int hvmm_debug_backend_call(hvmm_allocator_t* allocator, int32_t kind, uint64_t address, uint64_t bytes,
+                            int64_t page) {
+  return guarded("hvmm_debug_backend_call", [&] {
+    require(allocator, "allocator").impl.debug_backend_call(kind, address, bytes, page);
+  });
+}
+
 }  // extern "C"

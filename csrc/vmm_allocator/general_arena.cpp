@@ -19,7 +19,8 @@ void GeneralArena::converge_detached(const std::vector<ChunkRun>& runs) { conver
 
 void GeneralArena::converge(const std::vector<ChunkRun>& runs, bool to_dummy) {
   const uint64_t per_chunk = geometry_.pages_per_chunk;
-  const int64_t dummy = geometry_.dummy_page();
+  const int64_t dummy = geometry_.arena_dummy();
+  // Attached: each slot its own page. Detached: the dummy run, one mapping over the chunk.
   auto target = [&](uint64_t s) {
     return to_dummy ? dummy : static_cast<int64_t>(geometry_.kv_page(s / per_chunk, s % per_chunk));
   };
@@ -27,6 +28,7 @@ void GeneralArena::converge(const std::vector<ChunkRun>& runs, bool to_dummy) {
     const uint64_t first = run.first * per_chunk;
     const uint64_t end = (run.first + run.count) * per_chunk;
     // 1. Unmap what is there but should not be (one call per sub-run; normally the run).
+    //    A mapping is wholly right or wholly wrong, so the sub-runs never cut one.
     uint64_t s = first;
     while (s < end) {
       const int64_t page = table_.page_at(s);
@@ -41,14 +43,20 @@ void GeneralArena::converge(const std::vector<ChunkRun>& runs, bool to_dummy) {
       table_.unmap_run(s, sub_end - s);
       s = sub_end;
     }
-    // 2. Map the target page into every empty slot.
-    bool all_accessible = true;
-    for (s = first; s < end; ++s) {
-      if (table_.page_at(s) == kNoPage) table_.map(s, static_cast<page_id_t>(target(s)));
-      all_accessible = all_accessible && table_.accessible(s);
+    // 2. Map the target into every empty slot: the own page per slot, or the dummy run
+    //    once per chunk (after step 1 a chunk holds the dummy run whole or nothing).
+    if (to_dummy) {
+      for (uint64_t c = first; c < end; c += per_chunk) {
+        if (table_.page_at(c) == kNoPage) table_.map(c, static_cast<page_id_t>(dummy));
+      }
+    } else {
+      for (s = first; s < end; ++s) {
+        if (table_.page_at(s) == kNoPage) table_.map(s, static_cast<page_id_t>(target(s)));
+      }
     }
-    // 3. One access call over the whole run.
-    if (!all_accessible) table_.set_access_run(first, end - first);
+    // 3. One access call over the run (none when every mapping there has access). Only
+    //    the run's own slots: the calls never touch the trainer's other allocations.
+    table_.grant_access(first, end);
   }
 }
 
@@ -254,15 +262,20 @@ void GeneralArena::check(const std::vector<int32_t>& chunk_states, std::string& 
                     " chunk " + std::to_string(chunk) + (lent ? " is neither free nor allocated" : " is in use");
         return;
       }
-      // Lent: its own page. Not lent: nothing (never lent) or the dummy (reclaimed).
+      // Lent: its own page, one mapping per page. Not lent: nothing (never lent) or the
+      // arena's dummy run (reclaimed), one mapping over the whole chunk.
       const int64_t held = table_.page_at(s);
       const int64_t own = static_cast<int64_t>(geometry_.kv_page(chunk, page));
-      const bool right_page = lent ? held == own : held == kNoPage || held == geometry_.dummy_page();
-      if (!right_page || (held != kNoPage && !table_.accessible(s))) {
+      const int64_t dummy = geometry_.arena_dummy();
+      const uint64_t want_length = lent ? 1 : (page == 0 ? per_chunk : 0);
+      const bool right_page = lent ? held == own : held == kNoPage || held == dummy;
+      const bool right_mapping = held == kNoPage || table_.mapping_slots(s) == want_length;
+      if (!right_page || !right_mapping || (held != kNoPage && !table_.accessible(s))) {
         violation = "general arena: slot " + std::to_string(s) + " holds page " + std::to_string(held) +
-                    (held != kNoPage && !table_.accessible(s) ? " without access" : "") + ", expected " +
+                    (held != kNoPage && !table_.accessible(s) ? " without access" : "") +
+                    (right_mapping ? "" : " in a mapping of the wrong extent") + ", expected " +
                     (lent ? std::to_string(own)
-                          : "none or the dummy page " + std::to_string(geometry_.dummy_page())) +
+                          : "none or the arena's dummy run " + std::to_string(dummy) + " over the chunk") +
                     " (chunk " + std::to_string(chunk) + " is " + (lent ? "lent" : "not lent") + ")";
         return;
       }

@@ -10,11 +10,13 @@
 // can go back to the KV cache. A chunk is reclaimable once none of its pages is inside
 // a live allocation; reclaim first waits on the fences recorded when they were freed.
 //
-// A reclaimed chunk's arena slots show the shared dummy page (as a lent chunk's KV slices
-// do), not a hole: a tensor view the trainer kept past its free (a Python reference the
-// window dropped late, a stale view) then reads and writes the dummy instead of faulting,
-// which on a GPU would poison the CUDA context decode runs in, and never reaches the KV
-// data that page holds again. Slots of a chunk never lent hold nothing.
+// A reclaimed chunk's arena slots show a dummy (as a lent chunk's KV slices do), not a
+// hole: a tensor view the trainer kept past its free (a Python reference the window
+// dropped late, a stale view) then reads and writes the dummy instead of faulting, which
+// on a GPU would poison the CUDA context decode runs in, and never reaches the KV data
+// that page holds again. That dummy is the arena's dummy run, one allocation of a chunk's
+// pages shared by every reclaimed chunk, so one map covers a chunk (one per page with a
+// one-page dummy: 64 for Llama-3-8B). Slots of a chunk never lent hold nothing.
 //
 // Bookkeeping methods (*_locked) need the allocator's state mutex; attach/detach are
 // driver calls on chunks the caller owns (marked busy) and need no lock.
@@ -39,9 +41,9 @@ class GeneralArena {
   const MappingTable& table() const { return table_; }
 
   // Driver side, on owned chunks; idempotent from any partial state (rollback = the other).
-  // Attached: the chunks' own pages; detached: the dummy page in every slot. Normal cost
-  // per run of n chunks and either direction: one unmap (none at a chunk's first lend),
-  // n * pages_per_chunk maps, one set_access.
+  // Attached: the chunks' own pages; detached: the arena's dummy run over each chunk.
+  // Normal cost per run of n chunks: attach one unmap (none at a chunk's first lend),
+  // n * pages_per_chunk maps, one set_access; detach one unmap, n maps, one set_access.
   void converge_attached(const std::vector<ChunkRun>& runs);
   void converge_detached(const std::vector<ChunkRun>& runs);
 

@@ -5,7 +5,9 @@
 // must divide page_bytes. Page ids (PagePool): the KV page of chunk c in KV range r is
 // r * num_chunks + c, so each KV range is one contiguous run of page ids (the host
 // backend's mappings then merge into one kernel VMA per range); the dummy page follows;
-// then the small pool's pages.
+// then the small pool's pages; last the arena's dummy run, one allocation of
+// pages_per_chunk pages behind every reclaimed chunk's arena slots (one map per chunk
+// instead of one per page, for one chunk's worth of memory).
 #pragma once
 
 #include <cstdint>
@@ -43,7 +45,10 @@ struct Geometry {
   }
   page_id_t dummy_page() const { return static_cast<page_id_t>(num_kv_pages()); }
   page_id_t small_page(uint64_t index) const { return static_cast<page_id_t>(num_kv_pages() + 1 + index); }
-  uint64_t total_pages() const { return num_kv_pages() + 1 + small_pages; }
+  page_id_t arena_dummy() const { return static_cast<page_id_t>(num_kv_pages() + 1 + small_pages); }
+  // Physical allocations made at start-up (both dummies included); every one is a page,
+  // but the arena's dummy run, which is pages_per_chunk pages.
+  uint64_t total_pages() const { return num_kv_pages() + 2 + small_pages; }
 };
 
 // Ascending, distinct chunk ids as runs of neighbours.

@@ -9,8 +9,23 @@
 // the same physical pages are mapped at a second virtual address for the finetune
 // trainer. Measured costs we design around (kvcached, A100, 2 MiB pages):
 // cuMemCreate ~193 us, cuMemMap ~1.5 us, cuMemSetAccess ~36 us, cuMemUnmap ~26 us. So
-// every physical page is created once at start-up, access is set once per contiguous
-// range (not per page), unmaps cover contiguous runs, and no call holds the GIL.
+// every physical page is created once at start-up, access is set once per fully mapped
+// span (not per page), unmaps cover contiguous runs, and no call holds the GIL.
+//
+// Driver calls per lend and reclaim of one chunk of P pages (P = 2 * num_layers; 64 for
+// Llama-3-8B). Lend: per KV range one unmap of the chunk's slice and one map of the dummy
+// page there (2P), one set-access over the KV side, P maps of the pages into the arena
+// and one set-access there: 3P + 2 (194), one more (an unmap of the arena's dummy run)
+// when the chunk was lent before. Reclaim: one unmap of the arena run, one map of the
+// arena's dummy run, one set-access; per KV range one unmap of the dummy and one map of
+// the page (2P); one set-access over the KV side: 2P + 4 (132). What cannot shrink with
+// one physical allocation per page: cuMemMap maps one allocation from offset 0 ("offset
+// currently must be zero"), so the P pages need P maps into the arena, and a chunk's
+// P slices lie in P different KV ranges with other chunks' live slices between them, so
+// each needs its own unmap and map. The one KV set-access spans from the chunk's slice in
+// the first range to its slice in the last; every KV slot in between holds its page or
+// the dummy, so the span is fully mapped (cuMemSetAccess's condition) and the mappings it
+// covers again keep the read/write they had.
 //
 // Approach. Vocabulary used throughout csrc/vmm_allocator:
 //   page       one physical allocation of `page_bytes` (the driver's granularity,
@@ -30,9 +45,10 @@
 //   general arena  the trainer's virtual range; chunk c's pages appear at
 //              arena_base + c * chunk_bytes, so neighbouring lent chunks form one
 //              contiguous run and a tensor may span them. Allocations are whole pages.
-//              A reclaimed chunk's arena slots show the dummy page, so a tensor view
-//              that outlives its allocation's free and the reclaim reads and writes the
-//              dummy: it never faults and never reaches the KV data.
+//              A reclaimed chunk's arena slots show the arena's dummy run (one
+//              allocation of a chunk's pages, shared, mapped in one call), so a tensor
+//              view that outlives its allocation's free and the reclaim reads and writes
+//              the dummy: it never faults and never reaches the KV data.
 //   small pool a statically sized, always-mapped range with a buddy allocator at
 //              2 KiB granularity for allocations under one page.
 //   fence      an event recorded on a stream: "the work queued there so far". Recorded
@@ -133,7 +149,8 @@ typedef struct hvmm_geometry {
   uint64_t small_base;
   uint64_t small_bytes;
   uint64_t small_pages;
-  uint64_t total_pages;       // every physical page created at start-up (dummy included)
+  uint64_t total_pages;       // physical allocations created at start-up: the pages, the
+                              // dummy page and the arena's dummy run (pages_per_chunk pages)
 } hvmm_geometry_t;
 
 enum hvmm_chunk_state {
@@ -283,7 +300,7 @@ typedef struct hvmm_call_record {
   int32_t kind;      // as for hvmm_debug_inject_failure: reserve = 0 ... fence_wait = 10
   int32_t result;    // fence_query: 1 passed, 0 not yet; otherwise 0
   uint64_t address;  // reserve, free_range, map, unmap, set_access
-  uint64_t bytes;    // reserve, free_range, map (one page), unmap, set_access
+  uint64_t bytes;    // reserve, free_range, create, map, unmap, set_access
   uint64_t stream;   // fence_record
   uint64_t event;    // event_create, fence_record, fence_query, fence_wait
 } hvmm_call_record_t;
@@ -295,6 +312,14 @@ HVMM_EXPORT int hvmm_debug_call_log(hvmm_allocator_t* allocator, hvmm_call_recor
 // a GPU stream still busy) until held = 0 passes them all; a wait on a held fence blocks
 // until then (release it from another thread). HVMM_ERR_INVALID on the cuda backend.
 HVMM_EXPORT int hvmm_debug_hold_fences(hvmm_allocator_t* allocator, int32_t held);
+
+// Tests only: one raw backend call past every allocator check, to show that the backend
+// refuses what the CUDA driver refuses (the host backend checks the driver's rules
+// itself). kind: map (4), unmap (5) or set_access (6), as for hvmm_debug_inject_failure;
+// map maps `bytes` of pool page `page` (a page id, see geometry.h) at `address`. A call
+// that succeeds changes the mappings behind the allocator's back: only for refusals.
+HVMM_EXPORT int hvmm_debug_backend_call(hvmm_allocator_t* allocator, int32_t kind, uint64_t address, uint64_t bytes,
+                                        int64_t page);
 
 // Benchmark (scripts/bench_vmm.py): one random sequence of `pairs` allocations and as
 // many frees (sizes log-uniform in [min_bytes, max_bytes], at most `max_live` live at a

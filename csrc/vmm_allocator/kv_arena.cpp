@@ -69,12 +69,13 @@ void KvArena::converge_to_dummy(const std::vector<ChunkRun>& runs) { converge(ru
 void KvArena::converge_to_pages(const std::vector<ChunkRun>& runs) { converge(runs, false); }
 
 void KvArena::converge(const std::vector<ChunkRun>& runs, bool to_dummy) {
+  if (runs.empty()) return;
   const int64_t dummy = geometry_.dummy_page();
+  auto target = [&](uint64_t s) { return to_dummy ? dummy : static_cast<int64_t>(s); };
   for (uint64_t range = 0; range < geometry_.num_ranges(); ++range) {
     for (const ChunkRun& run : runs) {
       const uint64_t first = slot(run.first, range);
       const uint64_t end = first + run.count;
-      auto target = [&](uint64_t s) { return to_dummy ? dummy : static_cast<int64_t>(s); };
       // 1. Unmap what is there but should not be (one call per sub-run; normally the run).
       uint64_t s = first;
       while (s < end) {
@@ -91,15 +92,19 @@ void KvArena::converge(const std::vector<ChunkRun>& runs, bool to_dummy) {
         s = sub_end;
       }
       // 2. Map the target page into every empty slot.
-      bool all_accessible = true;
       for (s = first; s < end; ++s) {
         if (table_.page_at(s) == kNoPage) table_.map(s, static_cast<page_id_t>(target(s)));
-        all_accessible = all_accessible && table_.accessible(s);
       }
-      // 3. One access call over the whole run.
-      if (!all_accessible) table_.set_access_run(first, run.count);
     }
   }
+  // 3. Access for every new mapping, in one call from the runs' first slot in range 0 to
+  //    their last in the last range. Between them lie other chunks' slots, each mapped
+  //    (its page or the dummy: no KV slot is ever left empty outside a move), which makes
+  //    the span "a fully mapped address range" as cuMemSetAccess requires; covering their
+  //    mappings again grants the read/write they already have. Only an empty slot (a
+  //    broken chunk's leftover) splits the call.
+  const ChunkRun& last = runs.back();
+  table_.grant_access(slot(runs.front().first, 0), slot(last.first + last.count - 1, geometry_.num_ranges() - 1) + 1);
 }
 
 void KvArena::check(const std::vector<int32_t>& chunk_states, std::string& violation) const {

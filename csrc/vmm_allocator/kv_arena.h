@@ -39,7 +39,8 @@ class KvArena {
   // Mapping moves on chunks the caller owns (marked busy). Each brings every slot of the
   // runs to the target state from whatever mix of states a failed move left, so the same
   // calls undo a move: converge_to_pages is the rollback of converge_to_dummy and back.
-  // Normal cost per KV range and run of n chunks: one unmap, n maps, one set_access.
+  // Normal cost: per KV range and run of n chunks one unmap and n maps; then one
+  // set_access for all of them (kv_arena.cpp says why one call is allowed).
   void converge_to_dummy(const std::vector<ChunkRun>& runs);
   void converge_to_pages(const std::vector<ChunkRun>& runs);
 

@@ -123,6 +123,7 @@ def lib() -> SimpleNamespace:
         record_calls=native.bind(so, "hvmm_debug_record_calls", c_int, h, _i32),
         call_log=native.bind(so, "hvmm_debug_call_log", c_int, h, P(CallRecord), _i64, P(_i64)),
         hold_fences=native.bind(so, "hvmm_debug_hold_fences", c_int, h, _i32),
+        backend_call=native.bind(so, "hvmm_debug_backend_call", c_int, h, _i32, _u64, _u64, _i64),
         bench_small_pool=native.bind(
             so, "hvmm_bench_small_pool", c_int, h, _u64, _i64, _i64, _i64, _i64, _i64, P(SmallBench)
         ),

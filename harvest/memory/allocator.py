@@ -415,6 +415,18 @@ class UnifiedAllocator:
             raise ValueError(f"call={call!r} must be one of {kinds}")
         _lib.check(self._lib.inject_failure(self._h(), kinds.index(call), after_calls))
 
+    def debug_backend_call(self, call: str, address: int, num_bytes: int, page: int = -1) -> None:
+        """Tests only: one raw backend ``map`` (``num_bytes`` of pool page ``page``),
+        ``unmap`` or ``set_access`` at ``address``, past every allocator check, to show the
+        backend refuses what the CUDA driver refuses (raises its error). One that succeeds
+        changes the mappings behind the allocator's back."""
+        kinds = ("map", "unmap", "set_access")
+        if call not in kinds:
+            raise ValueError(f"call={call!r} must be one of {kinds}")
+        kind = _lib.COUNTER_FIELDS.index(call)
+        _lib.check(self._lib.backend_call(self._h(), kind, _as_int(address, "address"), _as_int(num_bytes, "num_bytes"),
+                                          _as_int(page, "page")))
+
     def __repr__(self) -> str:
         g = self.geometry
         return (

@@ -101,6 +101,12 @@ class BackendCounters:
     def create_calls_after_init(self) -> int:
         return self.create - self.create_at_init
 
+    @property
+    def mapping_calls(self) -> int:
+        """The VMM driver calls that move pages: map + unmap + set_access (what a lend or
+        reclaim is counted in; its fence calls are the other fields)."""
+        return self.map + self.unmap + self.set_access
+
     def minus(self, earlier: "BackendCounters") -> "BackendCounters":
         """Calls made since `earlier` was taken."""
         return BackendCounters(

@@ -13,9 +13,12 @@
 // work queued there before it has finished (cuEventQuery says CUDA_ERROR_NOT_READY
 // until then; cuEventSynchronize is the host waiting for it, so the work finishes).
 // Conservatively, any unfinished kernel may touch any mapped page: cuMemUnmap while a
-// stream has unfinished work logs BAD, as does a map over a mapped page, an unmap of a
-// page that is not mapped, an event created without CU_EVENT_DISABLE_TIMING and the use
-// of a destroyed event. Map, unmap, set-access and every event call are logged in order.
+// stream has unfinished work logs BAD, as does a map over a mapped page, a map at a
+// non-zero offset or longer than its allocation (allocations are whole multiples of the
+// granularity), an unmap of a page that is not mapped, a set-access over a range that is
+// not fully mapped (these also fail with CUDA_ERROR_INVALID_VALUE, as the driver does),
+// an event created without CU_EVENT_DISABLE_TIMING and the use of a destroyed event.
+// Map, unmap, set-access and every event call are logged in order.
 //
 // Knobs (environment): FAKE_CUDA_VERSION (default 12080), FAKE_CUDA_SMS (132),
 // FAKE_CUDA_MISSING (comma-separated entry points to report as absent),
@@ -65,6 +68,8 @@ static unsigned long long g_mapped[FAKE_MAX_MAPPED];  // page addresses currentl
 static int g_num_mapped = 0;
 static CUdeviceptr g_next_va = 0x7f0000000000ull;
 static int g_live_events = 0, g_live_reserves = 0, g_live_pages = 0, g_next_handle = 1;
+#define FAKE_MAX_HANDLES 65536
+static size_t g_handle_bytes[FAKE_MAX_HANDLES];  // each allocation's size, by handle
 
 static int env_int(const char* name, int fallback) {
   const char* value = getenv(name);
@@ -355,7 +360,11 @@ static CUresult fake_cuMemAddressFree(CUdeviceptr ptr, size_t size) {
 }
 static CUresult fake_cuMemCreate(CUmemGenericAllocationHandle* handle, size_t size, const CUmemAllocationProp* prop,
                                  unsigned long long flags) {
-  if (size != kFakeGranularity) log_line("BAD mem_create of %zu bytes (the fake models one-page handles)", size);
+  if (size == 0 || size % kFakeGranularity != 0) {
+    log_line("BAD mem_create of %zu bytes (not a multiple of the granularity)", size);
+    return CUDA_ERROR_INVALID_VALUE;
+  }
+  if (g_next_handle < FAKE_MAX_HANDLES) g_handle_bytes[g_next_handle] = size;
   *handle = (CUmemGenericAllocationHandle)g_next_handle++;
   g_live_pages++;
   return CUDA_SUCCESS;
@@ -366,6 +375,14 @@ static CUresult fake_cuMemRelease(CUmemGenericAllocationHandle handle) {
 }
 static CUresult fake_cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle handle,
                               unsigned long long flags) {
+  if (offset != 0) {
+    log_line("BAD mem_map at offset %zu (cuMemMap: currently must be zero)", offset);
+    return CUDA_ERROR_INVALID_VALUE;
+  }
+  if (handle < FAKE_MAX_HANDLES && size > g_handle_bytes[handle]) {
+    log_line("BAD mem_map of %zu bytes of an allocation of %zu", size, g_handle_bytes[handle]);
+    return CUDA_ERROR_INVALID_VALUE;
+  }
   for (size_t at = 0; at < size; at += kFakeGranularity) {
     unsigned long long page = (unsigned long long)ptr + at;
     if (mapped_index(page) >= 0) {
@@ -396,6 +413,13 @@ static CUresult fake_cuMemUnmap(CUdeviceptr ptr, size_t size) {
   return CUDA_SUCCESS;
 }
 static CUresult fake_cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc* desc, size_t count) {
+  for (size_t at = 0; at < size; at += kFakeGranularity) {
+    if (mapped_index((unsigned long long)ptr + at) < 0) {
+      log_line("BAD mem_set_access va=%llu bytes=%zu over the unmapped page %llu (not a fully mapped range)",
+               (unsigned long long)ptr, size, (unsigned long long)ptr + at);
+      return CUDA_ERROR_INVALID_VALUE;
+    }
+  }
   log_line("mem_set_access va=%llu bytes=%zu", (unsigned long long)ptr, size);
   return CUDA_SUCCESS;
 }

@@ -15,7 +15,10 @@ def state(alloc):
     return alloc.stats(), alloc.chunk_table()
 
 
-@pytest.mark.parametrize("call, after", [("unmap", 0), ("map", 0), ("map", 5), ("set_access", 2)])
+# A lend's calls: per KV range an unmap and the dummy's maps, one set_access over the KV
+# side, the arena's maps, one set_access over the arena run.
+@pytest.mark.parametrize("call, after", [("unmap", 0), ("unmap", 3), ("map", 0), ("map", 5), ("map", 9),
+                                         ("set_access", 0), ("set_access", 1)])
 def test_a_failed_lend_is_rolled_back(alloc, call, after):
     kv = alloc.kv_tensor(1, "v", torch.float32)
     kv.copy_(torch.arange(kv.numel(), dtype=torch.float32))
@@ -30,8 +33,10 @@ def test_a_failed_lend_is_rolled_back(alloc, call, after):
     alloc.reclaim([2, 3])
 
 
-@pytest.mark.parametrize("call, after", [("unmap", 0), ("unmap", 1), ("map", 3), ("set_access", 0),
-                                         ("fence_wait", 0)])
+# A reclaim's calls: the arena's unmap, map of the dummy run, set_access; per KV range an
+# unmap and a map; one set_access over the KV side.
+@pytest.mark.parametrize("call, after", [("unmap", 0), ("unmap", 1), ("map", 0), ("map", 3), ("set_access", 0),
+                                         ("set_access", 1), ("fence_wait", 0)])
 def test_a_failed_reclaim_is_rolled_back(alloc, call, after):
     alloc.lend([4])
     block = alloc.arena_allocate(PAGE_BYTES)
@@ -58,8 +63,9 @@ def test_errors_name_the_syscall_and_errno_code(alloc):
 
 
 def test_a_failed_rollback_marks_the_chunk_broken_and_the_rest_keeps_working(alloc):
-    # Lend calls per KV range: unmap, map (dummy), set_access. The third map fails (range
-    # 2); undoing then unmaps range 0's dummy first: make that, the fourth unmap, fail.
+    # Lend calls per KV range: unmap, map (dummy); access comes once, after every range.
+    # The third map fails (range 2, left empty); undoing then unmaps range 0's dummy
+    # first: make that, the fourth unmap, fail.
     alloc.inject_failure("map", 2)
     alloc.inject_failure("unmap", 3)
     with pytest.raises(VmmOsError, match="undoing the move also failed .* chunks 6 are now broken"):
@@ -70,7 +76,12 @@ def test_a_failed_rollback_marks_the_chunk_broken_and_the_rest_keeps_working(all
     with pytest.raises(ValueError, match="chunk 6 is broken"):
         alloc.lend(6)
     alloc.check_integrity()  # the broken chunk is excluded, the rest is consistent
+    before = alloc.counters()
     alloc.lend([0, 1])
+    # The KV side's access call spans chunks 0-1 of every range; the broken chunk's empty
+    # slot in range 2 lies inside that span, so the call splits around it (the driver
+    # refuses a span with a hole): two KV calls, then one for the arena run.
+    assert alloc.counters().minus(before).set_access == 3
     block = alloc.arena_allocate(2 * alloc.geometry.chunk_bytes)
     block.free()
     alloc.reclaim([0, 1])

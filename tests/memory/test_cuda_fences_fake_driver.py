@@ -194,3 +194,32 @@ def test_holding_fences_is_a_host_backend_hook(driver_dir, tmp_path):
     print(json.dumps({"message": message}))
     """)
     assert "test hook of the host backend" in result["message"]
+
+
+def test_the_cuda_backend_makes_the_same_calls_and_the_fake_driver_accepts_each(driver_dir, tmp_path):
+    # The fake refuses (BAD, CUDA_ERROR_INVALID_VALUE) a set-access over any unmapped page,
+    # a map at a non-zero offset or past its allocation: the KV side's one access call
+    # spans the ranges through other chunks' mapped slices, and the arena's dummy run is
+    # one allocation of a chunk's pages, mapped over a reclaimed chunk in one call.
+    result, lines = run(driver_dir, tmp_path, """
+    alloc.set_fence_streams([])
+    moves = []
+    for move in (alloc.lend, alloc.reclaim, alloc.lend, alloc.reclaim):
+        before = alloc.counters()
+        mark(move.__name__)
+        move(1)
+        moves.append(alloc.counters().minus(before).mapping_calls)
+    mark("done")
+    alloc.close()
+    print(json.dumps({"moves": moves, "pages": g.pages_per_chunk, "page": g.page_bytes, "chunk": g.chunk_bytes,
+                      "range": g.kv_range_bytes}))
+    """)
+    pages = result["pages"]
+    assert result["moves"] == [3 * pages + 2, 2 * pages + 4, 3 * pages + 3, 2 * pages + 4]
+    lending = between(lines, "lend", "reclaim")
+    access = [line for line in lending if line.startswith("mem_set_access")]
+    kv_span = (pages - 1) * result["range"] + result["page"]  # chunk 1 of range 0 to chunk 1 of the last
+    assert [int(line.split("bytes=")[1]) for line in access] == [kv_span, result["chunk"]]
+    reclaiming = between(lines, "reclaim", "done")
+    assert any(line.startswith("mem_map") and f"bytes={result['chunk']} " in line for line in reclaiming)
+    assert_all_released(lines)

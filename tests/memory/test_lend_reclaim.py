@@ -80,7 +80,7 @@ def test_lent_chunk_shows_the_dummy_page_and_stray_writes_do_not_reach_the_train
     block.free()
 
 
-def test_lend_costs_one_unmap_and_one_access_call_per_kv_range_and_one_map_per_page(alloc):
+def test_lend_costs_one_unmap_per_kv_range_one_map_per_page_and_two_access_calls(alloc):
     g = alloc.geometry
     before = alloc.counters()
     alloc.lend(3)
@@ -88,26 +88,46 @@ def test_lend_costs_one_unmap_and_one_access_call_per_kv_range_and_one_map_per_p
     pages = g.pages_per_chunk
     assert one.unmap == pages  # each KV range's page: one contiguous run
     assert one.map == 2 * pages  # the dummy into the KV slot, the page into the arena
-    assert one.set_access == pages + 1  # one per KV range run + one for the arena run
+    # One over the KV side (a fully mapped span across the ranges), one for the arena run.
+    assert one.set_access == 2
+    assert one.mapping_calls == 3 * pages + 2
     assert one.create == one.release == one.reserve == 0
-    # Adjacent chunks batch: still one unmap and one access call per KV range.
+    # Adjacent chunks batch: still one unmap per KV range and two access calls.
     before = alloc.counters()
     alloc.lend([5, 6, 7])
     three = alloc.counters().minus(before)
-    assert three.unmap == pages and three.set_access == pages + 1 and three.map == 3 * 2 * pages
+    assert three.unmap == pages and three.set_access == 2 and three.map == 3 * 2 * pages
     before = alloc.counters()
     alloc.reclaim([5, 6, 7])
     back = alloc.counters().minus(before)
     assert back.unmap == 1 + pages  # the arena run, then the dummy out of each KV range
-    # The pages into the KV ranges, the dummy into the arena run (one access call each).
-    assert back.map == 3 * pages + 3 * pages and back.set_access == pages + 1
-    # Lent again: the arena run's dummy goes out in one unmap before the pages come in.
+    # The pages into the KV ranges; the arena's dummy run once per chunk (one mapping over
+    # each chunk's slots); one access call each side.
+    assert back.map == 3 * pages + 3 and back.set_access == 2
+    # Lent again: the arena run's dummy runs go out in one unmap before the pages come in.
     before = alloc.counters()
     alloc.lend([5, 6, 7])
     again = alloc.counters().minus(before)
-    assert again.unmap == pages + 1 and again.map == 3 * 2 * pages and again.set_access == pages + 1
+    assert again.unmap == pages + 1 and again.map == 3 * 2 * pages and again.set_access == 2
     alloc.reclaim([5, 6, 7])
     assert alloc.counters().create_calls_after_init == 0
+
+
+def test_a_lend_and_a_reclaim_of_one_llama_8b_chunk_stay_within_their_call_budget(make_allocator):
+    # 32 layers: 64 pages per chunk. A lend can make no fewer than 3 calls per page (the
+    # KV slice out, the dummy in, the page into the arena: each a separate mapping) plus
+    # access; a reclaim no fewer than 2 per page plus the arena's unmap, dummy and access.
+    alloc = make_allocator(num_layers=32, max_tokens=4 * 128, small_pool_bytes=0)
+    pages = alloc.geometry.pages_per_chunk
+    assert pages == 64
+    costs = []
+    for move in (alloc.lend, alloc.reclaim, alloc.lend, alloc.reclaim):
+        before = alloc.counters()
+        move(2)
+        costs.append(alloc.counters().minus(before).mapping_calls)
+        alloc.check_integrity()
+    # First lend; reclaim; lend again (the arena's dummy run goes out first); reclaim.
+    assert costs == [3 * pages + 2, 2 * pages + 4, 3 * pages + 3, 2 * pages + 4] == [194, 132, 195, 132]
 
 
 def test_states_queries_and_slot_ranges(alloc):
