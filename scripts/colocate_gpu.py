@@ -34,11 +34,11 @@ written first, the last stdout line is still the summary, and the exit status is
 The engine is harvest.engines.transformers: requests and TPOT/ITL (serving), --graphs on
 (the default with CUDA) the slot batch whose step is a CUDA graph per (level, bucket)
 replayed on the chosen level (static_batch, graph_step, captured_graphs), --graphs off
-the ragged eager batch (ragged_batch); the trainer is harvest's LayerSplitTrainer on the
-served model's own frozen weights (shared_trainer), hosted by harvest.colocate.TrainerHost.
-On a CPU (--device cpu) the ladder is one shared level; the run exercises the same code
-paths (tests/test_gpu_scripts.py runs it with the tiny model). Nothing here imports
-sglang or llamafactory.
+the ragged eager batch (ragged_batch); --kv paged the paged batch (paged_batch: a step's
+attention reads only each request's KV pages). The trainer is harvest's LayerSplitTrainer
+on the served model's own weights (shared_trainer), hosted by harvest.colocate.TrainerHost.
+On a CPU the ladder is one shared level: the same code paths run (tests/test_gpu_scripts.py,
+the tiny model). Nothing here imports sglang or llamafactory.
 """
 
 from __future__ import annotations
@@ -60,12 +60,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # a source checkout on PYTHONPATH-less runs
     sys.path.insert(0, str(ROOT))
 
-from harvest.engines.transformers.experiment_modes import (  # noqa: E402
-    PROFILE_MODES,
-    harvest_config,
-    run_mode,
-    set_up_engine,
-)
+from harvest.engines.transformers.experiment_modes import PROFILE_MODES, harvest_config, run_mode, set_up_engine  # noqa: E402
+from harvest.engines.transformers.page_table import check_page_size  # noqa: E402
 from harvest.engines.transformers.step_policies import static_level_index  # noqa: E402
 
 MODES = ("decode-alone", "harvest", "static", "trainer-alone", "harvest-tight", "level-graphs")
@@ -74,8 +70,7 @@ DEFAULT_MODES = ("decode-alone", "harvest", "static", "trainer-alone")
 
 # -- results written as they exist -------------------------------------------------------------
 def write_atomically(path: Path, text: str) -> None:
-    """Replace ``path`` with ``text`` in one step: a reader sees the old file or the new
-    one, never half of one (written beside it, then renamed over it)."""
+    """Replace ``path`` with ``text`` in one step (written beside it, renamed over it): never half a file."""
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
@@ -104,8 +99,7 @@ class ResultSink:
             self._write(f"{self.name}-progress.json", {"mode": mode, "at": time.strftime("%H:%M:%S"), "so_far": data})
 
     def mode_done(self, mode: str, result: dict) -> None:
-        """Write a finished mode's file: last, after its steps and the summary (a reader
-        polling for it may read those at once)."""
+        """A finished mode's file: last, after its steps and the summary (its reader may read those at once)."""
         self._write(f"{self.name}-{mode}.json", result)
 
     def summary(self, summary: dict) -> None:
@@ -156,6 +150,9 @@ def main(argv=None) -> int:
                         help="serving modes: on = the slot batch, its step a per-(level, bucket) CUDA graph replayed "
                              "on the chosen level (eager where none: without CUDA); off = the ragged eager batch; "
                              "auto: on with CUDA")
+    parser.add_argument("--kv", choices=["static", "paged"], default="static", help="serving modes: static = the slot "
+                        "(graphs off: ragged) batch; paged = KV pages, a step's attention reads each request's own only")
+    parser.add_argument("--kv-page-size", type=int, default=16, help="--kv paged: tokens per page (a power of two, >= 16 on CUDA)")
     parser.add_argument("--graph-buckets", type=_int_list, default=[8, 16, 32],
                         help="graphs on: batch-size buckets below --max-batch-size (one graph per level and bucket)")
     parser.add_argument("--graph-batch-sizes", type=_int_list, default=[8, 32],
@@ -176,6 +173,10 @@ def main(argv=None) -> int:
         parser.error(f"--modes: {','.join(unknown) or 'empty'} (choose from {', '.join(MODES)})")
     if any(m in PROFILE_MODES for m in modes) and args.profile is None:
         parser.error("--profile is required for the harvest mode (make one with `harvest profile`)")
+    try:
+        check_page_size(args.kv_page_size, "cuda" if args.device.startswith("cuda") else "cpu")
+    except ValueError as exc:
+        parser.error(f"--kv-page-size: {exc}")
 
     import signal
 
@@ -282,6 +283,7 @@ def make_summary(args, ctx, results: dict, complete: bool, interrupted: bool, wa
         "cuda_device_max_connections": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"),
         "profile": str(args.profile) if args.profile else None,
         "serving_graphs_on": ctx.get("graphs"), "serving_graphs": ctx.get("serving_graphs"),
+        "kv": {"layout": args.kv, "page_size": args.kv_page_size if args.kv == "paged" else None},
         "trace": {"path": str(args.trace) if args.trace else "bundled sample", "start_s": args.trace_start_s,
                   "seconds": args.trace_seconds, "time_scale": args.time_scale, "requests": len(ctx["requests"]),
                   "max_context": args.max_context, "max_generated": args.max_generated},

@@ -4,7 +4,8 @@
   step runner records failures and keeps going (run here with a fake python);
 - scripts/colocate_gpu.py: a short run of every mode on CPU, with sglang and
   llamafactory unimportable (as on the GPU machine), ends with the JSON line the docs
-  describe; --graphs on serves through the slot batch (eager on CPU); results are written
+  describe; --graphs on serves through the slot batch (eager on CPU), --kv paged through
+  the paged batch; results are written
   as they exist and an interrupt keeps them. The engine pieces it runs (batches, per-level
   graphs, the shared-weight trainer) are tested in tests/engines/, on CUDA too (``gpu``).
 """
@@ -205,7 +206,10 @@ def _run_colocate(args, timeout=240):
 
 
 @pytest.mark.parametrize("args, message", [(["--modes", "harvest,fast"], "--modes: fast"),
-                                           (["--modes", "harvest"], "--profile is required")])
+                                           (["--modes", "harvest"], "--profile is required"),
+                                           (["--kv", "ragged"], "argument --kv: invalid choice: 'ragged'"),
+                                           (["--modes", "decode-alone", "--kv", "paged", "--kv-page-size", "12"],
+                                            "--kv-page-size: page_size=12: a power of two")])
 def test_colocate_refuses_bad_arguments(args, message, tiny_llama_path):
     result = _run_colocate(["--model-path", str(tiny_llama_path), "--device", "cpu", *args])
     assert result.returncode == 2 and message in result.stderr, result.stderr
@@ -282,6 +286,35 @@ def test_colocate_serves_with_graphs_on_and_falls_back_to_eager_on_cpu(tiny_llam
         assert mode["graphs"] is False and mode["graphs_reason"] == captured["unavailable"]
         assert mode["graph_steps"] == 0 and mode["eager_steps"] >= mode["steps"] > 0
         assert "slot batch" in mode["decode_engine"] and set(mode["violation_rate_at"]) == {"target", "tight"}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("graphs", ["on", "off"])
+def test_colocate_serves_through_the_paged_batch_on_cpu(tiny_llama_path, graphs):
+    """--kv paged: the paged batch serves every request, through the graph step (eager on
+    CPU) or eagerly; the load a step reports is each request's pages, not the slots x the
+    longest context."""
+    from harvest.replay.trace import SAMPLE_TRACE, read_trace
+
+    seconds, time_scale, max_generated = 5.0, 0.2, 12
+    requests = [r for r in read_trace(SAMPLE_TRACE) if r.arrival_s < seconds]
+    expected_tokens = sum(min(r.generated_tokens, max_generated) - 1 for r in requests)
+    result = _run_colocate([
+        "--model-path", str(tiny_llama_path), "--device", "cpu", "--torch-threads", "1", "--graphs", graphs,
+        "--kv", "paged", "--kv-page-size", "8", "--modes", "decode-alone", "--trace-seconds", str(seconds),
+        "--time-scale", str(time_scale), "--max-generated", str(max_generated), "--max-context", "256",
+        "--max-batch-size", "16", "--graph-buckets", "4,8"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert summary["kv"] == {"layout": "paged", "page_size": 8}
+    mode = summary["modes"]["decode-alone"]
+    assert mode["decode_tokens"] == expected_tokens and mode["graphs"] is False
+    assert "paged KV batch (16 slots, " in mode["decode_engine"] and "FlexAttention eager" in mode["decode_engine"]
+    assert 1.0 <= mode["padded_over_real_context"] < 1.2  # pages of 8 over contexts of up to 256 tokens
+    if graphs == "on":
+        assert mode["graph_steps"] == 0 and mode["eager_steps"] >= mode["steps"] > 0
+    else:
+        assert mode["graphs_reason"] == "--graphs off: the paged batch, eager"
 
 
 # -- results written as they exist -------------------------------------------------------------

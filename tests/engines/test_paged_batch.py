@@ -285,3 +285,68 @@ def test_compiled_paged_step_decodes_what_each_request_decodes_alone(tiny_llama_
     for rid in PROMPTS:
         reference = solo_logits(model, PROMPTS[rid], len(seen[rid]), "cpu")
         assert torch.allclose(torch.stack(seen[rid]), torch.stack(reference), atol=1e-4, rtol=1e-4), rid
+
+
+def test_profilers_paged_engine_runs_each_grid_point_on_one_paged_batch(tiny_llama_path, one_thread):
+    """`harvest profile --engine transformers --kv paged` (eager on CPU): a grid point's
+    requests join one paged batch with pages for every step the point takes; each step
+    reports the pages its attention reads; a rewind replays the same tokens (what the
+    graphs-on engine does after its capture); the next point reuses the batch with its own
+    bucket, and releasing a point gives its pages back."""
+    from harvest.predict.profiler.engines import EngineConfig, EngineError
+    from harvest.predict.profiler.hf_engine import TransformersDecodeEngine
+
+    config = EngineConfig(str(tiny_llama_path), "cpu", "float32", False, 4, 64, steps_per_point=5, kv="paged",
+                          page_size=4)
+    engine = TransformersDecodeEngine(config)
+    engine.prepare(3, 10)
+    batch = engine._paged
+    assert batch.num_requests == 3 and batch.buckets == [3, 4] and batch.table.used_pages == 3 * 4  # 15 tokens each
+    sums = []
+    for _ in range(5):
+        sums.append(engine.begin_step())
+        engine.step()
+    assert sums == [3 * 12.0, 3 * 12.0, 3 * 16.0, 3 * 16.0, 3 * 16.0]  # 11..15 tokens read, in pages of 4
+    with pytest.raises(EngineError, match="more than the 5 steps it has pages for"):
+        engine.begin_step()
+    decoded = batch.ids[:3].clone()
+    batch.rewind()
+    assert batch.lengths == [10, 10, 10]
+    for _ in range(5):
+        batch.decode_step(3)
+    assert batch.ids[:3].tolist() == decoded.tolist()
+    engine.prepare(2, 6)
+    assert engine._paged is batch and batch.buckets == [2, 3, 4] and batch.table.used_pages == 2 * 3
+    engine.close()
+    assert batch.table.used_pages == 0 and engine._paged is None
+
+
+@pytest.mark.gpu
+def test_profilers_paged_graph_steps_decode_what_eager_paged_steps_decode(tiny_llama_path):
+    """`--kv paged --graphs on`: the grid point's step is captured (compiled FlexAttention
+    inside) and replayed; it decodes what the same batch decodes eagerly after a rewind."""
+    import torch
+
+    from harvest.predict.profiler.engines import EngineConfig
+    from harvest.predict.profiler.hf_engine import TransformersDecodeEngine
+
+    config = EngineConfig(str(tiny_llama_path), "cuda:0", "float32", False, 4, 64, graphs=True, steps_per_point=6,
+                          kv="paged", page_size=16)
+    engine = TransformersDecodeEngine(config)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        engine.prepare(4, 30)
+        sums = []
+        for _ in range(5):
+            sums.append(engine.begin_step())
+            engine.step()
+        stream.synchronize()
+        batch = engine._paged
+        replayed = batch.ids[:4].clone()
+        batch.rewind()
+        for _ in range(5):
+            batch.decode_step(4)
+        stream.synchronize()
+    assert torch.equal(replayed, batch.ids[:4])
+    assert sums == [4 * 32.0, 4 * 32.0, 4 * 48.0, 4 * 48.0, 4 * 48.0]  # 31..35 tokens in pages of 16
+    engine.close()

@@ -67,7 +67,7 @@ def run_mode(mode, args, ctx) -> dict:
             deadline = time.monotonic() + 60
             while host.scheduler_state() is TrainerState.BUILDING and time.monotonic() < deadline:
                 time.sleep(0.01)
-        before = trainer.stats()
+        before = trainer.stats() if trainer is not None else None  # none built for decode-alone alone
         if ctx["device_type"] == "cuda":
             torch.cuda.reset_peak_memory_stats()
         steps: list = []
@@ -124,7 +124,7 @@ def run_mode(mode, args, ctx) -> dict:
                               control_us_per_step=round(colocation.profiler.summary()["hook_overhead_us_per_step"], 2))
         else:
             result["wall_s"] = round(wall_s, 2)
-        after = trainer.stats()  # before the trainer stops: work after wall_s is not counted
+        after = trainer.stats() if trainer is not None else None  # before the trainer stops: work after wall_s is not counted
         result.update(trainer_tokens_per_s=None, trainer_steps=0)
         if host is not None:
             result.update(trainer_tokens_per_s=round((after.tokens_seen - before.tokens_seen) / wall_s, 1),
@@ -167,13 +167,21 @@ def harvest_config(args, target_tpot_ms: float | None = None):
 def serving_graphs_report(ctx) -> dict:
     """What a serving mode's decode steps ran: ``graphs`` true when captured graphs were
     replayed (``graph_steps``; ``eager_steps`` ran eagerly for want of one), else why not."""
-    step, captured = ctx.get("graph_step"), ctx.get("serving_graphs") or {}
-    if step is None:
+    step, captured, batch = ctx.get("graph_step"), ctx.get("serving_graphs") or {}, ctx.get("batch")
+    paged = getattr(batch, "page_size", None) is not None
+    if step is None and not paged:
         return {"graphs": False, "graphs_reason": "--graphs off: the ragged eager batch",
                 "decode_engine": "transformers eager, DynamicCache (ragged batch; no CUDA graphs in the serving loop)"}
-    batch = step.batch
-    engine = (f"transformers StaticCache slot batch ({batch.max_batch_size} slots x {batch.max_length} columns, "
-              f"buckets {','.join(map(str, batch.buckets))}), ")
+    buckets = ",".join(map(str, batch.buckets))
+    if paged:
+        attention = "compiled" if batch.compiled else "eager"
+        engine = (f"transformers paged KV batch ({batch.max_batch_size} slots, {batch.num_pages} pages x "
+                  f"{batch.page_size} tokens, buckets {buckets}; FlexAttention {attention} over each request's pages), ")
+    else:
+        engine = f"transformers StaticCache slot batch ({batch.max_batch_size} slots x {batch.max_length} columns, buckets {buckets}), "
+    if step is None:
+        return {"graphs": False, "graphs_reason": "--graphs off: the paged batch, eager",
+                "decode_engine": engine + "eager (no CUDA graphs in the serving loop)"}
     report = {"graphs": step.graph_steps > 0, "graph_steps": step.graph_steps, "eager_steps": step.eager_steps}
     if step.graph_steps:
         report["decode_engine"] = engine + "per-(level, bucket) CUDA graph replayed on the chosen level's stream"
@@ -195,6 +203,8 @@ def warm_up(batch, trainer, partitioner, on_cuda) -> None:
             for _ in range(min(3, getattr(batch, "max_steps", 3))):
                 batch.step()
             batch.leave([-1, -2])
+            if hasattr(batch, "warm_buckets"):  # a paged batch: every bucket's attention compiled now, not mid-serving
+                batch.warm_buckets()
         if trainer is not None:
             for _ in range(3):
                 trainer.run_one_unit(level.trainer_stream)  # None: the current stream (all SMs)
@@ -212,12 +222,14 @@ def warm_up(batch, trainer, partitioner, on_cuda) -> None:
 
 def set_up_engine(args, ctx, modes) -> None:
     """The decode engine of a run of ``modes``, into ``ctx`` (which holds the device and
-    the partitioner): the trace's requests, the model, the decode batch (graphs on: the
-    slot batch, else the ragged one), the trainer on the model's weights, the warm-up on
-    every level, and with graphs on the serving step's graphs, one per (level, bucket)."""
+    the partitioner): the trace's requests, the model, the decode batch (``--kv paged``:
+    the paged batch; else graphs on: the slot batch, graphs off: the ragged one), the
+    trainer on the model's weights, the warm-up on every level, and with graphs on the
+    serving step's graphs, one per (level, bucket)."""
     from harvest.engines.transformers.captured_graphs import CapturedLevelGraphs
     from harvest.engines.transformers.graph_step import GraphStep, capture_serving_graphs
     from harvest.engines.transformers.model import load_causal_lm
+    from harvest.engines.transformers.paged_batch import PagedDecodeBatch
     from harvest.engines.transformers.ragged_batch import RaggedDecodeBatch
     from harvest.engines.transformers.serving import load_requests
     from harvest.engines.transformers.shared_trainer import build_shared_trainer
@@ -231,9 +243,11 @@ def set_up_engine(args, ctx, modes) -> None:
     graphs_on = args.graphs == "on" or (args.graphs == "auto" and device_type == "cuda")
     serving = any(m in SERVING_MODES for m in modes)
     ctx["graphs"] = graphs_on and serving
-    if graphs_on and serving:
-        ctx["batch"] = SlotDecodeBatch(model, device, args.max_batch_size, args.max_context, args.max_generated,
-                                       buckets=args.graph_buckets, seed=args.seed)
+    slots = (model, device, args.max_batch_size, args.max_context, args.max_generated)
+    if serving and getattr(args, "kv", "static") == "paged":
+        ctx["batch"] = PagedDecodeBatch(*slots, buckets=args.graph_buckets, seed=args.seed, page_size=args.kv_page_size)
+    elif graphs_on and serving:
+        ctx["batch"] = SlotDecodeBatch(*slots, buckets=args.graph_buckets, seed=args.seed)
     else:
         ctx["batch"] = RaggedDecodeBatch(model, device, seed=args.seed)
     if any(m in TRAINER_MODES for m in modes):

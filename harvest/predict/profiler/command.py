@@ -45,6 +45,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--model-path", required=True, help=f"served model directory (or {' / '.join(TINY_MODELS)}: harvest's tiny local models)")
     parser.add_argument("--engine", choices=["auto", "sglang", "transformers"], default="auto", help="decode engine (auto: sglang when installed)")
     parser.add_argument("--graphs", choices=["auto", "on", "off"], default="auto", help="transformers engine: time each decode step as a CUDA graph replayed on the level's stream, as a server runs it (auto: on with CUDA; SGLang's engine uses its own graphs)")
+    parser.add_argument("--kv", choices=["static", "paged"], default="static", help="transformers engine: the decode step's KV cache. static (default): a StaticCache with --graphs, else a DynamicCache; a step attends over the whole cache. paged: pages of --kv-page-size tokens with a page table per request (FlexAttention, compiled on CUDA); a step's attention reads only each request's pages")
+    parser.add_argument("--kv-page-size", type=int, default=16, help="--kv paged: tokens per KV page (a power of two; at least 16 on CUDA; default 16)")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks of the decode instance, as the server's --tp-size (sglang engine; default 1): GPUs 0..N-1, or on a CPU N groups of cores (SGLANG_CPU_OMP_THREADS_BIND, else harvest splits the usable cores)")
     parser.add_argument("--device", default="auto", help="cpu, cuda or cuda:N (auto: cuda when available)")
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto", help="auto: float32 on CPU, bfloat16 on GPU")
@@ -116,6 +118,15 @@ def run(args) -> int:
         return _fail(f"--graphs on: the {engine} engine captures its own decode graphs; --graphs is for --engine transformers")
     if args.graphs == "on" and (args.device == "cpu" or not _cuda_available()):
         return _fail(f"--graphs on: decode CUDA graphs need a CUDA device (--device {args.device}: none here)")
+    if args.kv == "paged":
+        from harvest.engines.transformers.page_table import check_page_size
+
+        if engine != "transformers":
+            return _fail(f"--kv paged: for --engine transformers (the {engine} engine pages its own KV cache)")
+        try:
+            check_page_size(args.kv_page_size, "cpu" if args.device == "cpu" or not _cuda_available() else "cuda")
+        except ValueError as exc:
+            return _fail(f"--kv-page-size: {exc}")
     model_path = _resolve_model(args.model_path)
     if not (Path(model_path) / "config.json").is_file():
         return _fail(f"--model-path {args.model_path}: no config.json there")

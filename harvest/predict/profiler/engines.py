@@ -29,6 +29,8 @@ class EngineConfig:
     rank_cores: tuple[tuple[int, ...], ...] = ()  # CPU: each rank's cores (tp_layout); (): not pinned
     graphs: bool = False  # transformers engine: each step a CUDA graph replay (sglang: its own graphs)
     steps_per_point: int = 0  # decode steps one grid point takes (warm-up + timed + 1); graphs size their cache by it
+    kv: str = "static"  # transformers engine: "static" (a StaticCache / DynamicCache) or "paged" (PagedDecodeBatch)
+    page_size: int = 16  # kv="paged": tokens per KV page
 
 
 class BaseDecodeEngine(abc.ABC):

@@ -174,6 +174,8 @@ def profile(args, model_path: str, measure: MeasureConfig) -> int:
             "switch_interval_s": sys.getswitchinterval(), "torch_threads": decode_threads, "workload": workload_identity, "seed": args.seed,
             "tp_size": args.tp, "rank_cores": [list(group) for group in rank_cores], "graphs": graphs,
         }
+        if getattr(args, "kv", "static") == "paged":  # a static run's identity is the one before --kv existed
+            identity["kv"] = {"layout": "paged", "page_size": args.kv_page_size}
         partial = PartialRun(partial_path(out), identity)
         try:
             done = partial.open(restart=args.restart)
@@ -271,6 +273,7 @@ def _measure(args, engine_name, model_path, device, dtype, measure, grid, ladder
             model_path, device, dtype, args.random_weights, max(grid.batch_sizes), max_context, args.seed, args.tp, rank_cores,
             graphs=graphs,
             steps_per_point=measure.warmup_steps + measure.timed_steps + 1,
+            kv=getattr(args, "kv", "static"), page_size=getattr(args, "kv_page_size", 16),
         )
         engine = make_engine(engine_name, config)
         workload = _make_workload(args, finetune_model, device, dtype)
