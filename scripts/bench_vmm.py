@@ -32,6 +32,11 @@ The last stdout line is one JSON object. What each figure measures:
       run made (all the work below included). Must be 0.
   lend_us_median, reclaim_us_median
       Wall time of one lend / reclaim of one chunk (median of 50).
+  lend_us_median_large_pool, reclaim_us_median_large_pool, large_pool_chunks
+      CUDA only (null on host, whose pages are RAM): the same with a pool of 96 chunks
+      (12 GiB with --num-layers 32) instead of 12 (median of 20). A lend's KV set-access
+      spans from the chunk's slice in the first KV range to its slice in the last, over
+      nearly the whole pool: this shows whether its cost grows with the pool.
   under_load_*
       Lend/reclaim while decode-like kernels read the KV cache, as a serving engine does
       it: reductions over every layer's K and V slices of the chunks that stay with decode
@@ -138,6 +143,7 @@ def measure_lend(backend: str, num_layers: int = 4) -> dict:
         lend_us.append((t1 - t0) * 1e6)
         reclaim_us.append((t2 - t1) * 1e6)
     alloc.check_integrity()
+    large = _time_lend_reclaim(backend, num_layers, chunks=96, rounds=20) if backend == "cuda" else (None, None, 0)
     result = {
         "num_layers": num_layers,
         "page_bytes": g.page_bytes,
@@ -154,10 +160,32 @@ def measure_lend(backend: str, num_layers: int = 4) -> dict:
         "driver_calls_per_lend_again": again.mapping_calls,
         "lend_us_median": round(statistics.median(lend_us), 1),
         "reclaim_us_median": round(statistics.median(reclaim_us), 1),
+        "lend_us_median_large_pool": large[0],
+        "reclaim_us_median_large_pool": large[1],
+        "large_pool_chunks": 96 if backend == "cuda" else None,
     }
-    creates = alloc.counters().create_calls_after_init
+    creates = alloc.counters().create_calls_after_init + large[2]
     alloc.close()
     return result, creates
+
+
+def _time_lend_reclaim(backend: str, num_layers: int, chunks: int, rounds: int) -> tuple[float, float, int]:
+    """Median µs of a lend and of a reclaim of one chunk in the middle of a pool of `chunks`,
+    and the allocator's create calls after init."""
+    alloc = llama_like(backend, chunks=chunks, small_pool_bytes=0, num_layers=num_layers)
+    chunk = chunks // 2
+    lend_us, reclaim_us = [], []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        alloc.lend(chunk)
+        t1 = time.perf_counter()
+        alloc.reclaim(chunk)
+        lend_us.append((t1 - t0) * 1e6)
+        reclaim_us.append((time.perf_counter() - t1) * 1e6)
+    alloc.check_integrity()
+    creates = alloc.counters().create_calls_after_init
+    alloc.close()
+    return round(statistics.median(lend_us), 1), round(statistics.median(reclaim_us), 1), creates
 
 
 def measure_lend_under_load(backend: str, num_layers: int = 4, rounds: int = 50) -> tuple[dict, int]:

@@ -5,7 +5,7 @@ thread-safe and blocking calls release the GIL; transient exhaustion returns Non
 input raises VmmInvalidArgument and changes nothing; query first (``can_lend``,
 ``can_reclaim``), mutate second. Invariants: no KV page is unmapped before the work queued
 on every fence stream has passed (a ``lend(c, wait=False)`` that must wait leaves the chunk
-LENDING); a reclaimed chunk's arena range shows the dummy page; the allocator is the
+LENDING); a reclaimed chunk's arena range shows a dummy, never a hole; the allocator is the
 authority on chunk state, the serving side (SGLang's free lists) on slot liveness.
 
 Usage and rules: docs/design.md §1, 'The allocator's Python face'.
@@ -93,7 +93,7 @@ class Allocation:
         handles; None: torch's current stream on CUDA, none on host): reclaim waits for an
         arena block's fences, and a small block is reused only after its fences pass.
         Tensor views of the block must not be used afterwards (they read and write the
-        dummy page once its chunk is reclaimed)."""
+        arena's dummy run once its chunk is reclaimed)."""
         if self.freed:
             raise _invalid(f"allocation at {self.address:#x} is already free (double free)")
         self.allocator.free_address(self.address, self.pool, streams)
