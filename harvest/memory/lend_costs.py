@@ -94,7 +94,7 @@ def resolve(
         if configured_reclaim_ms is None:
             missing = (f"{measured_where} has no lend/reclaim figures ({FIELD_PREFIX}reclaim_ms_per_chunk and "
                        "lend_ms_per_chunk absent)" if measured_where else "no profile, so no measured lend/reclaim figures")
-            here = "" if default_chunk_bytes is None else f" ({reclaim:.3g} ms per {_mib(chunk_bytes)} chunk here)"
+            here = "" if default_chunk_bytes in (None, chunk_bytes) else f" ({reclaim:.3g} ms per {_mib(chunk_bytes)} chunk here)"
             warning = (f"{missing}: a reclaim and a lend cost the default {DEFAULT_MS_PER_CHUNK:g} ms per {per}{here}; "
                        f"measure them with `harvest profile` (its memory section), or set {configured_where}")
     if configured_reclaim_ms is not None:

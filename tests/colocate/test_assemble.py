@@ -4,6 +4,7 @@ releases the SM ladder it built."""
 
 from __future__ import annotations
 
+import json
 import threading
 from pathlib import Path
 
@@ -214,15 +215,28 @@ def test_the_auto_reserve_counts_the_profiles_measured_reclaim_cost_scaled_to_th
     assert [level for level, _ in lines] == ["info"]
 
 
-def test_without_a_measured_or_configured_reclaim_cost_the_default_is_used_with_one_warning(tiny_llama_path, monkeypatch):
-    reserve, lines, _ = _assemble_with_kv(tiny_llama_path, monkeypatch, _config())  # the committed profile: no memory section
+def test_without_a_measured_or_configured_reclaim_cost_the_default_is_used_with_one_warning(tiny_llama_path, tmp_path,
+                                                                                           monkeypatch):
+    import json
+
+    older = tmp_path / "older.json"  # a profile from before `harvest profile` timed lends and reclaims
+    older.write_text(json.dumps({k: v for k, v in json.loads(CPU_PROFILE.read_text()).items() if k != "memory"}))
+    reserve, lines, _ = _assemble_with_kv(tiny_llama_path, monkeypatch, _config(profile=older))
     assert reserve.reclaim_s_per_chunk == pytest.approx(7e-3) and reserve.cost_source == "the default"
     assert [level for level, _ in lines] == ["warning", "info"]
-    assert lines[0][1].startswith(f"KV lending: profile {CPU_PROFILE} has no lend/reclaim figures (profile.memory.reclaim_ms")
+    assert lines[0][1].startswith(f"KV lending: profile {older} has no lend/reclaim figures (profile.memory.reclaim_ms")
     assert "the default 7 ms per chunk" in lines[0][1]
     # a fixed reserve has no reclaim horizon: nothing to warn about
-    reserve, lines, _ = _assemble_with_kv(tiny_llama_path, monkeypatch, _config(memory=MemoryConfig(reserve_tokens=64)))
+    reserve, lines, _ = _assemble_with_kv(tiny_llama_path, monkeypatch,
+                                          _config(profile=older, memory=MemoryConfig(reserve_tokens=64)))
     assert reserve is None and lines == []
+
+
+def test_the_committed_cpu_profile_gives_the_server_its_measured_reclaim_cost(tiny_llama_path, monkeypatch):
+    reserve, lines, served = _assemble_with_kv(tiny_llama_path, monkeypatch, _config())
+    measured = json.loads(CPU_PROFILE.read_text())["memory"]
+    scaled = measured["reclaim_ms_per_chunk"] * served / measured["chunk_bytes"]
+    assert reserve.reclaim_s_per_chunk == pytest.approx(scaled / 1e3) and [level for level, _ in lines] == ["info"]
 
 
 @pytest.mark.parametrize("memory, message", [

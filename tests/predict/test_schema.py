@@ -276,6 +276,8 @@ def test_committed_cpu_profile_is_valid_and_matches_the_tiny_model(tiny_llama_pa
     assert profile.provenance.measurement.torch_threads == 1  # decode on the core the trainer leaves, as the server runs it
     assert profile.trainer is not None and profile.trainer.whole_device_level == 0  # schema 2: measured alone too
     assert all(r.units > 0 for r in profile.trainer.alone)
+    # lend/reclaim of the server's chunk (2 layers x K, V x 64 KiB host pages), as `harvest profile` times it
+    assert profile.memory is not None and profile.memory.chunk_bytes == 4 * 64 * 1024 and profile.memory.pages_per_chunk == 4
 
 
 # -- physically impossible coefficients, refused for every user of the profile -------------
