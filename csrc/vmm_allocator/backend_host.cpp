@@ -13,10 +13,13 @@
 // rule, what cuda.h says the driver refuses: a map outside a reservation, over a mapped
 // address or longer than its allocation; an unmap or set_access that does not cover
 // whole mappings without a hole ("a fully mapped address range"; cuMemUnmap "cannot
-// unmap a sub-range"). Host work is synchronous, so a fence
-// has passed as soon as it is recorded, except while a test holds fences (hold_fences):
-// then fences stay pending until released, as events on a GPU stream still busy with
-// queued kernels do, so the paths that poll or wait on fences run on CPU too.
+// unmap a sub-range"). Like the driver, a fresh mapping has no access (PROT_NONE) until
+// set_access.
+//
+// Host work is synchronous, so a fence has passed as soon as it is recorded, except while
+// a test holds fences (hold_fences): then fences stay pending until released, as events
+// on a GPU stream still busy with queued kernels do, so the paths that poll or wait on
+// fences run on CPU too.
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <unistd.h>
