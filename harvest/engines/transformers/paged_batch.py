@@ -25,7 +25,6 @@ from harvest.engines.transformers.page_table import KvPoolExhausted, PageTable, 
 from harvest.engines.transformers.paged_attention import FLEX_KWARG
 
 DEFAULT_PAGE_SIZE = 16
-KV_LAYOUTS = ("static", "paged")  # --kv: StaticCache slots (the default) or pages
 
 
 class PagedDecodeBatch:
