@@ -83,3 +83,12 @@ def test_a_measurement_that_cannot_be_made_leaves_the_section_out_with_a_warning
     err = capsys.readouterr().err
     assert err.startswith("harvest profile: warning: lend/reclaim not timed (libcuda.so.1 not found")
     assert "the profile has no memory section" in err
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_lends_and_reclaims_are_timed_under_decode_like_kernels():
+    # Llama-3-8B's per-layer KV shape with 4 layers: 2 MiB pages, 8 per chunk
+    timing = measure(KvShape(num_layers=4, kv_heads=8, head_dim=128, dtype_bytes=2), backend="cuda", rounds=8)
+    assert timing.backend == "cuda" and timing.pages_per_chunk == 8 and timing.chunk_bytes == 8 * timing.page_bytes
+    assert 0 < timing.lend_ms_per_chunk < 1000 and 0 < timing.reclaim_ms_per_chunk < 1000
+    assert timing.load_passes >= 1 and timing.busy_fraction > 0.5, timing

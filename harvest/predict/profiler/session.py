@@ -232,6 +232,10 @@ def lend_costs_section(model_path: str, device: str, dtype: str, tp_size: int) -
     from harvest.sglang.kv_backing import HOST_PAGE_BYTES
 
     on_cuda = device.startswith("cuda")
+    if on_cuda:
+        import torch
+
+        torch.cuda.empty_cache()  # the closed engine's blocks, cached by torch: the pool's pages need the room
     try:
         shape = KvShape.of_model(read_config(model_path), DTYPE_BYTES[dtype], tp_size)
         timing = measure(shape, backend="cuda" if on_cuda else "host", device=int(device.partition(":")[2] or 0),
