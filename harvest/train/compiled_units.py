@@ -59,8 +59,9 @@ def use_harvest_cache() -> None:
 
 
 def compile_layers(layers: list[nn.Module], requested: str, device: torch.device, *, tensor_parallel: bool = False,
-                   backend: Any = "inductor") -> CompiledLayers:
-    """Compile each of ``layers`` in place when ``requested`` (and the device) says so."""
+                   backend: Any = None) -> CompiledLayers:
+    """Compile each of ``layers`` in place when ``requested`` (and the device) says so.
+    ``backend`` None: `default_backend(device)`."""
     state = CompiledLayers(requested)
     if not wants_compile(requested, device):
         return state
@@ -74,11 +75,24 @@ def compile_layers(layers: list[nn.Module], requested: str, device: torch.device
     # Every job a server builds is a new model: dynamo's per-code limit on recompilations
     # (8) would otherwise, a few jobs of different shapes later, run every layer eager.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    if backend is None:
+        backend = default_backend(device)
     for layer in layers:
         layer.compile(backend=backend, dynamic=None)
         _guard_first_call(layer, state)
         state.layers += 1
     return state
+
+
+def default_backend(device: torch.device) -> Any:
+    """On a CPU, inductor keeping eager's fp32 numerics (harvest.train.eager_numerics: the
+    compiled layers' gradients equal eager's bit for bit); on CUDA, plain inductor (its
+    units were measured that way, and a bf16 step's rounding differs from eager's anyway)."""
+    if device.type == "cpu":
+        from harvest.train import eager_numerics
+
+        return eager_numerics.backend()
+    return "inductor"
 
 
 # The errors of a compilation (not of the computation): dynamo's and the backend's.

@@ -77,7 +77,7 @@ class SplitCausalLM:
         self.compiled = CompiledLayers("off")  # harvest.train.compiled_units: set by compile_layers
 
     def compile_layers(self, requested: str, device: torch.device, *, tensor_parallel: bool = False,
-                       backend: Any = "inductor") -> CompiledLayers:
+                       backend: Any = None) -> CompiledLayers:
         """``trainer.compile``: the decoder layers' units compiled in place (the embedding
         and head stages stay eager: one unit each per micro-batch)."""
         self.compiled = compile_layers(list(self.decoder.layers), requested, device,

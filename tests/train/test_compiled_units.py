@@ -1,8 +1,11 @@
 """Compiled layer units (``trainer.compile``, harvest.train.compiled_units), fp32 on CPU.
 
-- A compiled trainer's step equals the eager trainer's (loss, LoRA gradients, updated LoRA
-  weights, 1e-5), with the whole model resident and with a one-stage window (every stage
-  swapped in and out, saved tensors through the window's hooks); its status says so.
+- A compiled trainer's step equals the eager trainer's bit for bit (loss, LoRA gradients,
+  updated LoRA weights), with the whole model resident and LoRA dropout (masks from
+  ATen's generator), and with a one-stage window (every stage swapped in and out, saved
+  tensors through the window's hooks); its status says so.
+- The CPU backend (harvest.train.eager_numerics) computes RMSNorm and SiLU's backward as
+  eager does where plain inductor does not, and never loads plain inductor's artifacts.
 - A layer that cannot compile trains eager, with the reason in the status.
 - ``auto`` compiles on CUDA only; a bad value is refused naming the setting, in harvest.yaml
   and on ``harvest train``'s command line; YAML's unquoted on/off (booleans) mean on/off.
@@ -19,13 +22,13 @@ import torch
 
 from tests.train.trainer_helpers import build, lora_grads, lora_params, max_abs_diff, randomize_lora_b, run_until_optimizer
 
-TOLERANCE = 1e-5
 
 pytestmark = pytest.mark.timeout(900)
 
 
 def _one_step(trainer):
     randomize_lora_b(trainer)
+    torch.manual_seed(5)  # the same dropout masks in both trainers
     run_until_optimizer(trainer)
     grads = lora_grads(trainer.split.peft_model)
     trainer.run_one_unit()  # the optimizer unit
@@ -33,23 +36,65 @@ def _one_step(trainer):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("window_stages", ["all", 1])
-def test_a_compiled_step_equals_the_eager_step(window_stages, tiny_llama_path, tmp_path):
+@pytest.mark.parametrize("window_stages, lora_dropout", [("all", 0.1), (1, 0.0)])
+def test_a_compiled_step_equals_the_eager_step(window_stages, lora_dropout, tiny_llama_path, tmp_path):
     harvest = {"window_stages": window_stages, "micro_batch_size": 2}
-    eager = build(tiny_llama_path, tmp_path / "eager", compile_layers="off", harvest=harvest)
-    compiled = build(tiny_llama_path, tmp_path / "compiled", compile_layers="on", harvest=harvest)
+    eager = build(tiny_llama_path, tmp_path / "eager", compile_layers="off", harvest=harvest, lora_dropout=lora_dropout)
+    compiled = build(tiny_llama_path, tmp_path / "compiled", compile_layers="on", harvest=harvest,
+                     lora_dropout=lora_dropout)
     loss, grads, params = _one_step(eager)
     compiled_loss, compiled_grads, compiled_params = _one_step(compiled)
 
-    assert abs(compiled_loss - loss) <= TOLERANCE
-    assert max_abs_diff(compiled_grads, grads) <= TOLERANCE
+    # Bit for bit (harvest.train.eager_numerics); the issue's bound is 1e-5.
+    assert compiled_loss == loss
+    assert max_abs_diff(compiled_grads, grads) == 0.0
     assert max(float(g.abs().max()) for g in grads.values() if g is not None) > 1e-3  # not vacuous
-    assert max_abs_diff(compiled_params, params) <= TOLERANCE
+    assert max_abs_diff(compiled_params, params) == 0.0
     layers = compiled.split.num_layers
     assert compiled.stats().compile == {"requested": "on", "layers_compiled": layers, "reason": None}
     assert eager.stats().compile == {"requested": "off", "layers_compiled": 0, "reason": None}
     # The layers really ran compiled: dynamo's wrapper, not the eager call, is in place.
     assert all(layer._compiled_call_impl is not None for layer in compiled.split.decoder.layers)
+
+
+def _rms_norm_and_swiglu(x, gate, up, weight):
+    """RMSNorm (Llama's) and SwiGLU's product: the reductions and SiLU of a decoder layer."""
+    variance = x.pow(2).mean(-1, keepdim=True)
+    normed = weight * (x * torch.rsqrt(variance + 1e-6))
+    return normed, torch.nn.functional.silu(gate) * up
+
+
+def _values_and_grads(fn, inputs, grads):
+    leaves = [t.detach().clone().requires_grad_(True) for t in inputs[:3]]
+    outputs = fn(*leaves, inputs[3])
+    torch.autograd.backward(outputs, grads)
+    return [o.detach() for o in outputs] + [leaf.grad for leaf in leaves]
+
+
+def test_the_cpu_backend_computes_norms_and_silu_as_eager_where_plain_inductor_does_not(tmp_path, monkeypatch):
+    """Bit for bit: RMSNorm's forward and backward (ATen's reductions) and SiLU's backward
+    (ATen's fused multiply-add), compiled by harvest's backend right after plain inductor
+    compiled the same graph into the same, empty cache (its artifacts must not be reused)."""
+    from harvest.train.eager_numerics import backend
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    generator = torch.Generator().manual_seed(0)
+    x, gate, up = (torch.randn(2, 64, 64, generator=generator) * 3 for _ in range(3))
+    weight = torch.randn(64, generator=generator) * 0.1 + 1
+    grads = [torch.randn(2, 64, 64, generator=generator) for _ in range(2)]
+    inputs = (x, gate, up, weight)
+    eager = _values_and_grads(_rms_norm_and_swiglu, inputs, grads)
+
+    torch._dynamo.reset()
+    plain = _values_and_grads(torch.compile(_rms_norm_and_swiglu, backend="inductor"), inputs, grads)
+    torch._dynamo.reset()
+    ours = _values_and_grads(torch.compile(_rms_norm_and_swiglu, backend=backend()), inputs, grads)
+    torch._dynamo.reset()
+
+    names = ["norm", "product", "x.grad", "gate.grad", "up.grad"]
+    differing = [name for name, a, b in zip(names, plain, eager) if not torch.equal(a, b)]
+    assert {"norm", "x.grad", "gate.grad"} <= set(differing)  # what the backend is for
+    assert [name for name, a, b in zip(names, ours, eager) if not torch.equal(a, b)] == []
 
 
 def test_a_layer_that_cannot_compile_trains_eager_and_says_why(tiny_llama_path, tmp_path):
