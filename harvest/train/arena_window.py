@@ -10,6 +10,8 @@ The memory side's :class:`~harvest.memory.lent_budget.LentMemoryBudget` rides al
 trainer reads it through this allocator and resizes the window itself. While memory is
 wanted back, no new buffer is handed out, so the chunks the trainer has just let go of
 stay free until the lender has taken them (the window treats it as the usual shortage).
+A released chunk goes back to the lender whatever still views it (``reuses_viewed_memory``
+is True), so autograd never keeps a window tensor here (the window's saved-tensor hooks).
 """
 
 from __future__ import annotations

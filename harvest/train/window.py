@@ -6,9 +6,11 @@ trainer names the stage that runs now and those next; the window keeps the next 
 stages resident, dropping the others (frozen: never copied back) and loading missing ones
 (the current at once, the rest as prefetches on a copy stream ordered by events).
 Parameters are swapped in place: an evicted stage's modules hold meta-device placeholders.
-Invariant that makes eviction safe: autograd never keeps a reference to window memory
-(`saved_tensor_hooks()` stores a handle for every saved tensor in a window buffer and
-backward rebuilds it from whatever buffer holds that stage then).
+Invariant that makes eviction safe: a buffer's memory is handed to anyone else only when
+no tensor of autograd's views it. Where eviction can reuse memory that autograd views
+(`needs_saved_tensor_hooks`), `saved_tensor_hooks()` stores a handle for every saved
+tensor in a window buffer and backward rebuilds it from whatever buffer holds that stage
+then.
 """
 
 from __future__ import annotations
@@ -189,16 +191,33 @@ class WeightWindow:
             return False
         return entry.ready_event is None or entry.ready_event.query()
 
-    @contextlib.contextmanager
-    def saved_tensor_hooks(self):
-        """Wrap a unit's forward so autograd saves handles, not window tensors. Weights used
-        in place (a device-resident source: no window buffer ever exists) need none: the
-        hooks' Python call per saved tensor would be all they add."""
+    def needs_saved_tensor_hooks(self) -> bool:
+        """Whether a forward unit run now must save handles instead of window tensors:
+
+        - the allocator reuses memory that tensors still view (lent KV memory): always, as
+          the lender may take a chunk back at any unit boundary, whatever W is;
+        - W is below the number of stages: evictions are part of every step, and W bounds
+          the window's memory only if autograd keeps no evicted buffer alive.
+
+        Not otherwise: weights used in place (a device-resident source) are no window
+        memory, and with every stage resident in memory PyTorch counts references, nothing
+        is evicted in the normal course. If W shrinks there between a forward unit and its
+        backward (`set_capacity`, `evict_all`), the evicted buffer lives on, unchanged, as
+        long as that unit's saved tensors view it: the backward is still exact, and the
+        memory is freed once this pass's backward units have run rather than at the
+        shrink (`held_bytes` counts it as released at once, so an allocator's
+        ``limit_bytes`` can be exceeded by it meanwhile). The hooks would cost a Python
+        call per saved tensor (~46 per layer unit) for nothing."""
         if self.source.device_resident:
-            yield
-            return
-        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-            yield
+            return False
+        return self.allocator.reuses_viewed_memory or self._capacity < len(self.stages)
+
+    def saved_tensor_hooks(self):
+        """A context for a unit's forward: autograd saves handles, not window tensors, where
+        that is needed (`needs_saved_tensor_hooks`, decided as the unit starts)."""
+        if not self.needs_saved_tensor_hooks():
+            return contextlib.nullcontext()
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
     def close(self) -> None:
         """Release all window memory (the trainer is done or disabled)."""

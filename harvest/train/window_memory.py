@@ -35,11 +35,18 @@ class BaseWindowAllocator(abc.ABC):
       trainer then fits the window to it at unit boundaries, and `reclaimable_bytes()`
       says how much of the lent memory no buffer touches (in the units the lender takes
       back), so the trainer can tell whether shrinking was enough.
+    - `reuses_viewed_memory`: True when memory given back by `release` can be handed out
+      again while a tensor still views it (memory lent by the serving side: its owner
+      takes the chunks back whatever views them); False when a released buffer lives on
+      for as long as any tensor views it (PyTorch's allocators). The window keeps
+      autograd from viewing its buffers only where that matters
+      (`WeightWindow.needs_saved_tensor_hooks`).
     - Calls come from one thread at a time (the trainer holds its unit lock).
     """
 
     device: torch.device
     budget = None  # LentMemoryBudget | None
+    reuses_viewed_memory = True
 
     def reclaimable_bytes(self) -> int:
         """Lent bytes the lender could take back now; only asked when `budget` is set."""
@@ -63,8 +70,11 @@ class TorchWindowAllocator(BaseWindowAllocator):
     """Plain device memory from PyTorch (its caching allocator on CUDA).
 
     An optional `limit_bytes` makes allocations beyond it return None, the same transient
-    shortage the general arena reports when no lent chunk is left.
+    shortage the general arena reports when no lent chunk is left. A released buffer's
+    memory goes back to PyTorch when the last tensor viewing it does.
     """
+
+    reuses_viewed_memory = False
 
     def __init__(self, device: torch.device | str, limit_bytes: int | None = None):
         self.device = torch.device(device)

@@ -36,9 +36,12 @@ def test_one_stage_window_keeps_one_stage_and_evicts_to_meta(tiny_llama_path, tm
     assert trainer.window.num_evictions >= 4
 
 
-def test_resizing_the_window_between_units_keeps_results_identical(tiny_llama_path, tmp_path):
-    steady = build(tiny_llama_path, tmp_path / "steady")
-    resized = build(tiny_llama_path, tmp_path / "resized")
+@pytest.mark.parametrize("compile_layers", ["off", pytest.param("on", marks=pytest.mark.slow)])
+def test_resizing_the_window_between_units_keeps_results_identical(compile_layers, tiny_llama_path, tmp_path):
+    # W = all: the forward units save no handles (nothing is evicted in the normal course),
+    # then the window shrinks mid-step and the backward units still compute exactly.
+    steady = build(tiny_llama_path, tmp_path / "steady", compile_layers=compile_layers)
+    resized = build(tiny_llama_path, tmp_path / "resized", compile_layers=compile_layers)
     randomize_lora_b(steady)
     randomize_lora_b(resized)
     run_steps(steady, 2)
@@ -190,6 +193,67 @@ def test_weights_used_in_place_need_no_saved_tensor_hooks():
         y = layer(x)
     y.sum().backward()
     assert packed == [] and x.grad is not None
+
+
+def _two_linear_stages(allocator=None, capacity=None):
+    from torch import nn
+
+    from harvest.train.weights import HostCopyWeightSource
+    from harvest.train.window import StageLayout, WeightWindow
+    from harvest.train.window_memory import TorchWindowAllocator
+
+    layers = [nn.Linear(8, 8, bias=False).requires_grad_(False) for _ in range(2)]
+    entries = [[(f"l{i}.weight", layer, "weight", layer.weight.detach().clone())] for i, layer in enumerate(layers)]
+    layouts = [StageLayout.build(i, f"layer.{i}", e) for i, e in enumerate(entries)]
+    host = {e[0][0]: e[0][3] for e in entries}
+    window = WeightWindow(layouts, HostCopyWeightSource(host), allocator or TorchWindowAllocator("cpu"),
+                          capacity=capacity)
+    return layers, host, window
+
+
+def test_saved_tensor_hooks_only_where_an_eviction_could_reuse_memory_autograd_views():
+    from harvest.train.window_memory import TorchWindowAllocator
+
+    class LentMemory(TorchWindowAllocator):  # a released chunk goes back to its lender at once
+        reuses_viewed_memory = True
+
+    cases = {"every stage resident, PyTorch's memory": (None, None, False),
+             "W below the stages": (None, 1, True),
+             "every stage resident, lent memory": (LentMemory("cpu"), None, True)}
+    for name, (allocator, capacity, expected) in cases.items():
+        layers, _, window = _two_linear_stages(allocator, capacity)
+        packed = []
+        pack = window._pack
+        window._pack = lambda tensor, pack=pack: packed.append(tensor) or pack(tensor)
+        window.prepare(0, iter([1]))
+        x = torch.randn(2, 8, requires_grad=True)
+        with window.saved_tensor_hooks():
+            y = layers[0](x)
+        y.sum().backward()
+        assert window.needs_saved_tensor_hooks() is expected, name
+        assert bool(packed) is expected, name
+
+
+def test_a_shrink_between_a_forward_without_handles_and_its_backward_keeps_the_backward_exact():
+    """Every stage resident in PyTorch's memory: the forward saves the weight itself. The
+    window then shrinks and evicts that stage; its buffer lives on, unchanged, until the
+    backward has run (PyTorch reuses no memory a tensor views)."""
+    layers, host, window = _two_linear_stages()
+    window.prepare(0, iter([1]))
+    window.prepare(1, iter([]))
+    assert not window.needs_saved_tensor_hooks()
+    x = torch.randn(3, 8, requires_grad=True)
+    with window.saved_tensor_hooks():
+        y = layers[0](x)
+    held = window.held_bytes
+    window.set_capacity(1)  # keeps stage 1, the one prepared last
+    assert window.resident_stages() == [1] and layers[0].weight.device.type == "meta"
+    assert window.held_bytes < held  # counted as released at once
+    occupied = [torch.full((window.stages[0].num_bytes,), 255, dtype=torch.uint8) for _ in range(8)]
+    torch.autograd.backward(y, torch.ones_like(y))
+    del occupied
+    assert torch.equal(x.grad, torch.ones(3, 8) @ host["l0.weight"])
+    assert window.needs_saved_tensor_hooks()  # W = 1 now: the next forward saves handles
 
 
 def test_shrinking_a_full_window_keeps_the_stages_needed_soonest():
