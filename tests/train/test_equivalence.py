@@ -2,7 +2,8 @@
 
 One optimizer step on the same batch: same loss, same LoRA gradients (max abs diff
 <= 1e-5) and same updated LoRA weights, for Llama and Qwen2, with the whole model resident
-(W = all) and with a one-stage window (every stage swapped in and out).
+(W = all) and with a one-stage window (every stage swapped in and out), and with compiled
+decoder layers (``trainer.compile: on``).
 """
 
 from __future__ import annotations
@@ -34,12 +35,15 @@ def layer_split_step(trainer):
     return trainer.stats().loss, grads, lora_params(trainer.split.peft_model)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
-@pytest.mark.parametrize("window_stages", ["all", 1])
-def test_one_step_matches_plain_peft(family, window_stages, tiny_llama_path, tiny_qwen2_path, tmp_path):
+@pytest.mark.parametrize("family, window_stages, compile_layers", [
+    ("llama", "all", "off"), ("llama", 1, "off"), ("qwen2", "all", "off"), ("qwen2", 1, "off"),
+    # Compiled layers (the Llama ones compare with eager in test_compiled_units).
+    pytest.param("qwen2", 1, "on", marks=pytest.mark.slow)])
+def test_one_step_matches_plain_peft(family, window_stages, compile_layers, tiny_llama_path, tiny_qwen2_path,
+                                     tmp_path):
     model_path = tiny_llama_path if family == "llama" else tiny_qwen2_path
     harvest = {"window_stages": window_stages, "micro_batch_size": 2}
-    trainer = build(model_path, tmp_path / "split", harvest=harvest)
+    trainer = build(model_path, tmp_path / "split", compile_layers=compile_layers, harvest=harvest)
     randomize_lora_b(trainer)
     reference = reference_peft_model(trainer, model_path, tmp_path / "ref")
     batch = full_batch(trainer, 0)
