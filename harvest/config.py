@@ -56,6 +56,11 @@ class MemoryConfig:
                                      "(hysteresis)", Integer(minimum=0))
     max_lend_fraction: float = setting(0.8, "never lend more than this share of the KV pool",
                                        Number(minimum=0.0, maximum=1.0))
+    reclaim_ahead: bool = setting(True, "keep free, beside the reserve, what SGLang's admission sets aside for its "
+                                  "running requests' decode (false: the reserve alone)", Boolean())
+    lending_thread: bool | None = setting(None, "lend and reclaim KV chunks on a thread of their own, not SGLang's "
+                                          "scheduler thread; auto: on a GPU, one rank",
+                                          Boolean(), words={"auto": None})
     lend_interval_s: float = setting(0.05, "least time between two lending passes, in seconds (a busy server lends too)",
                                      Number(minimum=0.0))
     urgent_reclaim_wait_s: float = setting(10.0, "longest wait for the trainer to let go of lent memory an allocation "

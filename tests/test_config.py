@@ -147,7 +147,8 @@ ladder: [132, 64]
 trainer: {cpu_threads: 2, nice: 5, compile: "on"}
 memory: {reserve_tokens: 4096, hysteresis_chunks: 0, max_lend_fraction: 0.5, lend_interval_s: 0.2,
          urgent_reclaim_wait_s: 2.5, integrity_check_interval_s: 30, release_on_pause: false,
-         reserve_percentile: 95, reserve_window_s: 120, reserve_lower_after_s: 10, reclaim_ms_per_chunk: 1.5}
+         reserve_percentile: 95, reserve_window_s: 120, reserve_lower_after_s: 10, reclaim_ms_per_chunk: 1.5,
+         reclaim_ahead: false, lending_thread: true}
 metrics: {port: 0, host: 0.0.0.0, publish_interval_s: 2, endpoint_nice: 15, labels: {cluster: eu-1, pool: decode}}
 queue: {max_running: 2, quantum_s: 1.5, starvation_s: 10}
 online: {window: 64, refit_every: 16, min_observations: 8, drift_threshold: 0.2, online_share: 0.25,

@@ -321,12 +321,14 @@ class Colocation:
             self.adapters.publish(run, run.spec.serve_as)
 
     def close(self, trainer_timeout_s: float = 10.0) -> None:
-        """Stop the trainer (it checkpoints first); idempotent."""
+        """Stop the trainer (it checkpoints first), then the lending thread (what it was
+        asked runs first; nothing is left half-moved); idempotent."""
         if self._closed:
             return
         self._closed = True
         if self.trainer_host is not None:
             self.trainer_host.shutdown(timeout_s=trainer_timeout_s)
+        self.lending.close()
 
 
 def leave_cores_to_trainer(trainer_cpu_threads: int) -> None:

@@ -54,6 +54,9 @@ class NoKvLending:
     def maybe_check_integrity(self) -> bool:
         return False
 
+    def close(self) -> None:
+        pass
+
     def stats(self) -> dict:
         return {}
 

@@ -91,6 +91,9 @@ class DemandReserve:
     lower_after_s: float = 30.0
     demand: AllocationDemand = dataclasses.field(default_factory=AllocationDemand)
     cost_source: str = ""
+    # What the records count, in words: allocations, or (SGLang with reclaim ahead) the
+    # requests arriving in its queue, priced as its admission sets them aside.
+    recorded: str = "tokens allocated"
 
     def __post_init__(self) -> None:
         for name in ("floor_tokens", "cap_tokens"):
@@ -104,7 +107,8 @@ class DemandReserve:
                 raise ValueError(f"DemandReserve.{name}={value!r}: must be a finite number >= 0")
         if not 0 < self.percentile <= 100:
             raise ValueError(f"DemandReserve.percentile={self.percentile!r}: must be in (0, 100]")
-        self.current = ReserveDecision(min(self.floor_tokens, self.cap_tokens), "Harli's formula (no demand seen yet)")
+        start = min(self.floor_tokens, self.cap_tokens)
+        self.current = ReserveDecision(start, f"Harli's formula ({start} tokens): no demand seen yet")
         self._lower_since: float | None = None
 
     def horizon_s(self, tokens: int) -> float:
@@ -131,7 +135,7 @@ class DemandReserve:
                                                  f"p{self.percentile:g} demand within {self._horizon(horizon)} "
                                                  f"({demand} tokens)")
         else:
-            tokens, reason = demand, (f"p{self.percentile:g} of tokens allocated within one reclaim horizon "
+            tokens, reason = demand, (f"p{self.percentile:g} of {self.recorded} within one reclaim horizon "
                                       f"({self._horizon(horizon)}) over the last {self.demand.window_s:g} s")
         if tokens > self.cap_tokens:
             tokens, reason = self.cap_tokens, f"{reason}; capped at {self.cap_tokens} tokens"
@@ -159,3 +163,25 @@ class DemandReserve:
         elif now - self._lower_since >= self.lower_after_s:
             self.current, self._lower_since = wanted, None
         return self.current
+
+
+def free_target(reserve_tokens: int, *, promised_tokens: int = 0, held_tokens: int = 0) -> int:
+    """Free mapped slots to keep so that nothing waits for lent memory within the next
+    reclaim horizon (the reclaim-ahead rule; docs/design.md §1): the reserve (arrivals
+    and growth within one horizon), plus ``promised_tokens``, what the engine's admission
+    already sets aside for its running requests (SGLang admits a request only when its
+    prompt fits beside that), and at least ``held_tokens``, what an admission that lent
+    memory held back needs free. Below it, lent chunks come back before anyone asks;
+    above it plus the hysteresis, chunks are lent."""
+    return max(reserve_tokens + max(0, promised_tokens), held_tokens)
+
+
+def free_target_reason(reserve_tokens: int, *, promised_tokens: int = 0, held_tokens: int = 0) -> str:
+    """:func:`free_target` in words (for ``/harvest/status``)."""
+    ahead = reserve_tokens + max(0, promised_tokens)
+    if held_tokens > ahead:
+        return f"{held_tokens} tokens: an admission held back by lent memory needs them free"
+    if promised_tokens > 0:
+        return (f"{ahead} tokens: the reserve ({reserve_tokens}) plus the {promised_tokens} SGLang sets aside for its "
+                f"running requests' decode")
+    return f"{reserve_tokens} tokens: the reserve"

@@ -180,8 +180,9 @@ class HarvestMetrics:
         self.kv_lends_total = counter("harvest_kv_lends_total", "KV chunks lent to the trainer.")
         self.kv_reclaims_total = counter("harvest_kv_reclaims_total", "KV chunks taken back from the trainer.")
         self.kv_reclaim_seconds = Histogram("harvest_kv_reclaim_seconds", "Time to reclaim one KV chunk (window shrink to remap).", registry=r, buckets=RECLAIM_BUCKETS_S)
-        self.kv_urgent_reclaims_total = counter("harvest_kv_urgent_reclaims_total", "Times decode waited for lent KV memory: an allocation found too few free slots and lent chunks had to come back first.")
-        self.kv_urgent_reclaim_seconds = Histogram("harvest_kv_urgent_reclaim_seconds", "How long decode waited for lent KV memory, per urgent reclaim.", registry=r, buckets=RECLAIM_BUCKETS_S)
+        self.kv_urgent_reclaims_total = counter("harvest_kv_urgent_reclaims_total", "Times serving waited for lent KV memory: an allocation, a decode capacity check or an admission found too few free slots and lent chunks had to come back first.")
+        self.kv_urgent_reclaim_seconds = Histogram("harvest_kv_urgent_reclaim_seconds", "How long the scheduler thread waited for lent KV memory, per urgent reclaim.", registry=r, buckets=RECLAIM_BUCKETS_S)
+        self.kv_admissions_held_total = counter("harvest_kv_admissions_held_total", "Times lent KV memory held back SGLang's admission of queued requests that would have fitted with it (each also an urgent reclaim).")
         self.kv_reserve_tokens = gauge("harvest_kv_reserve_tokens", "Free KV slots kept mapped for decode (the lending reserve).")
         self.allocator_fragmentation_bytes = gauge("harvest_allocator_fragmentation_bytes", "Bytes mapped to the trainer's arena but unused inside partly used chunks.")
         self.gpu_busy_ratio = gauge("harvest_gpu_busy_ratio", "NVML utilization.gpu: share of the last sample period in which any kernel ran on the GPU (0..1). Not SM occupancy.")
@@ -340,6 +341,9 @@ class HarvestMetrics:
     def urgent_reclaim(self, seconds: float) -> None:
         self.kv_urgent_reclaims_total.inc()
         self.kv_urgent_reclaim_seconds.observe(seconds)
+
+    def admission_held(self) -> None:
+        self.kv_admissions_held_total.inc()
 
     def set_reserve(self, tokens: int) -> None:
         self.kv_reserve_tokens.set(tokens)

@@ -245,8 +245,9 @@ def _kv(status: dict):
     lent, total = _number(kv.get("chunks_lent")), _number(kv.get("chunks_total"))
     text = Text("-" if total is None else f"{'-' if lent is None else int(lent)}/{int(total)}")
     urgent = _number(kv.get("urgent_reclaims_total"))
-    if urgent:  # decode waited for lent memory: the reserve did not cover an arrival
-        text.append(f" {int(urgent)} urgent", style="yellow")
+    if urgent:  # serving waited for lent memory: the free target did not cover an arrival
+        held = _number(kv.get("admissions_held_total"))  # of which admissions lent memory held back
+        text.append(f" {int(urgent)} urgent" + (f" ({int(held)} adm)" if held else ""), style="yellow")
     if kv.get("integrity_error"):
         text.append(" INTEGRITY", style="bold red")
     return text

@@ -31,6 +31,7 @@ TARGETS = [
     f"{SCHEDULER}.run_batch",
     FORWARD,
     f"{SCHEDULER}.on_idle",
+    f"{SCHEDULER}.get_new_batch_prefill",
     KV_POOL_CREATE,
     f"{TOKEN_ALLOCATOR}.alloc",
     f"{TOKEN_ALLOCATOR}.check_decode_capacity",
@@ -88,6 +89,23 @@ def _token_alloc(original, allocator, need_size, *args, **kwargs):
         if lending is not None:
             lending.record_allocation(need_size)
     return result
+
+
+def _new_batch_prefill(original, scheduler, *args, **kwargs):
+    # SGLang admits from its queue only what fits beside its running requests' promised
+    # decode: before it looks, lending notes that promise (reclaim ahead keeps it free) and
+    # takes lent chunks back for a queue head they hold back (counted: an admission held).
+    from harvest.sglang.kv_lending import lending_of
+
+    lending = lending_of(scheduler.token_to_kv_pool_allocator)
+    if lending is not None and lending.watches_admissions:
+        from harvest.sglang.admission import demand_of
+
+        running_batch = args[0] if args else kwargs["running_batch"]
+        seen = lending.queue_seen if lending.demand_from_arrivals else None
+        if lending.before_admission(demand_of(scheduler, running_batch, promised=lending.reclaim_ahead, seen=seen)):
+            running_batch.batch_is_full = False  # the memory it was held for is back: look again
+    return original(scheduler, *args, **kwargs)
 
 
 def _check_decode_capacity(original, allocator, *args, **kwargs):
@@ -160,6 +178,7 @@ def register(registry, hook_type) -> None:
     registry.register(f"{SCHEDULER}.run_batch", _run_batch, hook_type.AROUND)
     registry.register(FORWARD, _forward, hook_type.AROUND)
     registry.register(f"{SCHEDULER}.on_idle", _on_idle, hook_type.AFTER)
+    registry.register(f"{SCHEDULER}.get_new_batch_prefill", _new_batch_prefill, hook_type.AROUND)
     registry.register(KV_POOL_CREATE, kv_backing._create_buffers_normal, hook_type.AROUND)
     registry.register(f"{TOKEN_ALLOCATOR}.alloc", _token_alloc, hook_type.AROUND)
     registry.register(f"{TOKEN_ALLOCATOR}.check_decode_capacity", _check_decode_capacity, hook_type.AROUND)

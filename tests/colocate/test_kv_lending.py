@@ -28,8 +28,26 @@ TOKENS_PER_CHUNK = 128
 NUM_CHUNKS = 8
 
 
-@pytest.fixture
-def kv():
+def _settling(lending) -> None:
+    """With the lending thread, each non-urgent call below returns before the thread has
+    moved anything; these tests look at the state the moves leave, so the calls wait for
+    the thread's jobs and apply their results (``settle``) before returning."""
+    for name in ("maybe_lend", "after_step", "return_all", "lend"):
+        call = getattr(lending, name)
+
+        def settled(*args, _call=call, **kwargs):
+            result = _call(*args, **kwargs)
+            lending.settle()
+            return result
+
+        setattr(lending, name, settled)
+
+
+@pytest.fixture(params=["scheduler thread", "lending thread"])
+def kv(request):
+    """SGLang's token allocator on a host-backed unified allocator, lent from by a
+    controller whose allocator work runs on the scheduler thread or its lending thread."""
+    threaded = request.param == "lending thread"
     alloc = UnifiedAllocator(num_layers=2, kv_heads=2, head_dim=16, dtype_bytes=4, max_tokens=NUM_CHUNKS * TOKENS_PER_CHUNK,
                              small_pool_bytes=4 * 16384, page_bytes=16384)
     assert alloc.geometry.tokens_per_chunk == TOKENS_PER_CHUNK
@@ -37,11 +55,16 @@ def kv():
     tokens = TokenToKVPoolAllocator(NUM_CHUNKS * TOKENS_PER_CHUNK - 1, torch.float32, "cpu", None, need_sort=True)
     policy = LendingPolicy(tokens_per_chunk=TOKENS_PER_CHUNK, num_chunks=NUM_CHUNKS, reserve_tokens=TOKENS_PER_CHUNK,
                            hysteresis_chunks=0, max_lend_fraction=1.0)
-    lending = KvLendingController(tokens, alloc, policy, LentMemoryBudget(), MemoryConfig(urgent_reclaim_wait_s=5.0))
+    lending = KvLendingController(tokens, alloc, policy, LentMemoryBudget(),
+                                  MemoryConfig(urgent_reclaim_wait_s=5.0, lending_thread=threaded))
     assert lending_of(tokens) is lending  # the controller lives on the allocator it lends from
+    if threaded:
+        _settling(lending)
     yield tokens, lending
     lending.reclaim_all()
     lending.check_integrity()
+    lending.close()
+    assert lending.lending_thread is threaded or lending.num_lent_total == 0
     alloc.close()
 
 
@@ -379,6 +402,10 @@ def test_a_lend_waiting_for_decode_is_finished_by_a_later_maybe_lend_without_blo
     assert lending.num_lending == pending and lending.num_lent == 0
     lending.allocator.hold_fences(False)  # decode got past the lend's events
     lending.maybe_lend()  # the next step or idle tick (inside the lend interval: finishing only)
+    deadline = time.monotonic() + 10
+    while lending.lending_thread and lending.num_lending and time.monotonic() < deadline:
+        time.sleep(0.005)  # the lending thread finishes it at its next query (every few ms) ...
+        lending.maybe_lend()  # ... and a later step or tick applies that
     assert lending.num_lending == 0 and lending.num_lent == pending
     assert sorted(lending.lent_chunks()) == chunks
     assert lending.budget.snapshot.lent_bytes == pending * lending.chunk_bytes
@@ -500,6 +527,7 @@ def test_the_auto_reserve_follows_the_allocations_seen_and_lends_less_after_a_bu
     from harvest.memory.demand import AllocationDemand, DemandReserve
 
     tokens, lending = kv
+    lending.reclaim_ahead = False  # without reclaim ahead the reserve follows allocations (with it: arrivals)
     lending.reserve = DemandReserve(floor_tokens=TOKENS_PER_CHUNK, cap_tokens=NUM_CHUNKS * TOKENS_PER_CHUNK,
                                     # a horizon of 10 s: the burst below lies within it however slow the machine
                                     tokens_per_chunk=TOKENS_PER_CHUNK, ack_s=10.0, reclaim_s_per_chunk=0.005,

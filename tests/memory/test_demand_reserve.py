@@ -137,3 +137,17 @@ def test_bad_settings_are_refused_naming_the_field(field, value):
 def test_a_bad_window_is_refused():
     with pytest.raises(ValueError, match="window_s"):
         AllocationDemand(window_s=0.0)
+
+
+def test_the_free_target_adds_what_the_engine_promised_its_running_requests_and_covers_a_held_admission():
+    from harvest.memory.demand import free_target, free_target_reason
+
+    assert free_target(512) == 512 and free_target_reason(512) == "512 tokens: the reserve"
+    # Reclaim ahead: the reserve covers arrivals within a horizon, beside what admission keeps.
+    assert free_target(512, promised_tokens=300) == 812
+    assert "the reserve (512) plus the 300" in free_target_reason(512, promised_tokens=300)
+    # A held admission needs more than that: it is the target until it is admitted.
+    assert free_target(512, promised_tokens=300, held_tokens=2000) == 2000
+    assert "held back by lent memory" in free_target_reason(512, promised_tokens=300, held_tokens=2000)
+    assert free_target(512, promised_tokens=300, held_tokens=700) == 812
+    assert free_target(512, promised_tokens=-5) == 512

@@ -38,6 +38,7 @@ def populated(**kwargs) -> HarvestMetrics:
     m.lent(6)
     m.reclaimed(0.002)
     m.urgent_reclaim(0.012)
+    m.admission_held()
     m.set_reserve(4096)
     m.set_gpu(busy_ratio=0.5, memory_busy_ratio=0.25, memory_used_bytes=1 << 30)
     return m

@@ -61,6 +61,7 @@ EXPECTED = {
     "harvest_kv_reclaim_seconds": "histogram",
     "harvest_kv_urgent_reclaims": "counter",
     "harvest_kv_urgent_reclaim_seconds": "histogram",
+    "harvest_kv_admissions_held": "counter",
     "harvest_kv_reserve_tokens": "gauge",
     "harvest_allocator_fragmentation_bytes": "gauge",
     "harvest_gpu_busy_ratio": "gauge",
@@ -385,8 +386,10 @@ def test_memory_metrics():
     assert value(m, "harvest_kv_reclaim_seconds_count") == 2
     assert value(m, "harvest_allocator_fragmentation_bytes") == 1 << 20
     m.urgent_reclaim(0.012)
+    m.admission_held()
     m.set_reserve(4096)
     assert value(m, "harvest_kv_urgent_reclaims_total") == 1 and value(m, "harvest_kv_urgent_reclaim_seconds_count") == 1
+    assert value(m, "harvest_kv_admissions_held_total") == 1
     assert value(m, "harvest_kv_reserve_tokens") == 4096
 
 

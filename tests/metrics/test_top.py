@@ -174,6 +174,9 @@ def test_violation_integrity_stale_and_error_rows_are_marked():
                top.ServerResult("http://locked:18400", error="401 unauthorized (--api-key or HARVEST_API_KEY)")]
     text = text_of(results)
     assert "12/64 4 urgent INTEGRITY" in row_of(text, "hot:18400", "Qwen")
+    hot["kv"]["admissions_held_total"] = 3  # three of them admissions that lent memory held back
+    wide = text_of([top.ServerResult("http://hot:18400", status=hot)], width=200)
+    assert "12/64 4 urgent (3 adm) INTEGRITY" in row_of(wide, "hot:18400", "Qwen")
     assert "connection refused" in row_of(text, "dead:18400") and "401 unauthorized" in row_of(text, "locked:18400")
     assert "alpaca failed" in row_of(text, "alpaca-lora", "running") and "alpaca-lora adapter: rank too large" in text
     assert "servers 1 up, 2 down · jobs 1 running · 1 violating TPOT target" in text
