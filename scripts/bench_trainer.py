@@ -2,50 +2,37 @@
 
 CPU (the default, `--model cpu-bench` or `--model cpu-deep`): a random Llama checkpoint
 built with harvest.tiny_model and a generated alpaca dataset (~250-token samples), loaded
-through the LlamaFactory job path. Shapes:
+through the LlamaFactory job path. Shapes (512-token vocabulary; `--layers N` for quick runs):
 
-  cpu-bench  hidden 512, 4 layers, 8 heads / 4 KV heads, intermediate 1376: a width where
-             the matrix work matters (the 64-hidden test model would measure Python
-             overhead, not training)
+  cpu-bench  hidden 512, 4 layers, 8 heads / 4 KV heads, intermediate 1376, 4 samples of
+             256 tokens per step: a width where the matrix work matters
   cpu-deep   hidden 64, 32 layers, 4 heads / 2 KV heads, intermediate 128, 2 samples of
-             64 tokens per step: compute is negligible, a unit's time is host work
-             (dispatch, Python), as for small units on a GPU
+             64 tokens per step: a unit's time is host work, as for small units on a GPU
 
-cpu-bench's steps are 4 samples of 256 tokens; both have a 512-token vocabulary
-(`--layers N` changes the number of decoder layers of either, for quick runs). Four
-learners train on the same batches in the same run, interleaved round by round (the
+Four learners train on the same batches in one run, interleaved round by round (the
 order rotates each round): plain PEFT (forward + backward + clip + AdamW on the whole
 batch), the layer-split trainer with every stage resident (W = all) eager, the same
-compiled (``trainer.compile: on``, every decoder layer through ``torch.compile``), and
-eager with a one-stage window (W = 1). Reports
+compiled (``trainer.compile: on``: every decoder layer through ``torch.compile``, on a
+CPU with harvest.train.eager_numerics' backend), eager with a one-stage window (W = 1):
 
-  tokens_per_s_peft / _eager / _compiled   non-padding tokens per step / median step time
-                       (eager and compiled: W = all)
+  tokens_per_s_peft / _eager / _compiled   non-padding tokens / median step time (W = all)
   step_ratio_vs_peft   median step time, layer-split W=all eager / plain PEFT  (target <= 1.10)
   step_ratio_swapping  median step time, W=1 / W=all (eager)
   grad_max_abs_diff    LoRA gradients of step 1, layer-split eager (W=all and W=1) vs PEFT
   loss_abs_diff        step-1 loss, same comparison
   compiled_grad_max_abs_diff  LoRA gradients of step 1, compiled vs eager (W = all; fp32);
-                       compiled_grad_max_rel_diff the same as |diff| / |eager| (2-norms, the
-                       largest over the LoRA tensors), lora_grad_max_abs their scale, and
-                       grad_fp32_error_eager / _compiled each one's max abs difference to the
-                       same step in float64 (plain PEFT): fp32's own rounding at this scale
-  host_us_per_layer_unit_eager / _compiled   median host time of a decoder-layer unit
-                       (UnitRecord.host_ms of the units whose stage is `layer.N`, forward
-                       and backward alike, over the timed steps)
-  ops_per_layer_eager / _compiled   operators the host dispatches for one decoder layer's
-                       forward unit plus its backward unit inside the trainer (below)
-  compile_s            seconds spent compiling (dynamo's own timers: every frame's
-                       compilation, the lazily compiled backward graphs), all of it the
-                       compiled learner's, at its layers' first calls (step 1; on the GPU
-                       path the trainer's micro-batch sizing), before the timed steps
-                       (`compiles_in_timed_steps` counts compilations there: 0). Inductor
-                       keeps its artifacts in a cache directory (`compile_cache.dir`), so
-                       a second run loads them (`compile_cache` counts hits and misses);
-                       `--cold-compile` compiles from an empty cache directory instead
-  targets              the issue's CPU targets, each true or false from the values above:
-                       ops compiled <= 0.3 x eager, host time per layer unit compiled <=
-                       0.5 x eager, compiled gradient difference <= 1e-5
+                       _rel_diff: |diff| / |eager| (2-norms, largest over the tensors);
+                       lora_grad_max_abs their scale; grad_fp32_error_eager / _compiled: max
+                       abs difference to the same step in float64 (plain PEFT)
+  host_us_per_layer_unit_eager / _compiled   median UnitRecord.host_ms of the `layer.N`
+                       units, forward and backward alike, over the timed steps
+  ops_per_layer_eager / _compiled   operators dispatched for one layer's forward + backward unit
+  compile_s            seconds spent compiling (dynamo's timers: frames, lazily compiled
+                       backward graphs), at the compiled layers' first calls, before the
+                       timed steps (`compiles_in_timed_steps`: 0); from inductor's cache
+                       (`compile_cache`: its folder, hits and misses) unless `--cold-compile`
+  targets              the issue's CPU targets, true or false: ops compiled <= 0.3 x eager,
+                       host time per layer unit <= 0.5 x eager, gradient difference <= 1e-5
   units_per_step, unit_ms_median (forward/backward units, W=all eager)
 
 The operators are counted as scripts/bench_layer_unit.py counts them for a bare layer
@@ -55,26 +42,22 @@ time through ``trainer.run_one_unit()``, and only the two units of the middle de
 layer (its forward, then later its backward) run inside a profiler, one each. So the
 count is exactly what the trainer dispatches for that layer's units: the layer itself
 plus what the trainer does around it (the unit boundary's detach, the window's saved-
-tensor hooks, ``torch.autograd.backward``); `ops_layer_units` splits it into forward and
-backward and lists each variant's operators by name.
+tensor hooks where it needs them: not at W = all in PyTorch's memory,
+``torch.autograd.backward``); `ops_layer_units` splits it into forward and backward and
+lists each variant's operators by name.
 
 The micro-batch equals the job's batch (one micro-batch per step), so all learners do the
 same matrix work; the trainer's extra cost is its per-unit machinery.
 
-GPU (`--device cuda --model llama3-8b`): a Llama-3-8B-shaped model with random bf16
-weights built in host memory (no checkpoint needed), LoRA r=16 on all linear layers,
-synthetic token batches, trained with W = all eager, W = all compiled and W = 2 eager,
-one learner after the other (each needs the model's 16 GB; they cannot all be resident
-at once), each with the micro-batch the trainer sizes for it as for a job (`details`
-lists them). Reports tokens/s for each, the median unit device time (CUDA events, compute
-only), the copy/compute overlap (the fraction of host-to-device copy time hidden under
-compute, 1 - exposed / copy, where exposed = step device time - sum of unit compute
-times), and the keys above for eager vs compiled: host time per layer unit (the time to
-issue it), operators per layer unit, compile_s, and the step-1 LoRA gradient difference
-(bf16 there, so its 1e-5 target is not applied: `targets` holds null for it). Plain PEFT
-is not run on the GPU (`tokens_per_s_peft` null, `peft_skipped` says why). `--model
-small-synthetic` runs the same path with a small shape (it also runs on CPU, where copies
-are synchronous and the overlap is 0 by construction).
+GPU (`--device cuda --model llama3-8b`): a Llama-3-8B-shaped model, random bf16 weights
+built in host memory, LoRA r=16 on all linear layers, synthetic batches; W = all eager,
+W = all compiled and W = 2 eager, one learner after the other (each needs the model's
+16 GB), each with the micro-batch the trainer sizes for it (`details`). Reports tokens/s,
+the median unit device time (CUDA events), the copy/compute overlap (1 - exposed / copy,
+exposed = step device time - sum of unit compute times), and the keys above for eager vs
+compiled (the gradient difference in bf16: its 1e-5 target is not applied, `targets`
+holds null). No plain PEFT there (`peft_skipped` says why). `--model small-synthetic`:
+the same path with a small shape (also on CPU, where copies are synchronous: overlap 0).
 """
 
 from __future__ import annotations
