@@ -1,24 +1,29 @@
 #!/usr/bin/env python3
-"""Urgent reclaims under bursts of long prompts: the auto reserve vs Harli's fixed one.
+"""Urgent reclaims under bursts of long prompts: reclaim ahead with the auto reserve vs
+Harli's fixed reserve alone.
 
 A real SGLang server on the CPU (a decode instance's settings: batch capped, no radix
-cache, a small KV pool) with the LoRA job, served the same synthetic trace twice: steady
-short requests with, every ``--burst-every-s``, a burst of ``--burst-size`` long prompts at
-once (what a decode instance sees when prefill hands over a wave of long contexts).
+cache, a small KV pool) with the LoRA job, served the same synthetic trace three times:
+steady short requests with, every ``--burst-every-s``, a burst of ``--burst-size`` long
+prompts at once (what a decode instance sees when prefill hands over a wave of long
+contexts).
 
 1. harvest off: the reference greedy outputs.
-2. harvest on, ``memory.reserve_tokens`` fixed at Harli's formula (what ``auto`` meant
-   before the reserve followed the demand): the server's own log says the value.
-3. harvest on, ``reserve_tokens: auto``: the reserve follows the allocations seen.
+2. "ahead": harvest on, ``memory.reserve_tokens: auto`` and ``memory.reclaim_ahead: true``
+   (the free target: the reserve plus what SGLang promised its running requests), the
+   allocator's work on the lending thread (``memory.lending_thread: true``).
+3. "fixed": harvest on, ``memory.reserve_tokens`` fixed at Harli's formula (what ``auto``
+   meant before the reserve followed the demand; the value the ahead run started with),
+   ``reclaim_ahead: false``, the allocator's work on the scheduler thread: before this
+   work.
 
-An urgent reclaim is an allocation that found too few free slots and had to take lent
-chunks back first: decode waited (``kv.urgent_reclaims_total`` of /harvest/status).
-The last stdout line is one JSON object. Targets: outputs identical, no failed request,
-no retraction, ``urgent_reclaims_auto`` <= 0.1 x ``urgent_reclaims_fixed``.
-
-SGLang admits a request only when its KV fits in the free slots, so a burst that lent
-memory leaves short mostly waits in the queue (``burst_latency_s_*``) rather than forcing
-an urgent reclaim; the urgent path is decode's own growth (``check_decode_capacity``).
+An urgent reclaim is serving waiting for lent memory (``kv.urgent_reclaims_total`` of
+/harvest/status): an allocation or a decode capacity check that had to take lent chunks
+back first, or an admission round whose queue head lent memory held back (also counted as
+``kv.admissions_held_total``, once per episode; SGLang admits a request only when its KV
+fits the free slots, so without harvest's admission hook such a burst waited in the queue
+unseen). The last stdout line is one JSON object. Targets: outputs identical, no failed
+request, no retraction, ``urgent_reclaims_ahead`` <= 0.1 x ``urgent_reclaims_fixed``.
 """
 
 from __future__ import annotations
@@ -107,9 +112,9 @@ def _serve(server, base, env, work: Path, name: str, trace, args, config: Path |
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print only the JSON result line")
-    parser.add_argument("--duration-s", type=float, default=40.0, help="length of the trace")
+    parser.add_argument("--duration-s", type=float, default=120.0, help="length of the trace")
     parser.add_argument("--steady-every-s", type=float, default=0.25, help="one short request this often")
-    parser.add_argument("--burst-every-s", type=float, default=8.0, help="a burst this often")
+    parser.add_argument("--burst-every-s", type=float, default=6.0, help="a burst this often")
     parser.add_argument("--burst-size", type=int, default=6, help="long prompts per burst")
     parser.add_argument("--burst-prompt-tokens", type=int, default=400, help="tokens of each burst prompt")
     parser.add_argument("--max-output", type=int, default=8)
@@ -135,49 +140,53 @@ def main() -> int:
     reference, _, _ = _serve(server, base, env, work, "off", trace, args, None)
 
     runs = {}
-    for index, (name, reserve) in enumerate((("auto", "auto"), ("fixed", None)), start=2):
-        if reserve is None:  # Harli's formula, as the auto run started with: fixed for this run
-            reserve = runs["auto"]["floor_tokens"]
-        log(f"[{index}/3] harvest on, memory.reserve_tokens: {reserve}")
+    variants = (("ahead", "auto", {"reclaim_ahead": True, "lending_thread": True}),
+                ("fixed", None, {"reclaim_ahead": False, "lending_thread": False}))
+    for index, (name, reserve, memory) in enumerate(variants, start=2):
+        if reserve is None:  # Harli's formula, as the ahead run started with: fixed for this run
+            reserve = runs["ahead"]["floor_tokens"]
+        log(f"[{index}/3] harvest on ({name}): memory.reserve_tokens: {reserve}, {memory}")
         config = colocation_config.write(work / name, model, target_tpot_ms=args.target_tpot_ms,
                                          metrics_port=server.free_port(),
-                                         config_keys={"memory": {"reserve_tokens": reserve}})
+                                         config_keys={"memory": {"reserve_tokens": reserve, **memory}})
         outputs, status, text = _serve(server, base, env, work, name, trace, args, config)
         kv, before = status["kv"], status["kv_before"]
+        burst = [s for (_, ids), (_, _, s) in zip(trace, outputs) if len(ids) == args.burst_prompt_tokens]
         runs[name] = {
             "outputs_identical": [o for o, _, _ in outputs] == [o for o, _, _ in reference],
             "failed_requests": sum(e is not None for _, e, _ in outputs),
-            # SGLang admits a request only when its KV fits: memory short of a burst shows
-            # as the burst's requests waiting in the queue, more often than as an urgent reclaim
-            "burst_latency_s_p50": _quantile([s for (_, ids), (_, _, s) in zip(trace, outputs)
-                                              if len(ids) == args.burst_prompt_tokens], 0.5),
-            "burst_latency_s_max": max(s for (_, ids), (_, _, s) in zip(trace, outputs)
-                                       if len(ids) == args.burst_prompt_tokens),
-            "steady_latency_s_p50": _quantile([s for (_, ids), (_, _, s) in zip(trace, outputs)
-                                               if len(ids) != args.burst_prompt_tokens], 0.5),
             "retractions": text.count(RETRACTION),
             "urgent_reclaims": kv["urgent_reclaims_total"] - before["urgent_reclaims_total"],
+            "admissions_held": kv["admissions_held_total"] - before["admissions_held_total"],
             "urgent_reclaim_ms_total": round((kv["urgent_reclaim_s_total"] - before["urgent_reclaim_s_total"]) * 1e3, 2),
+            "burst_latency_s_p50": _quantile(burst, 0.5), "burst_latency_s_max": round(max(burst), 3),
+            "steady_latency_s_p50": _quantile([s for (_, ids), (_, _, s) in zip(trace, outputs)
+                                               if len(ids) != args.burst_prompt_tokens], 0.5),
             "chunks_lent": kv["lends_total"], "chunks_reclaimed": kv["reclaims_total"],
+            "lending_thread": kv["lending_thread"], "reclaim_ahead": kv["reclaim_ahead"],
             "reserve_tokens_end": kv["reserve_tokens"], "reserve_reason_end": kv["reserve_reason"],
+            "free_target_tokens_end": kv["free_target_tokens"],
             "floor_tokens": before["reserve_tokens"],  # before any traffic: Harli's formula
             "trainer_tokens": status["trainer"]["stats"]["tokens_seen"],
         }
 
-    auto, fixed = runs["auto"], runs["fixed"]
+    ahead, fixed = runs["ahead"], runs["fixed"]
     result = {
-        "requests": len(trace), "duration_s": args.duration_s, "burst_size": args.burst_size,
-        "burst_prompt_tokens": args.burst_prompt_tokens, "kv_tokens": args.kv_tokens,
-        "urgent_reclaims_auto": auto["urgent_reclaims"], "urgent_reclaims_fixed": fixed["urgent_reclaims"],
-        "urgent_ratio": auto["urgent_reclaims"] / fixed["urgent_reclaims"] if fixed["urgent_reclaims"] else None,
-        "burst_latency_s_max_auto": auto["burst_latency_s_max"], "burst_latency_s_max_fixed": fixed["burst_latency_s_max"],
+        "requests": len(trace), "duration_s": args.duration_s,
+        "bursts": sum(len(ids) == args.burst_prompt_tokens for _, ids in trace) // max(1, args.burst_size),
+        "burst_size": args.burst_size, "burst_prompt_tokens": args.burst_prompt_tokens, "kv_tokens": args.kv_tokens,
+        "urgent_reclaims_ahead": ahead["urgent_reclaims"], "urgent_reclaims_fixed": fixed["urgent_reclaims"],
+        "urgent_ratio": ahead["urgent_reclaims"] / fixed["urgent_reclaims"] if fixed["urgent_reclaims"] else None,
+        "admissions_held_ahead": ahead["admissions_held"], "admissions_held_fixed": fixed["admissions_held"],
+        "burst_latency_s_max_ahead": ahead["burst_latency_s_max"],
+        "burst_latency_s_max_fixed": fixed["burst_latency_s_max"],
         "runs": runs,
         "targets": {
-            "outputs_identical": auto["outputs_identical"] and fixed["outputs_identical"],
-            "no_failed_request": auto["failed_requests"] == fixed["failed_requests"] == 0,
-            "no_retraction": auto["retractions"] == fixed["retractions"] == 0,
-            "urgent_auto_le_0.1x_fixed": fixed["urgent_reclaims"] > 0
-            and auto["urgent_reclaims"] <= 0.1 * fixed["urgent_reclaims"],
+            "outputs_identical": ahead["outputs_identical"] and fixed["outputs_identical"],
+            "no_failed_request": ahead["failed_requests"] == fixed["failed_requests"] == 0,
+            "no_retraction": ahead["retractions"] == fixed["retractions"] == 0,
+            "urgent_ahead_le_0.1x_fixed": fixed["urgent_reclaims"] > 0
+            and ahead["urgent_reclaims"] <= 0.1 * fixed["urgent_reclaims"],
         },
         "work_dir": str(work),
     }

@@ -2,7 +2,8 @@
 
 - greedy outputs of 200 requests are identical with harvest on (trainer running, KV
   chunks lent and reclaimed) and off;
-- a burst that needs the lent memory gets it back (reclaim) with no failed request and
+- a burst that needs the lent memory gets it back (reclaim, the allocator's work on the
+  lending thread; its admission counted as held by lent memory) with no failed request and
   no retracted one;
 - the trainer makes progress between bursts;
 - /metrics on harvest's port exports the harvest_* metrics and they move;
@@ -118,7 +119,10 @@ RETRACTION = "KV cache pool is full. Retract requests"  # SGLang's warning when 
 
 def test_outputs_identical_reclaim_progress_and_metrics(tiny_llama_path, tmp_path, reference_outputs):
     port = server.free_port()
-    config = colocation_config.write(tmp_path / "harvest", tiny_llama_path, metrics_port=port)
+    # The allocator's work on the lending thread (a GPU's default; a CPU's is the scheduler
+    # thread), so a real server runs it, its flush and its shutdown.
+    config = colocation_config.write(tmp_path / "harvest", tiny_llama_path, metrics_port=port,
+                                     config_keys={"memory": {"lending_thread": True}})
     light, burst = _prompts()
     with server.launch(_args(tiny_llama_path, "--enable-harvest", "--harvest-config", str(config)), log_path=tmp_path / "sglang.log") as srv:
         # The trainer builds on its own thread; KV chunks are lent while the server idles.
@@ -144,6 +148,9 @@ def test_outputs_identical_reclaim_progress_and_metrics(tiny_llama_path, tmp_pat
     assert flushed_out == reference_outputs[0][:16] and after_flush["kv"]["integrity_error"] is None
     assert "pool memory leak detected" not in log
     assert lent_before_burst and after["kv"]["reclaims_total"] > 0, after["kv"]  # the burst took lent chunks back
+    assert after["kv"]["lending_thread"] is True and after["kv"]["reclaim_ahead"] is True
+    # The burst's admission found lent memory in its way: taken back at once, counted.
+    assert after["kv"]["admissions_held_total"] >= 1 and after["kv"]["urgent_reclaims_total"] >= 1, after["kv"]
     assert after["trainer"]["error"] is None and after["trainer"]["stats"]["global_step"] > status["trainer"]["stats"]["global_step"]
     # Decode's torch threads and the trainer's fit the cores together (one each here).
     decode_threads, trainer_threads = after["decode_cpu_threads"], after["trainer_cpu_threads"]
