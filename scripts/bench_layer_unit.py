@@ -9,7 +9,8 @@ a fresh leaf input, the unit boundary's ``detach().requires_grad_()``), then the
 backward units in reverse. Variants, each timed on the same inputs:
 
   eager      the modules as they are
-  compiled   ``torch.compile(layer)`` (inductor)
+  compiled   ``torch.compile(layer)`` with the trainer's backend (inductor; on a CPU keeping
+             eager's fp32 numerics, harvest.train.eager_numerics)
   graphs     ``torch.compile(layer, mode="reduce-overhead")``: inductor, replayed as CUDA
              graphs (cudagraph trees); CUDA only
 
@@ -251,8 +252,14 @@ def main(argv=None) -> int:
     reference = None
     for variant in variants:
         torch._dynamo.reset()
-        module = layer if variant == "eager" else torch.compile(
-            layer, mode="reduce-overhead" if variant == "graphs" else None, dynamic=False)
+        if variant == "eager":
+            module = layer
+        elif variant == "graphs":
+            module = torch.compile(layer, mode="reduce-overhead", dynamic=False)
+        else:  # the trainer's backend (harvest.train.compiled_units): on a CPU, eager's numerics
+            from harvest.train.compiled_units import default_backend
+
+            module = torch.compile(layer, backend=default_backend(torch.device(args.device)), dynamic=False)
         try:
             measured, grads_now = measure_variant(variant, module, lora, inputs, position_embeddings, grads, timing,
                                                   args.rounds, args.warmup)
