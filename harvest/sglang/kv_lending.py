@@ -339,12 +339,18 @@ class KvLendingController:
         return self._drain()
 
     def close(self) -> None:
-        """Stop the lending thread (the jobs posted run first) and apply its last results."""
+        """Stop the lending thread (the jobs posted run first) and apply its last results;
+        any later call works on the scheduler thread."""
         self.mover.close()
         try:
             self._drain()
         except Exception:  # noqa: BLE001 - at shutdown: logged, the state stays consistent
             logger.exception("KV lending: the lending thread's last results")
+        self.wants_thread = False
+        if self.mover.threaded:
+            inline = InlineMover(self.allocator)
+            inline.moves.pending = self.mover.moves.pending  # lends still waiting for their fences
+            self.mover = inline
 
     def _drain(self) -> list[int]:
         """Apply the mover's results in order (scheduler thread). The chunks whose slots

@@ -63,8 +63,9 @@ def kv(request):
     yield tokens, lending
     lending.reclaim_all()
     lending.check_integrity()
+    assert lending.lending_thread is threaded or lending.num_lent_total == 0  # the thread did the work
     lending.close()
-    assert lending.lending_thread is threaded or lending.num_lent_total == 0
+    assert not lending.lending_thread
     alloc.close()
 
 

@@ -183,17 +183,17 @@ def test_closing_runs_what_was_posted_and_joins_the_thread(threaded):
     lent = _lend_all(lending)
     held = tokens.alloc(tokens.available_size() - TOKENS_PER_CHUNK // 2)
     lending.after_step()
+    mover = lending.mover
     lending.close()
-    assert not lending.mover._thread.is_alive()
+    assert not mover._thread.is_alive()
     assert lending.num_lent == lent - 1  # the posted reclaim ran and was applied
     lending.check_integrity()
     with pytest.raises(RuntimeError, match="stopped"):
-        lending.mover.submit(None)
+        mover.submit(None)
     tokens.free(held)
-    from harvest.sglang.lending_thread import InlineMover
-
-    lending.mover = InlineMover(lending.allocator)  # the fixture's teardown reclaims inline
-    lending.wants_thread = False
+    lending.maybe_lend(force=True)  # a call after closing works on the scheduler thread
+    assert not lending.lending_thread and lending.num_lent == lent
+    lending.check_integrity()
 
 
 def test_tensor_parallel_ranks_stay_on_the_scheduler_thread():
