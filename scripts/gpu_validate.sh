@@ -1,18 +1,22 @@
 #!/usr/bin/env bash
-# GPU validation of harvest (issues 9 and 18; docs/gpu-validation.md): the steps of
+# GPU validation of harvest (issues 9, 18 and 39; docs/gpu-validation.md): the steps of
 # scripts/gpu_validate_plan.tsv for one part, each with its timeout, in the plan's order.
 # Every result goes into OUT_DIR the moment it exists: a step's files as it writes them,
 # steps.tsv and summary.json after every step, the archive (--archive) after every step;
 # a failed or timed-out step is recorded (exit code + log) and the next step still runs.
 #
-#   scripts/gpu_validate.sh OUT_DIR [--part 1|2|3|all] [--device auto|cuda|cpu] [--budget-s N] [--archive FILE]
+#   scripts/gpu_validate.sh OUT_DIR [--part 1|2|3|4|5|all] [--device auto|cuda|cpu] [--budget-s N] [--archive FILE]
 #
 #   --part 1       build, doctor, green contexts, per-level CUDA graphs, VMM bench, GPU tests
 #   --part 2       build, doctor, harvest profile, bench_predictor, co-location
 #   --part 3       doctor, tensor-parallel trainer on 2 GPUs (parity with tp = 1, a fault
 #                  on one rank); on a machine with fewer GPUs its steps say so and skip
+#   --part 4       round two (issue 39): build, doctor, bench_trainer on the 8B shape,
+#                  co-location with the compiled trainer, lend/reclaim costs
+#   --part 5       round two: build, doctor, paged profile over the Azure sample's grid,
+#                  its held-out MAPE, harvest replay with it (one instance, --servers auto)
 #                  (each part fits one device call: see the plan's limits)
-#   --part all     all three, one after the other
+#   --part all     all of them, one after the other
 #   --device       auto (default): cuda when torch sees one, else cpu: the CPU rehearsal
 #                  (tiny model, host VMM backend; GPU tests skip themselves, the JSON of
 #                  each step says what it could not measure)
@@ -25,7 +29,7 @@
 # Re-runnable: steps overwrite their own files; the native build is incremental.
 set -u -o pipefail
 
-usage() { sed -n '2,24p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { sed -n '2,28p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 
 [[ $# -ge 1 && $1 != -* ]] || usage
 OUT_DIR=$1
@@ -43,16 +47,18 @@ while [[ $# -gt 0 ]]; do
     *) usage ;;
   esac
 done
-case $PART in 1 | 2 | 3 | all) ;; *) echo "gpu_validate: --part $PART: one of 1, 2, 3, all" >&2; exit 2 ;; esac
 case $DEVICE in auto | cuda | cpu) ;; *) echo "gpu_validate: --device $DEVICE: one of auto, cuda, cpu" >&2; exit 2 ;; esac
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 PLAN=$ROOT/scripts/gpu_validate_plan.tsv
+PARTS=$(awk -F'\t' '$1 ~ /^[0-9]+$/ { print $1 }' "$PLAN" | sort -un | tr '\n' ' ')
+case " $PARTS all " in *" $PART "*) ;; *) echo "gpu_validate: --part $PART: one of ${PARTS}all" >&2; exit 2 ;; esac
 limit() { sed -n "s/^# limits:.* $1=\([0-9][0-9]*\).*/\1/p" "$PLAN"; }
 PART_BUDGET_S=$(limit part_budget_s)
 KILL_AFTER_S=$(limit kill_after_s)
 SUMMARY_RESERVE_S=$(limit summary_reserve_s) # kept back for the summary and the archive
-[[ -n $BUDGET_S ]] || { [[ $PART == all ]] && BUDGET_S=$((3 * PART_BUDGET_S)) || BUDGET_S=$PART_BUDGET_S; }
+NUM_PARTS=$(wc -w <<<"$PARTS")
+[[ -n $BUDGET_S ]] || { [[ $PART == all ]] && BUDGET_S=$((NUM_PARTS * PART_BUDGET_S)) || BUDGET_S=$PART_BUDGET_S; }
 [[ $BUDGET_S =~ ^[0-9]+$ ]] || { echo "gpu_validate: --budget-s $BUDGET_S: a whole number of seconds" >&2; exit 2; }
 
 PYTHON=${PYTHON:-python3}
@@ -118,15 +124,31 @@ JSON
 }
 
 LEVELS=5 # 24/56/80/104 decode SMs + whole GPU on a 132-SM H100/H200; 80 is the 60/40 StaticMode level
+# The Azure sample (the first 300 requests of the conversation trace, in the checkout): the
+# paged profile's grid comes from it and the replays serve it.
+TRACE=harvest/data/azure_llm_2023_conv_sample.csv
 if [[ $DEVICE == cuda ]]; then
   MODEL_DIR=$OUT_DIR/model/llama3-8b
   write_model_config "$MODEL_DIR"
   MODEL_ARGS=(--model-path "$MODEL_DIR" --random-weights)
   PROFILE=$OUT_DIR/cuda-llama3-8b-transformers.json
+  PAGED_PROFILE=$OUT_DIR/cuda-llama3-8b-transformers-paged.json
+  # Part 4's co-location measures no profile of its own (no time for one): the committed
+  # profile of this card (round one's, static KV, co-run beside 2 x 512 PEFT units), else
+  # the H100's with the mismatch allowed and recorded.
+  GPU_NAME=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1)
+  case $GPU_NAME in
+    *H200*) COLOCATE_PROFILE=(--profile profiles/h200-llama3-8b-transformers.json) ;;
+    *H100*) COLOCATE_PROFILE=(--profile profiles/h100-llama3-8b-transformers.json) ;;
+    *) COLOCATE_PROFILE=(--profile profiles/h100-llama3-8b-transformers.json --allow-profile-mismatch) ;;
+  esac
 else # the CPU rehearsal: harvest's tiny Llama (built once into harvest's cache)
   MODEL_DIR=$("$PYTHON" -c 'from harvest.tiny_model import TINY_LLAMA, ensure_tiny_model; print(ensure_tiny_model(TINY_LLAMA))' 2>/dev/null | tail -n 1)
   MODEL_ARGS=(--model-path "${MODEL_DIR:-tiny-llama-unavailable}")
   PROFILE=$OUT_DIR/cpu-tiny-llama-transformers.json
+  PAGED_PROFILE=$OUT_DIR/cpu-tiny-llama-transformers-paged.json
+  # the committed CPU profile of the tiny model (SGLang's engine, another CPU: mismatch allowed)
+  COLOCATE_PROFILE=(--profile profiles/cpu-tiny-llama-sglang.json --allow-profile-mismatch)
 fi
 
 # The command of step $1 on $DEVICE, into CMD. Every step of the plan has an arm here
@@ -181,6 +203,56 @@ command_for() {
     # says so, exit 0.
     tp-trainer) CMD=("$PYTHON" -m tests.train.tp_parity --tp 2 --device "$DEVICE" --builder peft --json) ;;
     tp-fault) CMD=("$PYTHON" -m tests.train.tp_parity --tp 2 --device "$DEVICE" --builder peft --fault-rank 1 --json) ;;
+    # Round two (issue 39). Item 1: the layer-split trainer on the 8B shape, W = all eager,
+    # W = all compiled and W = 2, 8 x 512 tokens a step (the units the co-location below
+    # trains); no plain PEFT on bench_trainer.py's CUDA path (its JSON says why). The
+    # rehearsal: the small synthetic shape, 2 layers, one timed step.
+    bench-trainer)
+      local size=(--model llama3-8b --batch 8 --seq-len 512 --rounds 4 --warmup 1)
+      ((cuda)) || size=(--model small-synthetic --layers 2 --batch 1 --seq-len 32 --rounds 1 --warmup 0 --threads 1)
+      CMD=("$PYTHON" scripts/bench_trainer.py --device "$DEVICE" "${size[@]}" --json) ;;
+    # Claim (f) with the compiled trainer: the H200 run of 2026-11-26 ("Co-location with the
+    # compiled trainer") as the plan's step. The rehearsal leaves the trainer eager (a cold
+    # compile of its layers takes 30-50 s on two loaded cores; tests/train cover it on CPU).
+    colocate-compiled)
+      local run=(--trace-seconds 20 --max-context 512 --max-generated 128 --trainer-alone-s 10 --lora-rank 16
+        --trainer-seq-len 512 --trainer-batch 8 --trainer-micro-batch 8 --trainer-compile on)
+      ((cuda)) || run=(--trace-seconds 6 --time-scale 0.2 --max-generated 24 --trainer-alone-s 1.5 --lora-rank 4
+        --trainer-seq-len 32 --trainer-batch 2 --trainer-micro-batch 1 --trainer-compile off --torch-threads 1)
+      CMD=("$PYTHON" scripts/colocate_gpu.py "${MODEL_ARGS[@]}" --device "$DEVICE" "${COLOCATE_PROFILE[@]}"
+        --modes "decode-alone,harvest,static,trainer-alone,harvest-tight" --levels "$LEVELS" --graphs on
+        --max-batch-size 48 --graph-buckets "8,16,32" --target-tpot-ms 40 --tight-target-factor 1.25 "${run[@]}"
+        --steps-out "$OUT_DIR/colocate-compiled-steps.json" --out-dir "$OUT_DIR" --name colocate-compiled) ;;
+    # Item 2: bench-vmm's command (its JSON now has driver_calls_per_lend/_reclaim and, on
+    # CUDA, a 96-chunk pool); the rehearsal fuzzes less.
+    lend-costs)
+      local backend=(--backend cuda --fuzz-ops 20000)
+      ((cuda)) || backend=(--backend host --fuzz-ops 2000)
+      CMD=("$PYTHON" scripts/bench_vmm.py "${backend[@]}" --num-layers 32 --json --out "$OUT_DIR/lend-costs.json") ;;
+    # Item 3: the paged engine over the grid the Azure sample's decode steps call for (12
+    # points, up to 112 requests x 1072 tokens); its co-run beside 4 x 512-token PEFT units.
+    # The rehearsal keeps the trace's simulation but measures a tiny grid (the trace's grid
+    # on the tiny model took 14 min on this 2-core machine).
+    profile-paged)
+      rm -f "$PAGED_PROFILE" # an interrupted run resumes from its .partial.jsonl
+      local grid=(--dtype bfloat16 --grid-from-trace "$TRACE" --warmup 2 --repeats 6 --lora-rank 16
+        --trainer-micro-batch 4 --trainer-seq-len 512 --trainer-alone-s 1)
+      ((cuda)) || grid=(--dtype float32 --grid-from-trace "$TRACE" --batch-sizes "1,2,4" --context-lengths "32,64"
+        --warmup 1 --repeats 3 --lora-rank 4 --trainer-micro-batch 1 --trainer-seq-len 32 --trainer-alone-s 1
+        --torch-threads 1)
+      CMD=("$PYTHON" -m harvest.cli profile "${MODEL_ARGS[@]}" --engine transformers --kv paged --device "$DEVICE"
+        --levels "$LEVELS" "${grid[@]}" --out "$PAGED_PROFILE") ;;
+    predictor-paged) CMD=("$PYTHON" scripts/bench_predictor.py --profile "$PAGED_PROFILE" --json) ;;
+    # One decode instance with the paged profile (the instance the grid was chosen for:
+    # at most 256 requests, 160000 KV tokens), then the smallest fleet that holds 40 ms. A
+    # tiny CPU model's steps are far slower than 40 ms: the rehearsal's fleet gets a
+    # target it can hold.
+    replay) CMD=("$PYTHON" -m harvest.cli replay --trace "$TRACE" --profile "$PAGED_PROFILE" --json --no-plots) ;;
+    replay-fleet)
+      local target=()
+      ((cuda)) || target=(--target-tpot-ms 100000 --max-queue-delay-s 100000)
+      CMD=("$PYTHON" -m harvest.cli replay --trace "$TRACE" --profile "$PAGED_PROFILE" --servers auto "${target[@]}"
+        --json --no-plots) ;;
     *) return 1 ;;
   esac
 }
@@ -232,19 +304,19 @@ PY
   archive
 }
 
-printf '{"part": "%s", "device": "%s", "device_reason": "%s", "budget_s": %s, "profile": "%s", "model": "%s", "started": "%s"}\n' \
-  "$PART" "$DEVICE" "$DEVICE_REASON" "$BUDGET_S" "$(basename "$PROFILE")" "$(basename "${MODEL_DIR:-none}")" \
-  "$(date -u +%Y-%m-%dT%H:%M:%SZ)" >"$OUT_DIR/run.json"
+printf '{"part": "%s", "device": "%s", "device_reason": "%s", "budget_s": %s, "profile": "%s", "paged_profile": "%s", "model": "%s", "started": "%s"}\n' \
+  "$PART" "$DEVICE" "$DEVICE_REASON" "$BUDGET_S" "$(basename "$PROFILE")" "$(basename "$PAGED_PROFILE")" \
+  "$(basename "${MODEL_DIR:-none}")" "$(date -u +%Y-%m-%dT%H:%M:%SZ)" >"$OUT_DIR/run.json"
 echo "gpu_validate: part $PART on $DEVICE ($DEVICE_REASON), budget ${BUDGET_S}s, results in $OUT_DIR"
 export -f build_native
 export PYTHON BUILD_DIR NATIVE_DIR
 nvidia-smi >"$OUT_DIR/nvidia-smi.txt" 2>&1 || true
-while IFS=$'\t' read -r -u 3 part name timeout_s min_s claims needs what; do
+while IFS=$'\t' read -r -u 3 part name timeout_s min_s expect_s claims needs what; do
   [[ -z $part || $part == \#* ]] && continue
   [[ $PART == all || $PART == "$part" ]] || continue
   step "$part" "$name" "$timeout_s" "$min_s" "$claims"
   [[ $name == build && -d $NATIVE_DIR ]] && export HARVEST_NATIVE_DIR=$NATIVE_DIR
-  : "$needs" "$what" # documentation columns
+  : "$expect_s" "$needs" "$what" # documentation columns
 done 3<"$PLAN"
 
 summarize

@@ -5,10 +5,12 @@
 
 Run after every step (so a call cut short still has one) and at the end. Standard library
 only. ``summary.json`` holds every step's status, the JSON each step left, the GPU tests'
-outcomes, and ``claims``: for each figure (a)-(g) of docs/gpu-validation.md the numbers
+outcomes, and ``claims``: for each figure (a)-(l) of docs/gpu-validation.md the numbers
 found and the file they come from, or why it was not measured (step not run, failed,
 skipped, or a CPU rehearsal, whose numbers are no GPU figures). Nothing is invented: a
-claim with no file behind it says "not measured".
+claim with no file behind it says "not measured". ``goals``: issue 39's targets for round
+two (parts 4 and 5), each with the value found, its file and key, and ``met`` (true, false,
+or null where nothing was measured or only a CPU rehearsal ran).
 """
 
 from __future__ import annotations
@@ -27,7 +29,24 @@ CLAIMS = {
     "e": "QoS under co-location, decode CUDA graphs on: TPOT violation rate at 40 ms and at a tight target",
     "f": "trainer throughput: harvest vs StaticMode vs trainer alone, same run",
     "g": "tensor parallel (tp = 2, NCCL): the trainer's losses and adapter equal tp = 1's; a fault on one rank stops both",
+    # round two (issue 39)
+    "h": "the trainer on the GPU, Llama-3-8B shape: eager vs compiled tokens/s and host us per layer unit, one run",
+    "i": "claim (f) with the compiled trainer: harvest vs StaticMode vs trainer alone at 40 ms and a tight target, QoS",
+    "j": "lend/reclaim per chunk and per page, alone and under decode kernels, driver calls per lend/reclaim",
+    "k": "a paged profile over the Azure sample's grid: stage-1/stage-2 MAPE, steps outside the grid, fleet replay",
+    "l": "a burst of long prompts in the co-location experiment: urgent reclaims and the decode delay they add",
 }
+# Why claim (l) has no step: what would measure it does not run on the GPU machine.
+NO_BURST_STEP = ("no step of the plan measures it: scripts/colocate_gpu.py has no KV lending and no burst of long "
+                 "prompts, and scripts/bench_lending.py (which has both) needs SGLang, which the GPU machine lacks")
+# Issue 39's goals for round two: (name, claim, what, comparison, target).
+GOALS = (
+    ("trainer_alone_tokens_per_s", "i", "the compiled trainer alone, tokens/s", ">=", 12000),
+    ("harvest_vs_static_trainer", "i", "harvest's trainer tokens/s over StaticMode's", ">=", 1.5),
+    ("harvest_violation_rate_40ms", "i", "harvest's TPOT violations at 40 ms", "<=", 0.0),
+    ("lend_reclaim_ms_per_chunk", "j", "the slower of a lend and a reclaim of one chunk, ms (every figure found)", "<=", 1.5),
+    ("steps_outside_grid_fraction", "k", "the replay's decode steps outside the paged profile's grid", "<", 0.05),
+)
 
 
 def load(out: Path, name: str):
@@ -99,6 +118,119 @@ def profile_figures(profile: dict) -> dict:
         "largest_point": biggest,
         "device": profile.get("provenance", {}).get("device_name"),
     }
+
+
+def _get(data, *keys):
+    for key in keys:
+        if not isinstance(data, dict):
+            return None
+        data = data.get(key)
+    return data
+
+
+def _per(value, count):
+    return None if value is None or not count else round(value / count, 3)
+
+
+def lend_figures(vmm: dict, profile: dict | None) -> dict | None:
+    """Claim (j): bench_vmm's lend/reclaim of one chunk alone (and in a 96-chunk pool), of
+    4 chunks under decode kernels, per chunk and per page; the paged profile's memory
+    section (one chunk under decode-like load). ms."""
+    pages = vmm.get("pages_per_chunk")
+    figures = {}
+    if vmm.get("lend_us_median") is not None:
+        under = vmm.get("under_load_chunks_per_call") or 4
+        ms = {"lend_alone": vmm.get("lend_us_median"), "reclaim_alone": vmm.get("reclaim_us_median"),
+              "lend_alone_large_pool": vmm.get("lend_us_median_large_pool"),
+              "reclaim_alone_large_pool": vmm.get("reclaim_us_median_large_pool"),
+              "lend_under_load": _per(vmm.get("under_load_lend_done_us_median"), under),
+              "reclaim_under_load": _per(vmm.get("under_load_reclaim_us_median"), under)}
+        figures["bench_vmm"] = {
+            "backend": vmm.get("backend"), "page_bytes": vmm.get("page_bytes"), "pages_per_chunk": pages,
+            "ms_per_chunk": {k: _per(v, 1000) for k, v in ms.items()},
+            "us_per_page": {k: _per(v, pages) for k, v in ms.items()},
+            "driver_calls_per_lend": vmm.get("driver_calls_per_lend"),
+            "driver_calls_per_reclaim": vmm.get("driver_calls_per_reclaim"),
+            "driver_calls_per_lend_again": vmm.get("driver_calls_per_lend_again"),
+            "large_pool_chunks": vmm.get("large_pool_chunks"),
+            "under_load_chunks_per_call": vmm.get("under_load_chunks_per_call"),
+            "under_load_busy_fraction": vmm.get("under_load_busy_fraction"),
+            "under_load_fault": vmm.get("under_load_fault"), "under_load_checksum_ok": vmm.get("under_load_checksum_ok"),
+            "fuzz_violations": vmm.get("fuzz_violations"), "create_calls_after_init": vmm.get("create_calls_after_init")}
+    memory = (profile or {}).get("memory")
+    if memory:
+        pages = memory.get("pages_per_chunk")
+        figures["profile_memory_section"] = {
+            "chunk_bytes": memory.get("chunk_bytes"), "pages_per_chunk": pages,
+            "lend_ms_per_chunk": memory.get("lend_ms_per_chunk"), "reclaim_ms_per_chunk": memory.get("reclaim_ms_per_chunk"),
+            "lend_us_per_page": _per(1000 * memory["lend_ms_per_chunk"], pages) if "lend_ms_per_chunk" in memory else None,
+            "reclaim_us_per_page": _per(1000 * memory["reclaim_ms_per_chunk"], pages)
+            if "reclaim_ms_per_chunk" in memory else None}
+    return figures or None
+
+
+def paged_figures(profile: dict | None, predictor: dict, replay: dict, fleet: dict) -> dict | None:
+    """Claim (k): the paged profile's grid and fit, its held-out MAPE, the replays."""
+    figures = {}
+    if profile:
+        figures["profile"] = {**profile_figures(profile), "grid": profile.get("grid"),
+                              "profiled_range": profile.get("profiled_range"),
+                              "command_line": _get(profile, "provenance", "command_line")}
+    if predictor:
+        figures["held_out"] = {k: predictor.get(k) for k in ("stage1_mape", "stage2_mape", "held_out_points", "folds",
+                                                              "predict_ns_median", "decision_ns_median")}
+    if replay:
+        runs = replay.get("runs") or [{}]
+        harvest = _get(runs[0], "policies", "harvest") or {}
+        figures["replay"] = {
+            **{k: replay.get(k) for k in ("steps_outside_profile_fraction", "steps_outside_profile_policy",
+                                          "steps_outside_profile_warning", "headline")},
+            "harvest_tpot_p99_ms": _get(harvest, "metrics", "tpot_p99_ms"),
+            "harvest_steps_outside_profile_fraction": _get(harvest, "metrics", "steps_outside_profile_fraction"),
+            "harvest_memory": {k: v for k, v in (harvest.get("memory") or {}).items() if k != "series"} or None}
+    if fleet:
+        auto = _get(fleet, "fleet", "auto") or {}
+        figures["fleet"] = {"steps_outside_profile_fraction": fleet.get("steps_outside_profile_fraction"),
+                            "servers_auto": auto.get("num_servers"), "target_tpot_ms": auto.get("target_tpot_ms"),
+                            "max_queue_delay_s": auto.get("max_queue_delay_s"), "probes": auto.get("probes")}
+    return figures or None
+
+
+def goals(result: dict, summary: dict, on_gpu: bool, rehearsal: str) -> dict:
+    """Issue 39's goals against the figures of claims (i), (j), (k)."""
+    colocate = summary.get("colocate_compiled") or {}
+    modes = colocate.get("modes") or {}
+    j = (result["j"].get("figures") or {})
+    # The driver's work: bench_vmm's lend/reclaim alone (12- and 96-chunk pools) and the
+    # profile's under decode-like load (its fence stream idle). bench_vmm's under-load
+    # figures also wait for the decode work queued before the lend: reported, not judged.
+    chunk_ms = [v for k, v in (_get(j, "bench_vmm", "ms_per_chunk") or {}).items()
+                if v is not None and "_alone" in k]
+    chunk_ms += [v for k, v in (j.get("profile_memory_section") or {}).items() if k.endswith("ms_per_chunk") and v is not None]
+    values = {
+        "trainer_alone_tokens_per_s": (_get(modes, "trainer-alone", "trainer_tokens_per_s"),
+                                       "colocate-compiled.json: modes.trainer-alone.trainer_tokens_per_s"),
+        "harvest_vs_static_trainer": (colocate.get("harvest_trainer_vs_static"),
+                                      "colocate-compiled.json: harvest_trainer_vs_static"),
+        "harvest_violation_rate_40ms": (_get(modes, "harvest", "violation_rate_at", "target", "violation_rate"),
+                                        "colocate-compiled.json: modes.harvest.violation_rate_at.target"),
+        "lend_reclaim_ms_per_chunk": (max(chunk_ms) if chunk_ms else None,
+                                      "lend-costs.json (alone, both pools) and the paged profile's memory section (under decode-like load)"),
+        "steps_outside_grid_fraction": ((summary.get("replay") or {}).get("steps_outside_profile_fraction"),
+                                        "replay.json: steps_outside_profile_fraction"),
+    }
+    found = {}
+    for name, claim, what, op, target in GOALS:
+        value, source = values[name]
+        entry = {"claim": claim, "goal": f"{what} {op} {target}", "value": value, "from": source, "met": None}
+        if value is None:
+            entry["not_measured"] = result[claim].get("not_measured") or "no figure"
+        elif not on_gpu:
+            entry["not_measured"] = rehearsal
+        else:
+            entry["met"] = {">=": value >= target, "<=": value <= target, "<": value < target}[op]
+        found[name] = entry
+    return found
 
 
 def claims(out: Path, run: dict, steps: dict, summary: dict) -> dict:
@@ -174,6 +306,51 @@ def claims(out: Path, run: dict, steps: dict, summary: dict) -> dict:
         "f": entry("f", ["colocate"], ["colocate.json"], {"trainer_tokens_per_s": rates, **ratios} if rates else None),
         "g": entry("g", ["tp-trainer", "tp-fault"], ["tp-trainer.json", "tp-fault.json"], tp_figures),
     }
+    trainer = summary.get("bench_trainer") or {}
+    trainer_figures = None
+    if "tokens_per_s_eager" in trainer:
+        trainer_figures = {k: trainer.get(k) for k in (
+            "model", "device_name", "num_layers", "samples_per_step", "seq_len", "dtype", "tokens_per_s_eager",
+            "tokens_per_s_compiled", "tokens_per_s_w2", "tokens_per_s_peft", "peft_skipped",
+            "host_us_per_layer_unit_eager", "host_us_per_layer_unit_compiled", "ops_per_layer_eager",
+            "ops_per_layer_compiled", "unit_ms_median_w_all", "unit_ms_median_compiled", "unit_ms_median_w2",
+            "copy_compute_overlap_w2", "compile_s", "compiles_in_timed_steps", "compiled_grad_max_rel_diff", "compile")}
+        trainer_figures["micro_batch_size"] = {k: v.get("micro_batch_size") for k, v in (trainer.get("details") or {}).items()}
+        if trainer.get("tokens_per_s_eager") and trainer.get("tokens_per_s_compiled"):
+            trainer_figures["compiled_over_eager"] = round(trainer["tokens_per_s_compiled"] / trainer["tokens_per_s_eager"], 3)
+    compiled = summary.get("colocate_compiled") or {}
+    compiled_modes = compiled.get("modes") or {}
+    compiled_figures = None
+    if compiled_modes:
+        compiled_figures = {
+            "qos": {mode: {k: r.get(k) for k in ("tpot_ms_p50", "tpot_ms_p99", "violation_rate_at", "trainer_step_fraction",
+                                                 "prediction_error", "steps_by_level", "graph_steps", "eager_steps")}
+                    for mode, r in compiled_modes.items() if "tpot_ms_p50" in r},
+            "trainer_tokens_per_s": {mode: r.get("trainer_tokens_per_s") for mode, r in compiled_modes.items()
+                                     if r.get("trainer_tokens_per_s") is not None},
+            "trainer_compile": {mode: r.get("trainer_compile") for mode, r in compiled_modes.items() if r.get("trainer_compile")},
+            **{k: v for k, v in compiled.items() if "_trainer_vs_" in k},
+            "targets_ms": compiled.get("targets_ms"), "profile": compiled.get("profile"), "trainer": compiled.get("trainer")}
+        if not compiled_figures["trainer_tokens_per_s"] and not compiled_figures["qos"]:
+            compiled_figures = None
+    paged = summary.get("profile_paged_raw")
+    result["h"] = entry("h", ["bench-trainer"], ["bench-trainer.json"], trainer_figures)
+    result["i"] = entry("i", ["colocate-compiled"], ["colocate-compiled.json", "colocate-compiled-steps.json"],
+                        compiled_figures)
+    result["j"] = entry("j", ["lend-costs", "profile-paged"], ["lend-costs.json", run.get("paged_profile", "paged profile")],
+                        lend_figures(summary.get("lend_costs") or {}, paged))
+    result["k"] = entry("k", ["profile-paged", "predictor-paged", "replay", "replay-fleet"],
+                        [run.get("paged_profile", "paged profile"), "predictor-paged.json", "replay.json", "replay-fleet.json"],
+                        paged_figures(paged, summary.get("predictor_paged") or {}, summary.get("replay") or {},
+                                      summary.get("replay_fleet") or {}))
+    result["l"] = {"claim": CLAIMS["l"], "steps": [], "files": [], "not_measured": NO_BURST_STEP}
+    memory = _get(result["k"], "figures", "replay", "harvest_memory")
+    if memory:  # what the replay simulates with the profile's lend/reclaim costs: a model, not a measurement
+        result["l"]["simulated_by_replay"] = {k: memory.get(k) for k in (
+            "urgent_reclaims", "urgent_reclaim_chunks", "reclaim_delay_ms_p99", "reclaim_delay_ms_max", "chunks_lent_mean")}
+    if (summary.get("lend_costs") or {}).get("backend") == "host" and "figures" in result["j"]:
+        result["j"]["not_measured"] = "lend-costs ran the host backend: " + (rehearsal or "no CUDA device")
+    result["goals"] = goals(result, summary, on_gpu, rehearsal)
     skipped = tp_trainer.get("skipped") or tp_fault.get("skipped")
     if skipped and "figures" not in result["g"]:
         result["g"]["not_measured"] = skipped
@@ -192,14 +369,21 @@ def main(argv: list[str]) -> int:
     summary = {"run": run, "steps": rows, "doctor": load(out, "doctor.json"), "bench_vmm": load(out, "bench-vmm.json"),
                "level_graphs": load(out, "level-graphs.json"), "bench_predictor": load(out, "bench-predictor.json"),
                "colocate": load(out, "colocate.json"), "tp_trainer": load(out, "tp-trainer.json"),
-               "tp_fault": load(out, "tp-fault.json")}
+               "tp_fault": load(out, "tp-fault.json"), "bench_trainer": load(out, "bench-trainer.json"),
+               "colocate_compiled": load(out, "colocate-compiled.json"), "lend_costs": load(out, "lend-costs.json"),
+               "predictor_paged": load(out, "predictor-paged.json"), "replay": load(out, "replay.json"),
+               "replay_fleet": load(out, "replay-fleet.json")}
     for name, xml in (("greenctx_tests", "greenctx.xml"), ("gpu_tests", "gpu-tests.xml")):
         summary[name] = junit(out / xml)
     summary["gpu_validation"] = (validation_lines(out / "greenctx.stdout.txt")
                                  + validation_lines(out / "gpu-tests.stdout.txt"))
     profile = load(out, run.get("profile", "cuda-llama3-8b-transformers.json"))
     summary["profile"] = profile_figures(profile) if profile else None
-    summary["claims"] = claims(out, run, steps, summary)
+    summary["profile_paged_raw"] = load(out, run.get("paged_profile", "cuda-llama3-8b-transformers-paged.json"))
+    claims_ = claims(out, run, steps, summary)
+    del summary["profile_paged_raw"]  # its figures are claim (k)'s; the file is beside the summary
+    summary["goals"] = claims_.pop("goals")
+    summary["claims"] = claims_
     tmp = out / "summary.json.tmp"
     tmp.write_text(json.dumps(summary, indent=1))
     tmp.replace(out / "summary.json")
@@ -208,6 +392,10 @@ def main(argv: list[str]) -> int:
     for claim, data in summary["claims"].items():
         state = data.get("not_measured") or "measured"
         print(f"({claim}) {state}")
+    for goal in summary["goals"].values():
+        if goal["value"] is not None:
+            met = {True: "met", False: "NOT met", None: "not judged: " + goal.get("not_measured", "")}[goal["met"]]
+            print(f"goal {goal['goal']}: {goal['value']} ({met})")
     return 0
 
 
