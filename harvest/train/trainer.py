@@ -298,7 +298,8 @@ class LayerSplitTrainer:
                 mb = step.micro_batches[unit.micro_batch]
                 num_tokens = mb.num_tokens
                 if unit.kind == UnitKind.FORWARD:
-                    with self.window.saved_tensor_hooks(), self._autocast():
+                    with self.window.saved_tensor_hooks(weights_change_between_units=self.fleet is not None), \
+                            self._autocast():
                         self.split.forward(unit.stage, mb, step.num_label_tokens)
                     if unit.stage == self.split.head_stage:
                         step.losses.append(mb.loss)

@@ -212,10 +212,15 @@ class WeightWindow:
             return False
         return self.allocator.reuses_viewed_memory or self._capacity < len(self.stages)
 
-    def saved_tensor_hooks(self):
+    def saved_tensor_hooks(self, weights_change_between_units: bool = False):
         """A context for a unit's forward: autograd saves handles, not window tensors, where
-        that is needed (`needs_saved_tensor_hooks`, decided as the unit starts)."""
-        if not self.needs_saved_tensor_hooks():
+        that is needed (`needs_saved_tensor_hooks`, decided as the unit starts).
+        ``weights_change_between_units``: another thread may write the trainable weights in
+        place between this forward and its backward (a fleet round's weights applied between
+        two units): the hooks are installed so autograd hands the backward the weights as
+        they are then instead of refusing them (its version check covers only tensors saved
+        without hooks)."""
+        if not weights_change_between_units and not self.needs_saved_tensor_hooks():
             return contextlib.nullcontext()
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 

@@ -280,3 +280,30 @@ def test_shrinking_a_full_window_keeps_the_stages_needed_soonest():
     window.prepare(4, iter([2, 1, 0]))  # W = 3 < 5: the order is kept at once
     window.set_capacity(2)
     assert window.resident_stages() == [2, 4]
+
+
+def test_trainable_weights_written_between_a_forward_and_its_backward_keep_the_hooks():
+    """A fleet member applies a round's weights in place between two units, possibly
+    between a forward unit and its backward: without hooks autograd's version check
+    refuses that backward (every member of a periodic fleet died of it), so the trainer
+    asks for the hooks whenever another thread may write its trainable weights."""
+    from torch import nn
+
+    layers, _, window = _two_linear_stages()
+    window.prepare(0, iter([1]))
+    window.prepare(1, iter([]))
+    assert not window.needs_saved_tensor_hooks()  # every stage resident: no hooks on their own account
+    lora = nn.Linear(8, 8, bias=False)  # a trainable weight beside the frozen one
+    x = torch.randn(2, 8, requires_grad=True)
+
+    def forward_then_apply_then_backward(**hooks):
+        with window.saved_tensor_hooks(**hooks):
+            y = lora(torch.relu(layers[0](x)))
+        with torch.no_grad():
+            lora.weight.add_(1.0)  # the round's weights, written in place between the units
+        y.sum().backward()
+
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        forward_then_apply_then_backward()
+    forward_then_apply_then_backward(weights_change_between_units=True)
+    assert x.grad is not None and lora.weight.grad is not None
