@@ -23,11 +23,12 @@ from __future__ import annotations
 from harvest.engines.transformers.model import cache_layers
 from harvest.engines.transformers.page_table import KvPoolExhausted, PageTable, check_page_size, pages_for
 from harvest.engines.transformers.paged_attention import FLEX_KWARG
+from harvest.engines.transformers.static_batch import SlotRows
 
 DEFAULT_PAGE_SIZE = 16
 
 
-class PagedDecodeBatch:
+class PagedDecodeBatch(SlotRows):
     """Requests decoding together in ``max_batch_size`` slots over a paged KV pool. Each
     slot computes what it would decoding alone; a request holds at most ``max_context +
     max_steps`` tokens; ``num_pages`` (default: every slot at that length) bounds the
@@ -99,27 +100,11 @@ class PagedDecodeBatch:
         self.context_lengths: list[int] = []  # each active slot's length when it joined (rewind)
 
     # -- what a step computes ------------------------------------------------------------------
-    @property
-    def num_requests(self) -> int:
-        return len(self.request_ids)
-
-    @property
-    def bucket(self) -> int:
-        """The rows the next step computes: the smallest bucket holding the active slots."""
-        return next(b for b in self.buckets if b >= self.num_requests)
-
-    @property
-    def computed_rows(self) -> int:
-        return self.bucket
-
     def padded_sum_context(self) -> int:
         """The step's attention work: the pages each request's query reads (inactive rows
         of the bucket read none)."""
         size = self.page_size
         return sum(pages_for(length + 1, size) * size for length in self.lengths)
-
-    def sum_context(self) -> int:
-        return sum(self.lengths) + self.num_requests
 
     # -- host work between steps ---------------------------------------------------------------
     def join(self, request_ids, context_lengths, prompts=None) -> None:
@@ -274,12 +259,6 @@ class PagedDecodeBatch:
             self.last_logits[:rows].copy_(logits)
             self.ids[:rows].copy_(logits.argmax(dim=-1, keepdim=True))
             positions.add_(active.unsqueeze(1))
-
-    def step(self) -> None:
-        """One token for every request, eager (on the caller's current stream)."""
-        self.check_room()
-        self.decode_step(self.bucket)
-        self.after_step()
 
     # -- helpers ------------------------------------------------------------------------------
     def _bucket_view(self, rows: int):

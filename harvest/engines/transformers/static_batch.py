@@ -13,7 +13,36 @@ from __future__ import annotations
 from harvest.engines.transformers.model import cache_layers, on_stream
 
 
-class SlotDecodeBatch:
+class SlotRows:
+    """What every slot batch shares (:class:`SlotDecodeBatch`, the paged batch): active
+    slots ``[0, num_requests)``, the step on the smallest bucket holding them, the eager
+    step. A subclass sets ``buckets``, ``request_ids``, ``lengths`` and defines
+    ``check_room``, ``decode_step`` and ``after_step``."""
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.request_ids)
+
+    @property
+    def bucket(self) -> int:
+        """The rows the next step computes: the smallest bucket holding the active slots."""
+        return next(b for b in self.buckets if b >= self.num_requests)
+
+    @property
+    def computed_rows(self) -> int:
+        return self.bucket
+
+    def sum_context(self) -> int:
+        return sum(self.lengths) + self.num_requests
+
+    def step(self) -> None:
+        """One token for every request, eager (on the caller's current stream)."""
+        self.check_room()
+        self.decode_step(self.bucket)
+        self.after_step()
+
+
+class SlotDecodeBatch(SlotRows):
     """Requests decoding together in ``max_batch_size`` fixed slots of one transformers
     ``StaticCache``, for CUDA graphs: every tensor a step reads or writes keeps its address
     and a step reads nothing back to the host, so :meth:`decode_step` can be captured once per
@@ -73,25 +102,9 @@ class SlotDecodeBatch:
                 layer.batch_size, layer.cumulative_length = bucket, full.cumulative_length
         return cache, self.ids[:bucket], self.positions[:bucket], self.mask[:bucket], self.last_logits[:bucket]
 
-    @property
-    def num_requests(self) -> int:
-        return len(self.request_ids)
-
-    @property
-    def bucket(self) -> int:
-        """The rows the next step computes: the smallest bucket holding the active slots."""
-        return next(b for b in self.buckets if b >= self.num_requests)
-
-    @property
-    def computed_rows(self) -> int:
-        return self.bucket
-
     def padded_sum_context(self) -> int:
         """The step's attention work: every computed row over every column of the cache."""
         return self.bucket * self.max_length
-
-    def sum_context(self) -> int:
-        return sum(self.lengths) + self.num_requests
 
     def join(self, request_ids, context_lengths, prompts=None) -> None:
         """Requests holding ``context_lengths`` tokens of KV into the next free slots:
@@ -176,12 +189,6 @@ class SlotDecodeBatch:
     def check_room(self) -> None:
         if self.steps_taken and max(self.steps_taken) >= self.max_steps:
             raise RuntimeError(f"a request outstays the ring of {self.max_steps} decode steps (max_steps)")
-
-    def step(self) -> None:
-        """One token for every request, eager (on the caller's current stream)."""
-        self.check_room()
-        self.decode_step(self.bucket)
-        self.after_step()
 
 
 class StaticDecodeBatch(SlotDecodeBatch):
