@@ -6,6 +6,9 @@ PYTHON := $(VENV)/bin/python
 export HF_HUB_OFFLINE := 1
 export DISABLE_VERSION_CHECK := 1
 export TOKENIZERS_PARALLELISM := false
+# CI sets CI; so does every run of the suite here, so a local run checks what CI checks
+# (torch's inductor, for one, turns some of its warnings into errors when CI is set).
+export CI := true
 
 .PHONY: venv test-tools demo test test-fast test-gpu gpu-env native clean help
 

@@ -21,7 +21,11 @@ This backend leaves exactly those to ATen:
   a call of ATen's kernel (inductor cannot fuse into it), and rewrites every ``mean`` as
   that sum divided by the count, which is what ATen's CPU mean computes; the pointwise
   work around them stays fused;
-- ``silu_backward`` is not decomposed (inductor has no lowering for it: it calls ATen's).
+- ``silu_backward`` decomposes into a ``harvest::eager_silu_backward`` op lowered, the same
+  way, as a call of ATen's kernel. (Leaving it out of the decomposition table instead
+  makes inductor fall back to ATen by itself, but inductor refuses that fallback, as an
+  error, whenever the environment variable ``CI`` is set: its own check that ops with a
+  decomposition are decomposed. A backend must not depend on the environment.)
 
 Its graphs' LoRA gradients then equal eager's bit for bit, and no slower: the few extra
 kernel calls cost what inductor's size and alignment asserts did, which it leaves out
@@ -41,8 +45,9 @@ from typing import Any
 
 import torch
 
-# Not decomposed: ATen's kernel (fused multiply-add) rather than inductor's mul + add.
-_KEPT_WHOLE = ("silu_backward.default",)
+# Decomposed into a call of ATen's kernel (fused multiply-add) rather than inductor's mul + add:
+# ATen op -> (harvest op, its arguments after ``self``).
+_KEPT_WHOLE = {"silu_backward.default": ("eager_silu_backward", "Tensor grad_output, Tensor self")}
 # The reductions eager runs as ATen kernels -> the harvest op that calls that kernel (its schema).
 _REDUCTIONS = {
     "sum.dim_IntList": ("eager_sum", "int[1]? dim, bool keepdim=False, *, ScalarType? dtype=None"),
@@ -76,10 +81,11 @@ def backend():
 
 
 class _Decompositions(dict):
-    """Inductor's decomposition table less ``_KEPT_WHOLE``. Inductor's cache key pickles the
-    table it is given, and some of its entries are C++ functions, which cannot be pickled
-    (the FX graph cache would be bypassed: every layer compiled again in every process);
-    this pickles as a call of `_decompositions`, and the pass's uuid covers what it holds."""
+    """Inductor's decomposition table, ``_KEPT_WHOLE``'s ops decomposed into their harvest
+    ops. Inductor's cache key pickles the table it is given, and some of its entries are
+    C++ functions, which cannot be pickled (the FX graph cache would be bypassed: every
+    layer compiled again in every process); this pickles as a call of `_decompositions`,
+    and the pass's uuid covers what it holds."""
 
     def __reduce__(self):
         return _decompositions, ()
@@ -89,10 +95,12 @@ def _decompositions() -> _Decompositions:
     from torch._inductor import config
     from torch._inductor.decomposition import select_decomp_table
 
-    kept = {_aten(name) for name in _KEPT_WHOLE}
+    _define_ops()
     with config.patch(fallback_random=True):  # the table inductor would use with it (random ops kept)
-        table = select_decomp_table()
-    return _Decompositions({op: fn for op, fn in table.items() if op not in kept})
+        table = dict(select_decomp_table())
+    for name, (op, _) in _KEPT_WHOLE.items():
+        table[_aten(name)] = getattr(torch.ops.harvest, op).default
+    return _Decompositions(table)
 
 
 def _aten(name: str):
@@ -101,8 +109,8 @@ def _aten(name: str):
 
 
 def _define_ops() -> dict:
-    """``harvest::eager_sum`` and the like: ATen's reduction kernels behind ops inductor does
-    not know, so it calls them as they are. Returns {ATen op: harvest op}; a swapped node
+    """``harvest::eager_sum`` and the like: ATen's reduction kernels (and SiLU's backward)
+    behind ops inductor does not know, so it calls them as they are. Returns {ATen op: harvest op}; a swapped node
     keeps its arguments (the same schema)."""
     with _library_lock:
         _define_ops_locked()
@@ -115,8 +123,10 @@ def _define_ops_locked() -> None:
         from torch._inductor.lowering import fallback_handler, register_lowering
 
         library = torch.library.Library("harvest", "FRAGMENT")
-        for name, (op, arguments) in _REDUCTIONS.items():
-            library.define(f"{op}(Tensor self, {arguments}) -> Tensor")
+        signatures = {name: (op, f"Tensor self, {arguments}") for name, (op, arguments) in _REDUCTIONS.items()}
+        signatures.update(_KEPT_WHOLE)
+        for name, (op, arguments) in signatures.items():
+            library.define(f"{op}({arguments}) -> Tensor")
             library.impl(op, _aten(name), "CompositeExplicitAutograd")
             # Lowered as a call of the ATen op itself (a fallback kernel, no Python in
             # between): the harvest op only marks the node, it never runs in the graph.
