@@ -83,7 +83,7 @@ def test_full_document_and_relative_paths(tmp_path):
         ({"trainers": {}}, r"unknown key\(s\) trainers \(known: qos, profile"),
         ({"trainer": {"cpu_threads": 0}}, r"trainer\.cpu_threads=0: expected an integer in \[1, 1024\]"),
         ({"trainer": {"cpu_threads": 1.5}}, r"trainer\.cpu_threads=1\.5: expected an integer"),
-        ({"trainer": {"threads": 2}}, r"unknown key\(s\) trainer\.threads \(known: cpu_threads, nice, compile\)"),
+        ({"trainer": {"threads": 2}}, r"unknown key\(s\) trainer\.threads \(known: cpu_threads, nice, compile, unit_step_fraction\)"),
         ({"trainer": {"nice": -1}}, r"trainer\.nice=-1: expected an integer in \[0, 19\]"),
         ({"trainer": {"nice": 20}}, r"trainer\.nice=20: expected an integer in \[0, 19\]"),
         ({"metrics": {"endpoint_nice": -1}}, r"metrics\.endpoint_nice=-1: expected an integer in \[0, 19\]"),
@@ -144,7 +144,7 @@ allow_profile_mismatch: true
 jobs: [jobs/a.yaml]
 share_served_weights: false
 ladder: [132, 64]
-trainer: {cpu_threads: 2, nice: 5, compile: "on"}
+trainer: {cpu_threads: 2, nice: 5, compile: "on", unit_step_fraction: 0.5}
 memory: {reserve_tokens: 4096, hysteresis_chunks: 0, max_lend_fraction: 0.5, lend_interval_s: 0.2,
          urgent_reclaim_wait_s: 2.5, integrity_check_interval_s: 30, release_on_pause: false,
          reserve_percentile: 95, reserve_window_s: 120, reserve_lower_after_s: 10, reclaim_ms_per_chunk: 1.5,

@@ -140,6 +140,6 @@ def test_every_job_harvest_option_is_reachable_from_yaml():
         assert getattr(options.fleet, name) == value != getattr(HarvestOptions().fleet, name), name
     defaults = to_mapping(HarvestOptions())
     assert defaults.pop("fleet")["rendezvous"] is None  # not a fleet job unless a rendezvous is named
-    assert defaults == {"micro_batch_size": "auto", "unit_target_ms": 10.0, "window_stages": "all",
+    assert defaults == {"micro_batch_size": "auto", "unit_target_ms": "auto", "window_stages": "all",
                         "memory_budget_mb": None, "microbatches_per_pass": 1, "device": "auto",
                         "name": None, "weight": 1.0, "serve_as": None}

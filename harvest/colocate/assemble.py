@@ -150,11 +150,15 @@ def _assemble(config, engine: EngineAdapter, partitioner, jobs: tuple):
 
         build = engine.build_trainer
         if build is None:
+            from harvest.train.microbatch import decode_step_sizing
+
             if engine.kv is None:
                 raise ValueError("assemble: finetune jobs need EngineAdapter.build_trainer, or the engine's KV "
                                  "pool (kv) to build job files into lent memory")
             build = job_file_builder(engine.kv.allocator, engine.device, budget, engine.weight_source_for,
-                                     tp=engine.trainer_tp, compile_layers=config.trainer.compile)
+                                     tp=engine.trainer_tp, compile_layers=config.trainer.compile,
+                                     unit_sizing=decode_step_sizing(config.trainer.unit_step_fraction,
+                                                                    config.qos.target_tpot_ms, partitioner.ladder))
         max_running = config.queue.max_running
         if engine.tp_size > 1 and max_running > 1:
             # Every rank must run the same job's units at once: the ranks would have to
@@ -274,14 +278,16 @@ def demand_reserve(config, policy, kv: KvPool, costs=None):
 
 
 def job_file_builder(allocator, device: str, budget=None, weight_source_for: Callable | None = None, tp=None,
-                     compile_layers: str = "auto"):
+                     compile_layers: str = "auto", unit_sizing=None):
     """``build(job_path)`` for the trainer thread: the job file through LlamaFactory, its
     frozen-weight window in lent KV memory, sized by ``budget`` (the lent-memory budget
     the lending side publishes). ``weight_source_for(job)`` may return the
     frozen weights to train on in place (the served model's, when it is the same base);
     None or a refusal (WeightSourceError) falls back to a host copy. ``tp``: this rank's
     place in a tensor-parallel trainer (every rank builds the job and keeps its shard);
-    ``compile_layers``: harvest.yaml's ``trainer.compile``."""
+    ``compile_layers``: harvest.yaml's ``trainer.compile``; ``unit_sizing``
+    (harvest.train.microbatch.UnitSizing): what units are sized for, for jobs whose
+    ``unit_target_ms`` is auto."""
 
     def build(job_path):
         from harvest.train.arena_window import ArenaWindowAllocator
@@ -296,13 +302,13 @@ def job_file_builder(allocator, device: str, budget=None, weight_source_for: Cal
                 source = weight_source_for(job)
                 if source is not None:
                     trainer = build_trainer(job, allocator=window, weight_source=source, tp=tp,
-                                            compile_layers=compile_layers)
+                                            compile_layers=compile_layers, unit_sizing=unit_sizing)
                     logger.info("job %s trains on the served weights in place (same base model: no second copy)",
                                 job_path)
                     return trainer
             except WeightSourceError as exc:
                 logger.warning("job %s: cannot share the served weights (%s); using a host copy", job_path, exc)
-        return build_trainer(job, allocator=window, tp=tp, compile_layers=compile_layers)
+        return build_trainer(job, allocator=window, tp=tp, compile_layers=compile_layers, unit_sizing=unit_sizing)
 
     return build
 

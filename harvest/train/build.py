@@ -24,9 +24,9 @@ from harvest.train.computed_buffers import check_computed_buffers
 from harvest.train.data import IGNORE_INDEX, StepBatches
 from harvest.train.evaluation import EvalSettings, Evaluation
 from harvest.train.errors import JobError
-from harvest.train.job import HARVEST_SECTION, HarvestOptions, TrainJob, import_llamafactory
+from harvest.train.job import DEFAULT_UNIT_TARGET_MS, HARVEST_SECTION, HarvestOptions, TrainJob, import_llamafactory
 from harvest.train.llamafactory_env import LOADING_LOCK
-from harvest.train.microbatch import choose_micro_batch_size
+from harvest.train.microbatch import UnitSizing, choose_micro_batch_size
 from harvest.train.plan import check_device, job_identity_name, ready_job
 from harvest.train.split_model import SplitCausalLM
 from harvest.train.trainer import LayerSplitTrainer
@@ -105,14 +105,17 @@ def resolve_device(name: str) -> torch.device:
 
 def build_trainer(job: TrainJob, *, weight_source: BaseWeightSource | None = None,
                   allocator: BaseWindowAllocator | None = None, resume: bool = True,
-                  tp=None, compile_layers: str = "auto") -> LayerSplitTrainer:
+                  tp=None, compile_layers: str = "auto", unit_sizing: UnitSizing | None = None) -> LayerSplitTrainer:
     """A trainer for `job`, resumed from ``resume_from_checkpoint`` (which LlamaFactory sets
     to the newest ``checkpoint-N`` in output_dir unless ``overwrite_output_dir``).
     ``tp`` (harvest.train.tensor_parallel.TensorParallel): this rank's place in a
     tensor-parallel trainer; every rank builds the same job and keeps its shard.
     Everything it refuses before the model loads, `plan.ready_job` refuses (first thing
     here), which `harvest train --check` runs too, so the two cannot disagree.
-    ``compile_layers``: ``trainer.compile`` (auto | on | off; harvest.train.compiled_units)."""
+    ``compile_layers``: ``trainer.compile`` (auto | on | off; harvest.train.compiled_units).
+    ``unit_sizing``: what ``micro_batch_size: auto`` sizes units for when the job's
+    ``unit_target_ms`` is auto (a decode server's: a fraction of its step, on a partition);
+    None: the stand-alone default."""
     import_llamafactory()
     from llamafactory.data import SFTDataCollatorWith4DAttentionMask
     from llamafactory.model import load_model
@@ -155,7 +158,7 @@ def build_trainer(job: TrainJob, *, weight_source: BaseWeightSource | None = Non
                             weight_source=weight_source, allocator=allocator, resume_from=checkpoint_path,
                             max_sample_len=job.data_args.cutoff_len, make_optimizer=job_optimizer(job),
                             make_log=make_log if resume and writer and fleet is None else None,
-                            eval_sets=eval_sets, tp=tp, compile_layers=compile_layers,
+                            eval_sets=eval_sets, tp=tp, compile_layers=compile_layers, unit_sizing=unit_sizing,
                             fleet_job_id=(fleet.job_id or job_identity_name(job)) if fleet is not None else None)
 
 
@@ -208,7 +211,8 @@ def assemble_trainer(peft_model, dataset: Sequence[dict[str, Any]], collate: Cal
                      make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer] | None = None,
                      make_log: Callable[[int, int], Any] | None = None,
                      eval_sets: dict[str, Sequence[dict[str, Any]]] | None = None, tp=None,
-                     fleet_job_id: str | None = None, compile_layers: str = "auto") -> LayerSplitTrainer:
+                     fleet_job_id: str | None = None, compile_layers: str = "auto",
+                     unit_sizing: UnitSizing | None = None) -> LayerSplitTrainer:
     """The trainer over a PEFT model. ``make_optimizer(peft_model)`` builds the optimizer
     (default: AdamW from ``settings``, as the Hugging Face Trainer builds it);
     ``make_log(total_steps, steps_per_epoch)`` its TrainLog (default: none); ``eval_sets``
@@ -272,16 +276,34 @@ def assemble_trainer(peft_model, dataset: Sequence[dict[str, Any]], collate: Cal
         resumed = trainer.resume_from(Path(resume_from))
         logger.info("resumed from %s at step %d", resume_from, trainer.global_step)
     if options.micro_batch_size is None:
+        sizing = _unit_sizing(options, unit_sizing)
         if resumed is not None and resumed.get("micro_batch_size"):
             trainer.micro_batch_size = int(resumed["micro_batch_size"])  # same split as the first run
+            trainer.unit_sizing = {"micro_batch_size": trainer.micro_batch_size,
+                                   "reason": "the checkpoint's: a resumed run keeps its micro-batches"}
         else:
             seq_len = _longest_sample(dataset, max_sample_len)
             trainer.micro_batch_size, unit_ms = choose_micro_batch_size(
-                trainer, options.unit_target_ms, seq_len, settings.samples_per_step,
-                agree_ms=sharded.tp.max_float if sharded is not None else None)
-            logger.info("micro-batch size %d: longest unit %.2f ms (target %.1f ms)",
-                        trainer.micro_batch_size, unit_ms, options.unit_target_ms)
+                trainer, sizing.target_ms, seq_len, settings.samples_per_step,
+                agree_ms=sharded.tp.max_float if sharded is not None else None, stream=sizing.stream)
+            trainer.unit_sizing = sizing.status(trainer.micro_batch_size, unit_ms)
+            logger.info("micro-batch size %d: longest unit %.2f ms (target %.2f ms: %s)",
+                        trainer.micro_batch_size, unit_ms, sizing.target_ms, sizing.reason)
+    else:
+        trainer.unit_sizing = {"micro_batch_size": trainer.micro_batch_size,
+                               "reason": "harvest.micro_batch_size in the job"}
     return trainer
+
+
+def _unit_sizing(options, server: UnitSizing | None) -> UnitSizing:
+    """The job's own ``unit_target_ms`` (timed on the server's partition, if any), else the
+    server's sizing, else the stand-alone default."""
+    if options.unit_target_ms is not None:
+        return UnitSizing(options.unit_target_ms, server.stream if server is not None else None,
+                          "harvest.unit_target_ms in the job")
+    if server is not None:
+        return server
+    return UnitSizing(DEFAULT_UNIT_TARGET_MS, None, "harvest.unit_target_ms: auto, outside a decode server")
 
 
 def keep_lora_inputs_in_compute_dtype(peft_model) -> int:

@@ -43,12 +43,15 @@ _LLAMAFACTORY_DEFAULTS = {
     "disable_gradient_checkpointing": True,
     "report_to": "none",
 }
-# The Hugging Face Trainer's optimizers that are plain torch optimizers (one step() per
-# optimizer step, no closure, no train/eval mode, no extra package): what the layer-split
-# trainer's optimizer unit can drive.
 # The largest learning_rate a job may set: LoRA finetunes train at 1e-5 to 1e-3 (SGD up to
 # about 0.5); above 1.0 the first updates overflow the weights.
 MAX_LEARNING_RATE = 1.0
+# harvest.unit_target_ms: auto outside a decode server (harvest train, harvest profile's
+# trainer): short enough to pause within, long enough that a GPU unit is not host-bound.
+DEFAULT_UNIT_TARGET_MS = 10.0
+# The Hugging Face Trainer's optimizers that are plain torch optimizers (one step() per
+# optimizer step, no closure, no train/eval mode, no extra package): what the layer-split
+# trainer's optimizer unit can drive.
 SUPPORTED_OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "adafactor", "sgd", "adagrad", "rmsprop")
 # Inside a decode server preprocessing runs on the trainer thread: datasets' worker
 # processes would fork a process that holds the serving engine's CUDA context.
@@ -63,8 +66,11 @@ class HarvestOptions:
 
     micro_batch_size: int | None = setting(None, "sequences per unit; auto: measured so a unit takes about "
                                            "unit_target_ms", Integer(minimum=1), words={"auto": None})
-    unit_target_ms: float = setting(10.0, "target duration of one (stage, micro-batch, forward or backward) unit, in ms",
-                                    Number(minimum=0.0, exclusive_minimum=True))
+    unit_target_ms: float | None = setting(
+        None, "target duration of one (stage, micro-batch, forward or backward) unit, in ms; auto: in a decode "
+        "server trainer.unit_step_fraction of the decode step (qos.target_tpot_ms), timed on the trainer's smallest "
+        f"partition; alone {DEFAULT_UNIT_TARGET_MS:g} ms", Number(minimum=0.0, exclusive_minimum=True),
+        words={"auto": None})
     window_stages: int | None = setting(None, "frozen-weight window W in stages (embed, each layer, head); all: every "
                                         "stage resident", Integer(minimum=1), words={"all": None})
     memory_budget_mb: float | None = setting(None, "device memory the trainer may hold, in MiB (null: no limit)",

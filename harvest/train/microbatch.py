@@ -2,18 +2,27 @@
 
 A quick measurement before training: a synthetic micro-batch of the longest sample
 length runs the embedding, one decoder layer and the head forward and backward through
-the real trainer path (window included); the longest of those unit times at micro-batch
-1 gives a first size by linear extrapolation, which one more measurement at that size
-corrects. Gradients and RNG state are restored afterwards, so the measurement leaves no
-trace in training. The head (vocabulary projection) is usually the longest unit, so it
-bounds the choice.
+the real trainer path (window included), on the stream of the partition the target is
+for; the longest of those unit times at micro-batch 1 gives a first size by linear
+extrapolation, which one more measurement at that size corrects. Gradients and RNG state
+are restored afterwards, so the measurement leaves no trace in training. The head
+(vocabulary projection) is usually the longest unit, so it bounds the choice.
+
+The target (`UnitSizing`): a unit's host cost does not grow with its tokens, so a unit
+should carry as many as its time allows; in a decode server that time is a fraction of
+the decode step on the smallest partition the trainer runs on (a level change waits for
+the unit in flight), alone a fixed default (docs/design.md §2, 'Units sized by the decode
+step').
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import math
 import statistics
 import time
+from typing import Any
 
 import torch
 
@@ -21,30 +30,64 @@ from harvest.train import checkpoint
 from harvest.train.split_model import MicroBatch
 
 
+@dataclasses.dataclass(frozen=True)
+class UnitSizing:
+    """What ``micro_batch_size: auto`` sizes a unit for: ``target_ms`` of device time on the
+    partition whose trainer ``stream`` it is timed on (None: the thread's current stream,
+    every SM; always None on a CPU), and why that target, for the log and the status."""
+
+    target_ms: float
+    stream: Any = None
+    reason: str = ""
+
+    def status(self, micro_batch_size: int, unit_ms: float | None) -> dict[str, Any]:
+        return {"target_ms": round(self.target_ms, 3), "measured_ms": None if unit_ms is None else round(unit_ms, 3),
+                "micro_batch_size": micro_batch_size, "reason": self.reason}
+
+
+def decode_step_sizing(unit_step_fraction: float, target_tpot_ms: float, ladder) -> UnitSizing:
+    """A decode server's sizing: ``unit_step_fraction`` of the decode step's target, timed
+    on the trainer stream of the level that gives the trainer the fewest SMs (a unit sized
+    there fits that share of the step on every level the trainer runs on). ``ladder``:
+    the built ladder (harvest.ladder.Ladder, its levels carrying their streams)."""
+    target_ms = unit_step_fraction * target_tpot_ms
+    if not ladder.trainer_levels:  # a ladder without a trainer level never runs units; size for the device
+        return UnitSizing(target_ms, None, f"{unit_step_fraction:g} of the {target_tpot_ms:g} ms decode step")
+    index = min(ladder.trainer_levels, key=lambda i: ladder.levels[i].trainer_sms)
+    level = ladder.levels[index]
+    where = ("the whole device, shared with decode" if ladder.num_levels == 1 and level.decode_sms == level.trainer_sms
+             else f"level {index}'s {level.trainer_sms} of {ladder.total_sms} SMs, the trainer's smallest partition")
+    return UnitSizing(target_ms, level.trainer_stream,
+                      f"{unit_step_fraction:g} of the {target_tpot_ms:g} ms decode step, on {where}")
+
+
 def choose_micro_batch_size(trainer, target_ms: float, seq_len: int, max_size: int,
-                            agree_ms=None) -> tuple[int, float]:
+                            agree_ms=None, stream=None) -> tuple[int, float]:
     """(micro-batch size in 1..max_size, its measured longest unit in ms). ``agree_ms``:
     tensor-parallel ranks' agreement on a measurement (their slowest), so every rank
-    probes the same sizes and picks the same one (the probes run collectives)."""
+    probes the same sizes and picks the same one (the probes run collectives).
+    ``stream``: the trainer stream of the partition the target is for (None: current)."""
     rng_state = checkpoint.capture_rng_state(trainer.device)
     agree = agree_ms or (lambda ms: ms)
     try:
-        unit_ms = agree(longest_unit_ms(trainer, 1, seq_len))
+        unit_ms = agree(longest_unit_ms(trainer, 1, seq_len, stream=stream))
         size = max(1, min(max_size, math.floor(target_ms / unit_ms)))
         if size > 1:
-            unit_ms = agree(longest_unit_ms(trainer, size, seq_len))
+            unit_ms = agree(longest_unit_ms(trainer, size, seq_len, stream=stream))
             if unit_ms > 1.2 * target_ms:
                 size = max(1, math.floor(size * target_ms / unit_ms))
-                unit_ms = agree(longest_unit_ms(trainer, size, seq_len))
+                unit_ms = agree(longest_unit_ms(trainer, size, seq_len, stream=stream))
         return size, unit_ms
     finally:
         trainer.optimizer.zero_grad(set_to_none=True)
         checkpoint.restore_rng_state(rng_state, trainer.device)
 
 
-def longest_unit_ms(trainer, micro_batch_size: int, seq_len: int, repeats: int = 3) -> float:
-    """Median over `repeats` (after one warm-up) of the longest unit of a synthetic micro-batch."""
+def longest_unit_ms(trainer, micro_batch_size: int, seq_len: int, repeats: int = 3, stream=None) -> float:
+    """Median over `repeats` (after one warm-up) of the longest unit of a synthetic
+    micro-batch, its units issued on ``stream`` (None: the current stream)."""
     split, window, device = trainer.split, trainer.window, trainer.device
+    compute_stream = trainer._compute_stream(stream)
     layer_stage = 1 if split.num_layers > 0 else split.head_stage
     order = split.pass_stages()
     samples = []
@@ -55,10 +98,11 @@ def longest_unit_ms(trainer, micro_batch_size: int, seq_len: int, repeats: int =
         durations = []
 
         def timed(stage, action):
-            window.prepare(stage, iter(order), trainer._compute_stream(None))
+            window.prepare(stage, iter(order), compute_stream)
             _synchronize(device)
             started = time.perf_counter()
-            action()
+            with _on(compute_stream):
+                action()
             _synchronize(device)
             durations.append((time.perf_counter() - started) * 1e3)
 
@@ -67,8 +111,9 @@ def longest_unit_ms(trainer, micro_batch_size: int, seq_len: int, repeats: int =
                 split.forward(stage, mb, mb.num_label_tokens)
 
         with trainer._unit_lock:
-            window.prepare(0, iter(order), trainer._compute_stream(None))
-            forward(0)
+            window.prepare(0, iter(order), compute_stream)
+            with _on(compute_stream):
+                forward(0)
             if layer_stage != split.head_stage:
                 timed(layer_stage, lambda: forward(layer_stage))
             timed(split.head_stage, lambda: forward(split.head_stage))
@@ -78,6 +123,10 @@ def longest_unit_ms(trainer, micro_batch_size: int, seq_len: int, repeats: int =
                 timed(layer_stage, lambda: split.backward(layer_stage, mb))
         samples.append(max(durations))
     return statistics.median(samples[1:])
+
+
+def _on(stream):
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
 
 def _synchronize(device: torch.device) -> None:

@@ -71,3 +71,6 @@ class TrainerStats:
     checkpoint_step: int | None = None
     # trainer.compile: {"requested", "layers_compiled", "reason"} (harvest.train.compiled_units)
     compile: dict | None = None
+    # How micro_batch_size was chosen: {"micro_batch_size", "reason", and for a measured
+    # choice "target_ms", "measured_ms"} (harvest.train.microbatch.UnitSizing.status)
+    unit_sizing: dict | None = None

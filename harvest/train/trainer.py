@@ -85,6 +85,8 @@ class LayerSplitTrainer:
         self.scheduler = scheduler
         self.total_steps = total_steps
         self.micro_batch_size = micro_batch_size
+        # How micro_batch_size was chosen (harvest.train.microbatch.UnitSizing.status; set by the build).
+        self.unit_sizing: dict | None = None
         self.microbatches_per_pass = microbatches_per_pass
         self.device = torch.device(device)
         self.output_dir = Path(output_dir) if output_dir is not None else None
@@ -225,7 +227,7 @@ class LayerSplitTrainer:
             resident_bytes=window_bytes + self._trainable_state_bytes,
             micro_batch_size=self.micro_batch_size, load_wait_s=c["load_wait_s"], starved=c["starved"],
             eval_loss=next(iter(self.evals.last_metrics.values()), None), checkpoint_step=checkpoint_step,
-            compile=self.split.compiled.status())
+            compile=self.split.compiled.status(), unit_sizing=self.unit_sizing)
 
     def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Inference logits of the current model (base + adapter), through the window."""

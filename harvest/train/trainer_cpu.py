@@ -18,11 +18,14 @@ import os
 import sys
 import threading
 
-from harvest.settings import Integer, Switch, setting, validate
+from harvest.settings import Integer, Number, Switch, setting, validate
 
 DEFAULT_TRAINER_CPU_THREADS = 1
 DEFAULT_TRAINER_NICE = 2
 MAX_NICE = 19
+# A unit in flight keeps its partition's SMs until it ends, so a level change waits for it:
+# a quarter of the step bounds that wait, and leaves a unit long enough to carry its tokens.
+DEFAULT_UNIT_STEP_FRACTION = 0.25
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +38,10 @@ class TrainerConfig:
                         Integer(minimum=0, maximum=MAX_NICE))
     compile: str = setting("auto", "decoder layers' units compiled with torch.compile (fewer host operators per "
                            "unit); auto: on CUDA devices, not on a CPU", Switch())
+    unit_step_fraction: float = setting(
+        DEFAULT_UNIT_STEP_FRACTION, "jobs' unit_target_ms auto: a unit lasts this fraction of the decode step "
+        "(qos.target_tpot_ms) on the trainer's smallest partition",
+        Number(minimum=0.0, maximum=1.0, exclusive_minimum=True))
 
     def __post_init__(self) -> None:
         validate(self)

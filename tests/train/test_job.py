@@ -40,7 +40,7 @@ BAD_JOBS = [
     ({"harvest": {"micro_batch_size": 0}}, r"^harvest\.micro_batch_size=0: expected 'auto' or an integer >= 1; "),
     ({"harvest": {"window_stages": "some"}}, r"^harvest\.window_stages='some': expected 'all' or an integer >= 1; "),
     ({"harvest": {"device": "tpu"}}, r"^harvest\.device='tpu': expected auto, cpu, cuda or cuda:N; "),
-    ({"harvest": {"unit_target_ms": 0}}, r"^harvest\.unit_target_ms=0: expected a finite number > 0\.0; "),
+    ({"harvest": {"unit_target_ms": 0}}, r"^harvest\.unit_target_ms=0: expected 'auto' or a finite number > 0\.0; "),
     ({"harvest": {"microbatches_per_pass": "auto"}}, r"^harvest\.microbatches_per_pass='auto': expected an integer >= 1; "),
     ({"harvest": {"memory_budget_mb": 0.05}}, r"^harvest.memory_budget_mb: 0.05 MiB cannot hold the trainer's"),
 ]

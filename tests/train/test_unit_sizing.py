@@ -1,0 +1,121 @@
+"""Units sized by the decode step (issue 35, item 4; harvest.train.microbatch.UnitSizing).
+
+- In a decode server a job whose ``unit_target_ms`` is auto sizes its micro-batch so a unit
+  takes ``trainer.unit_step_fraction`` of the decode step's target, timed on the trainer
+  stream of the level that gives the trainer the fewest SMs; the composition root hands
+  that sizing to the job builder.
+- A job's own ``unit_target_ms`` wins (still timed on the server's partition); alone
+  (``harvest train``) auto is the stand-alone default.
+- ``/harvest/status`` (the trainer's stats) says what the micro-batch was sized for, the
+  measured unit and why; a bad ``trainer.unit_step_fraction`` is refused naming the key.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from harvest.ladder import GREEN_CONTEXTS, Ladder, Level
+from harvest.train.job import DEFAULT_UNIT_TARGET_MS, load_job
+from harvest.train.microbatch import UnitSizing, decode_step_sizing
+from tests.train.trainer_helpers import job_dict
+
+
+def test_on_a_whole_device_ladder_the_unit_is_the_fraction_of_the_step_on_the_shared_device():
+    sizing = decode_step_sizing(0.25, 40.0, Ladder.whole_device(8, "CPU", trainer_stream=None))
+    assert sizing.target_ms == pytest.approx(10.0) and sizing.stream is None
+    assert sizing.reason == "0.25 of the 40 ms decode step, on the whole device, shared with decode"
+
+
+def test_with_partitions_the_unit_is_timed_on_the_trainers_smallest_partition():
+    streams = {sms: f"trainer stream of {sms} SMs" for sms in (32, 52, 72)}
+    levels = [Level(132 - t, t, f"decode {t}", streams[t]) for t in (52, 32, 72)] + [Level(132, 0)]
+    ladder = Ladder(132, tuple(levels), GREEN_CONTEXTS)
+    sizing = decode_step_sizing(0.5, 30.0, ladder)
+    assert sizing.target_ms == pytest.approx(15.0)
+    assert sizing.stream == "trainer stream of 32 SMs"
+    assert sizing.reason == "0.5 of the 30 ms decode step, on level 1's 32 of 132 SMs, the trainer's smallest partition"
+
+
+def _build(tiny_llama_path, tmp_path, unit_sizing=None, **harvest):
+    from harvest.train.build import build_trainer
+
+    return build_trainer(load_job(job_dict(tiny_llama_path, tmp_path, harvest={"micro_batch_size": "auto", **harvest})),
+                         unit_sizing=unit_sizing)
+
+
+def test_an_auto_job_in_a_server_is_sized_for_the_servers_target_and_says_so(tiny_llama_path, tmp_path):
+    server = UnitSizing(1e-6, None, "0.25 of the 4e-06 ms decode step, on the whole device, shared with decode")
+    trainer = _build(tiny_llama_path, tmp_path / "server", server)
+    assert trainer.micro_batch_size == 1  # no unit meets a nanosecond: the smallest micro-batch
+    sizing = trainer.stats().unit_sizing
+    assert sizing["target_ms"] == 0.0 and sizing["reason"] == server.reason and sizing["micro_batch_size"] == 1
+    assert sizing["measured_ms"] > 0
+
+    roomy = UnitSizing(1e6, None, "a step of minutes")
+    trainer = _build(tiny_llama_path, tmp_path / "roomy", roomy)
+    assert trainer.micro_batch_size == 4  # the whole step's samples (2 x 2) in one unit
+    assert trainer.stats().unit_sizing["reason"] == "a step of minutes"
+
+
+def test_the_jobs_own_target_wins_and_alone_auto_is_the_default(tiny_llama_path, tmp_path):
+    from harvest.train.build import _unit_sizing
+    from harvest.train.job import HarvestOptions
+
+    server = UnitSizing(1e6, "the partition's stream", "the server's")
+    own = _unit_sizing(HarvestOptions(unit_target_ms=2.5), server)
+    assert (own.target_ms, own.stream, own.reason) == (2.5, "the partition's stream", "harvest.unit_target_ms in the job")
+    assert _unit_sizing(HarvestOptions(), server) is server
+    alone = _unit_sizing(HarvestOptions(), None)
+    assert (alone.target_ms, alone.stream) == (DEFAULT_UNIT_TARGET_MS, None)
+
+    trainer = _build(tiny_llama_path, tmp_path / "own", UnitSizing(1e6, None, "the server's"), unit_target_ms=1e-6)
+    assert trainer.micro_batch_size == 1 and trainer.stats().unit_sizing["reason"] == "harvest.unit_target_ms in the job"
+    fixed = _build(tiny_llama_path, tmp_path / "fixed", UnitSizing(1e-6, None, "the server's"), micro_batch_size=2)
+    assert fixed.micro_batch_size == 2
+    assert fixed.stats().unit_sizing == {"micro_batch_size": 2, "reason": "harvest.micro_batch_size in the job"}
+
+
+def test_the_composition_root_hands_the_job_builder_the_decode_step_sizing(tiny_llama_path, monkeypatch):
+    from harvest.colocate import assemble as assemble_module
+    from harvest.colocate.assemble import EngineAdapter, KvPool, assemble
+    from harvest.colocate.colocation import NoKvLending
+    from harvest.colocate.job_queue import JobSpec
+    from harvest.config import HarvestConfig, MemoryConfig
+    from harvest.memory import UnifiedAllocator
+    from harvest.schedule import SchedulerConfig
+    from harvest.train.trainer_cpu import TrainerConfig
+
+    handed = {}
+
+    def job_file_builder(*args, **kwargs):
+        handed.update(kwargs)
+        return lambda job_path: None
+
+    monkeypatch.setattr(assemble_module, "job_file_builder", job_file_builder)
+    alloc = UnifiedAllocator(num_layers=2, kv_heads=2, head_dim=16, dtype_bytes=4, max_tokens=8 * 128,
+                             page_bytes=16 * 1024)
+    kv = KvPool(allocator=alloc, num_tokens=8 * 128 - 1, max_batch_size=4,
+                lending_controller=lambda policy, budget, memory, metrics: NoKvLending())
+    # A job in the queue, so the server builds jobs (the builder above builds nothing).
+    engine = EngineAdapter(device="cpu", model_path=str(tiny_llama_path), model_dtype="float32", kv=kv,
+                           jobs=(JobSpec("job.yaml", "job", 1.0, None, "out"),))
+    config = HarvestConfig(qos=SchedulerConfig(target_tpot_ms=48.0), trainer=TrainerConfig(unit_step_fraction=0.125),
+                           memory=MemoryConfig(reserve_tokens=128))
+    colocation = assemble(config, engine)
+    try:
+        sizing = handed["unit_sizing"]
+        assert sizing.target_ms == pytest.approx(6.0) and sizing.stream is None
+        assert sizing.reason == "0.125 of the 48 ms decode step, on the whole device, shared with decode"
+    finally:
+        colocation.close(trainer_timeout_s=5.0)
+        colocation.partitioner.close()
+
+
+@pytest.mark.parametrize("value", [0, 1.5, -0.25, "half"])
+def test_a_bad_unit_step_fraction_is_refused_naming_the_key(tmp_path, value):
+    from harvest.config import ConfigError, load
+
+    path = tmp_path / "harvest.yaml"
+    path.write_text(f"trainer: {{unit_step_fraction: {value}}}\n")
+    with pytest.raises(ConfigError, match=r"trainer\.unit_step_fraction"):
+        load(path)
