@@ -43,7 +43,8 @@ pytestmark = [
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "harvest" / "metrics" / "dashboards" / "harvest.json"
 RATE_INTERVAL = "15s"  # what Grafana's $__rate_interval gives for a 1 s scrape interval at this zoom
-SCRAPE_FOR_S = 25  # seconds of scrapes (while requests run) before the queries
+SCRAPES_IN_WINDOW = 5  # scrapes of each server within RATE_INTERVAL before the queries (a rate needs 2)
+SCRAPED_WITHIN_S = 120  # the longest wait for them
 # Metrics NVML feeds: absent on a machine without an NVIDIA driver (nothing is faked).
 GPU_ONLY = ("harvest_gpu_",)
 # Metrics of jobs a fleet of servers trains together: these servers' jobs train alone
@@ -138,7 +139,8 @@ def _send_requests(servers: list[server.Server], stop: threading.Event) -> None:
 
 @pytest.fixture(scope="module")
 def fleet(tiny_llama_path, tmp_path_factory):
-    """(prometheus, {instance: status}) after SCRAPE_FOR_S seconds of scrapes of two busy servers."""
+    """(prometheus, {instance: status}) once Prometheus holds SCRAPES_IN_WINDOW scrapes, in
+    the rate window, of two servers that decode and train."""
     root = tmp_path_factory.mktemp("fleet")
     servers: list[server.Server] = []
     prometheus = None
@@ -161,13 +163,14 @@ def fleet(tiny_llama_path, tmp_path_factory):
         sender = threading.Thread(target=_send_requests, args=(servers, stop), daemon=True)
         sender.start()
         for srv, port in started:
-            ready = _wait_for(lambda port=port: _job_ready(_get_json(f"http://127.0.0.1:{port}/harvest/status")), 300)
+            ready = _wait_for(lambda port=port: _job_ready(_get_json(f"http://127.0.0.1:{port}/harvest/status")), 300, 0.25)
             assert ready, f"the job on {srv.base_url} did not train and evaluate in 300 s:\n{srv.log_tail()}"
         targets = [f"127.0.0.1:{port}" for port in ports]
         prometheus = Prometheus(root, targets)
-        up = _wait_for(lambda: len([r for r in prometheus.query('up{job="harvest"} == 1')["data"]["result"]]) == 2, 60)
+        up = _wait_for(lambda: len([r for r in prometheus.query('up{job="harvest"} == 1')["data"]["result"]]) == 2, 60, 0.25)
         assert up, f"prometheus does not scrape both servers:\n{prometheus.log_tail()}"
-        time.sleep(SCRAPE_FOR_S)
+        scraped = _wait_for(lambda: _scraped_busy(prometheus, len(targets)), SCRAPED_WITHIN_S, 0.5)
+        assert scraped, f"no {SCRAPES_IN_WINDOW} scrapes of both busy servers in {SCRAPED_WITHIN_S} s:\n{prometheus.log_tail()}"
         statuses = {target: _get_json(f"http://{target}/harvest/status") for target in targets}
         yield prometheus, statuses
     finally:
@@ -176,8 +179,21 @@ def fleet(tiny_llama_path, tmp_path_factory):
             sender.join(timeout=90)
         if prometheus is not None:
             prometheus.stop()
-        for srv in servers:
-            srv.stop()
+        with concurrent.futures.ThreadPoolExecutor(max(1, len(servers))) as pool:
+            list(pool.map(lambda srv: srv.stop(), servers))  # both at once
+
+
+def _scraped_busy(prometheus: Prometheus, num_servers: int) -> bool:
+    """The rate window holds SCRAPES_IN_WINDOW scrapes of every server, over which each
+    decoded and trained: what the dashboard's rates need to have a value (two samples) and
+    the fleet row's latency and tokens/s to be above 0."""
+    window = RATE_INTERVAL
+    conditions = (
+        f'count_over_time(up{{job="harvest"}}[{window}]) >= {SCRAPES_IN_WINDOW}',
+        f'sum by (instance) (increase(harvest_decode_step_seconds_count{{job="harvest"}}[{window}])) > 0',
+        f'sum by (instance) (rate(harvest_trainer_tokens_total{{job="harvest"}}[{window}])) > 0',
+    )
+    return all(len(prometheus.query(expr)["data"]["result"]) == num_servers for expr in conditions)
 
 
 def _dashboard_queries() -> list[tuple[str, str, str, str]]:
