@@ -4,8 +4,11 @@ Eager units are bound by the host's operator dispatch; ``torch.compile`` (induct
 it several-fold. Invariants: each decoder layer is compiled in place (module, parameters,
 PEFT wrappers and window swaps unchanged; the unit boundary stays outside the graph);
 compilation runs on the trainer's thread while the job builds, never on the decode thread;
-``auto`` compiles on CUDA and not on a CPU; a layer whose compilation fails runs eager from
-then on with its ``reason`` kept; tensor-parallel layers stay eager.
+``auto`` compiles on CUDA and not on a CPU; a layer whose compilation fails (its forward
+or its backward: both compile at its first forward call) runs eager from then on with its
+``reason`` kept; tensor-parallel layers stay eager. A cache is never trusted over a
+compilation: artifacts that fail to load are set aside and compiled again, and each torch
+version has a cache directory of its own.
 
 Rules and figures: docs/design.md §2, 'Compiled decoder layers'.
 """
@@ -14,6 +17,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import tempfile
+import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -44,18 +50,43 @@ def wants_compile(requested: str, device: torch.device) -> bool:
     return requested == "on" or (requested == "auto" and device.type == "cuda")
 
 
+def harvest_cache_dir() -> Path:
+    """Harvest's inductor cache for this torch: ``<cache>/torchinductor/<torch version>``.
+    Inductor keys its artifacts by the torch build already, so another torch's are never
+    loaded; a folder per version keeps them apart and lets an upgrade say so."""
+    from harvest import config_env
+
+    return config_env.cache_dir() / "torchinductor" / torch.__version__
+
+
 def use_harvest_cache() -> None:
-    """Inductor's artifacts under harvest's cache directory, unless the operator chose a
+    """Inductor's artifacts under `harvest_cache_dir`, unless the operator chose a
     directory. Inductor writes its default (a folder under /tmp) into the variable the first
     time anything asks for it, so a value equal to that default is inductor's, not the
-    operator's."""
+    operator's. Other torch versions' folders beside it are named once in a warning."""
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-
-    from harvest import config_env
 
     current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if current is None or os.path.abspath(current) == os.path.abspath(default_cache_dir()):
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(config_env.cache_dir() / "torchinductor")
+        directory = harvest_cache_dir()
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.abspath(directory)
+        _warn_of_other_versions(directory)
+
+
+_warned_versions: set[Path] = set()
+
+
+def _warn_of_other_versions(directory: Path) -> None:
+    try:
+        others = sorted(p.name for p in directory.parent.iterdir()
+                        if p.is_dir() and p.name != directory.name and ".aside-" not in p.name)
+    except OSError:
+        return
+    if others and directory.parent not in _warned_versions:
+        _warned_versions.add(directory.parent)
+        logger.warning("trainer.compile: compiled artifacts of torch %s under %s are not used by torch %s "
+                       "(compiled again into %s; delete the old folders to reclaim the disk)",
+                       ", ".join(others), directory.parent, torch.__version__, directory.name)
 
 
 def compile_layers(layers: list[nn.Module], requested: str, device: torch.device, *, tensor_parallel: bool = False,
@@ -75,6 +106,13 @@ def compile_layers(layers: list[nn.Module], requested: str, device: torch.device
     # Every job a server builds is a new model: dynamo's per-code limit on recompilations
     # (8) would otherwise, a few jobs of different shapes later, run every layer eager.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    # A layer's backward compiles with its forward, at its first forward call, where a
+    # failure still leaves the layer to run eager (lazily, at its first backward, a failure
+    # would end the job mid-step). Process-wide; it changes nothing for graphs that need no
+    # backward (serving's).
+    import torch._functorch.config
+
+    torch._functorch.config.force_non_lazy_backward_lowering = True
     if backend is None:
         backend = default_backend(device)
     for layer in layers:
@@ -111,7 +149,9 @@ def _compile_errors() -> tuple[type[BaseException], ...]:
 
 def _guard_first_call(layer: nn.Module, state: CompiledLayers) -> None:
     """A layer whose compilation fails goes back to eager and runs the same call again
-    (a compilation fails before anything of the call has run)."""
+    (a compilation fails before anything of the call has run). A failure to load an
+    artifact from the cache is not the layer's: the cache is set aside and the call
+    compiles again, once per process."""
     compiled_call = layer._compiled_call_impl
     errors = _compile_errors()
 
@@ -119,13 +159,61 @@ def _guard_first_call(layer: nn.Module, state: CompiledLayers) -> None:
         try:
             return compiled_call(*args, **kwargs)
         except errors as exc:
-            layer._compiled_call_impl = None
-            state.layers -= 1
-            state.reason = f"a decoder layer could not compile and runs eager: {_describe(exc)}"
-            logger.warning("trainer.compile: %s", state.reason)
-            return layer._call_impl(*args, **kwargs)
+            failure = exc
+        if _set_aside_cache_named_in(failure):
+            try:
+                return compiled_call(*args, **kwargs)
+            except errors as exc:
+                failure = exc
+        layer._compiled_call_impl = None
+        state.layers -= 1
+        state.reason = f"a decoder layer could not compile and runs eager: {_describe(failure)}"
+        logger.warning("trainer.compile: %s", state.reason)
+        return layer._call_impl(*args, **kwargs)
 
     layer._compiled_call_impl = call
+
+
+_cache_set_aside = False  # at most once per process: a second failure is the layer's own
+
+
+def _set_aside_cache_named_in(exc: BaseException) -> bool:
+    """When ``exc`` (or an error under it) names a file of inductor's cache (an artifact
+    that would not load: truncated by a crash, damaged on disk), compile into a fresh cache
+    from now on and return True. Harvest's own cache folder is renamed ``*.aside-<time>``
+    (the next start finds a fresh one); an operator's (TORCHINDUCTOR_CACHE_DIR) is left as
+    it is and this process compiles into a temporary folder."""
+    global _cache_set_aside
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+    from torch._inductor.utils import clear_caches
+
+    directory = Path(cache_dir())
+    if _cache_set_aside or str(directory) not in _chain_text(exc):
+        return False
+    _cache_set_aside = True
+    if directory == Path(os.path.abspath(harvest_cache_dir())):
+        aside = directory.with_name(f"{directory.name}.aside-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}")
+        directory.rename(aside)
+        directory.mkdir(parents=True)
+        where = f"moved aside to {aside}"
+    else:
+        fresh = tempfile.mkdtemp(prefix="harvest-inductor-")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = fresh
+        where = f"left as it is (TORCHINDUCTOR_CACHE_DIR is the operator's); this process compiles into {fresh}"
+    clear_caches()  # inductor's in-memory caches point into the old folder
+    logger.warning("trainer.compile: a compiled artifact in the cache %s would not load (%s); the cache is %s, "
+                   "and the layer compiles again", directory, _describe(exc), where)
+    return True
+
+
+def _chain_text(exc: BaseException) -> str:
+    """The messages of ``exc`` and every error under it."""
+    texts, seen, current = [], set(), exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        texts.append(str(current))
+        current = getattr(current, "inner_exception", None) or current.__cause__ or current.__context__
+    return "\n".join(texts)
 
 
 def _describe(exc: BaseException) -> str:

@@ -172,7 +172,8 @@ def test_inductor_artifacts_go_to_harvests_cache_unless_the_operator_chose_a_fol
         else:
             monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", inductors_own)
         use_harvest_cache()
-        assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "harvest-cache" / "torchinductor")
+        assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "harvest-cache" / "torchinductor"
+                                                            / torch.__version__)
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "operators"))
     use_harvest_cache()
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "operators")
