@@ -10,7 +10,7 @@ export TOKENIZERS_PARALLELISM := false
 # (torch's inductor, for one, turns some of its warnings into errors when CI is set).
 export CI := true
 
-.PHONY: venv test-tools demo test test-fast test-gpu gpu-env native clean help
+.PHONY: venv test-tools demo test test-fast test-compiled test-gpu gpu-env native clean help
 
 help:
 	@echo "make demo   - set up .venv if needed, then run harvest's CPU demo"
@@ -35,6 +35,11 @@ test: venv test-tools
 # Policy and mechanism tests only (no SGLang server start-ups): seconds, for iteration.
 test-fast: venv
 	$(PYTHON) -m pytest -q -ra -m "not sglang and not slow" tests
+
+# The trainer tests again with every trainer's decoder layers compiled (trainer.compile
+# auto means off on a CPU; tests/train/conftest.py turns it on): tens of minutes.
+test-compiled: venv
+	HARVEST_TEST_COMPILE=on $(PYTHON) -m pytest -q -ra tests/train
 
 # On a GPU server: the GPU tests from the CUDA stack (.venv-cuda, built first if needed).
 test-gpu: gpu-env

@@ -15,3 +15,19 @@ def _single_intra_op_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
+
+
+@pytest.fixture(autouse=True)
+def _compile_auto_as_on(monkeypatch):
+    """HARVEST_TEST_COMPILE=on (``make test-compiled``): every trainer these tests build with
+    ``trainer.compile: auto``, which on a CPU does not compile, compiles its decoder layers,
+    so the trainer suite that runs eager in ``make test`` runs compiled too."""
+    import os
+
+    if os.environ.get("HARVEST_TEST_COMPILE") != "on":
+        return
+    from harvest.train import compiled_units
+
+    wants = compiled_units.wants_compile
+    monkeypatch.setattr(compiled_units, "wants_compile",
+                        lambda requested, device: True if requested == "auto" else wants(requested, device))
