@@ -43,9 +43,14 @@ pytestmark = [pytest.mark.sglang, pytest.mark.slow, pytest.mark.timeout(900)]
 
 NUM_PROMPTS = 24
 MAX_NEW_TOKENS = 8
-# Seconds of requests on both servers: 15 in `make test`; docs/fleet.md's QoS table is
-# from HARVEST_FLEET_TRAFFIC_S=30 runs (more steps behind each p99).
+# Seconds of requests on both servers: in `make test` at least MIN_TRAFFIC_S (three sync
+# intervals) and at most 15, ending once the fleet has shown everything the test checks
+# (see `_traffic_shows_enough`); docs/fleet.md's QoS table is from
+# HARVEST_FLEET_TRAFFIC_S=30 runs (exactly that long: more steps behind each p99), and
+# with the solo baseline (HARVEST_FLEET_SOLO_BASELINE=1) both run exactly TRAFFIC_S.
 TRAFFIC_S = float(os.environ.get("HARVEST_FLEET_TRAFFIC_S", "15"))
+FIXED_TRAFFIC = "HARVEST_FLEET_TRAFFIC_S" in os.environ or os.environ.get("HARVEST_FLEET_SOLO_BASELINE") == "1"
+MIN_TRAFFIC_S = TRAFFIC_S if FIXED_TRAFFIC else 6.0
 CLIENTS_PER_SERVER = 2
 PAUSE_S = 0.15  # between one client's requests: decode is busy, not saturated (the trainer gets gaps)
 TARGET_TPOT_MS = 40.0
@@ -218,6 +223,29 @@ def _fleet_lines(logs):
     return [[line for line in log.splitlines() if "fleet job" in line] for log in logs]
 
 
+def _traffic_shows_enough(traffic, statuses, at_start, seen, prometheus):
+    """The traffic has shown what the fleet test checks of it: each server answered 10
+    requests, held a round with both members and committed steps during it, and (when a
+    Prometheus scrapes them) the fleet series have 3 samples each in the dashboard's rate
+    window. Polled once a second: the traffic then ends early."""
+    with traffic._lock:
+        answered = [sum(1 for index, _, _ in traffic.results if index == i) for i in range(len(statuses))]
+    if min(answered) < 10 or traffic.failures:
+        return False
+    for index, status in enumerate(statuses):
+        fleet = _job(status)["fleet"]
+        if not (fleet["rounds"] > at_start[index]["rounds"] and fleet["rounds"] >= 2 and fleet["round"] >= 2
+                and fleet["committed_steps"] > at_start[index]["committed_steps"]
+                and any(view["members"] == 2 for view in seen[index])):
+            return False
+    if prometheus is None:
+        return True
+    from tests.metrics.test_prometheus import RATE_INTERVAL
+
+    answer = prometheus.query(f'count_over_time(harvest_fleet_rounds_total{{job_name="{JOB}"}}[{RATE_INTERVAL}]) >= 3')
+    return answer.get("status") == "success" and len(answer["data"]["result"]) == len(statuses)
+
+
 @pytest.fixture(scope="module")
 def reference(tiny_llama_path, tmp_path_factory):
     """Greedy outputs of every prompt by a server without harvest (computed once)."""
@@ -228,21 +256,27 @@ def reference(tiny_llama_path, tmp_path_factory):
             return list(pool.map(lambda ids: _generate(srv, ids), _prompts()))
 
 
-def _serve_traffic(ports, servers, on_poll=None):
-    """TRAFFIC_S seconds of requests on both servers; (traffic, per-server QoS, statuses
-    before and after). ``on_poll(index, status)`` once a second per server meanwhile."""
+def _serve_traffic(ports, servers, on_poll=None, enough=None):
+    """Requests on both servers for TRAFFIC_S seconds, or for at least MIN_TRAFFIC_S and
+    until ``enough(traffic, statuses)``; (traffic, per-server QoS, statuses before and
+    after, seconds of traffic). ``on_poll(index, status)`` once a second per server meanwhile."""
     seqs = [_last_seq(port) for port in ports]
     before = [_status(port) for port in ports]
     started = time.monotonic()
     with Traffic(servers) as traffic:
         while time.monotonic() - started < TRAFFIC_S:
             time.sleep(1.0)
+            statuses = [_status(port) for port in ports]
             if on_poll is not None:
-                for index, port in enumerate(ports):
-                    on_poll(index, _status(port))
+                for index, status in enumerate(statuses):
+                    on_poll(index, status)
+            if (enough is not None and time.monotonic() - started >= MIN_TRAFFIC_S
+                    and enough(traffic, statuses)):
+                break
+        traffic_s = time.monotonic() - started
     after = [_status(port) for port in ports]
     qos = [_qos(_steps_since(port, seq), b, a) for port, seq, b, a in zip(ports, seqs, before, after)]
-    return traffic, qos, before, after
+    return traffic, qos, before, after, traffic_s
 
 
 def _check_outputs(traffic, reference):
@@ -280,8 +314,9 @@ def test_two_servers_train_one_fleet_job_while_serving(tiny_llama_path, tmp_path
 
             prometheus = Prometheus(tmp_path, [f"127.0.0.1:{port}" for port in ports])
         at_start = [_fleet(port) for port in ports]
-        traffic, qos, before, after = _serve_traffic(
-            ports, servers, on_poll=lambda index, status: seen[index].append(_job(status)["fleet"]))
+        traffic, qos, before, after, traffic_s = _serve_traffic(
+            ports, servers, on_poll=lambda index, status: seen[index].append(_job(status)["fleet"]),
+            enough=lambda traffic, statuses: _traffic_shows_enough(traffic, statuses, at_start, seen, prometheus))
         at_end = [_job(status)["fleet"] for status in after]
         metrics = [_metrics(port) for port in ports]
         dashboard = _dashboard_problems(prometheus, ports) if prometheus is not None else None
@@ -311,7 +346,7 @@ def test_two_servers_train_one_fleet_job_while_serving(tiny_llama_path, tmp_path
                                         default=None),
             "trainer_tokens_seen": _job(after[index])["tokens_seen"],
             **qos[index]} for index in (0, 1)],
-        "traffic_s": TRAFFIC_S, "clients_per_server": CLIENTS_PER_SERVER, "pause_s": PAUSE_S,
+        "traffic_s": round(traffic_s, 1), "clients_per_server": CLIENTS_PER_SERVER, "pause_s": PAUSE_S,
         "sync_interval_s": FLEET["sync_interval_s"], "ready_s": round(ready_s, 1),
     }
     _write_numbers(tmp_path, "fleet-qos.json", numbers)
@@ -368,7 +403,7 @@ def test_solo_job_baseline_under_the_same_traffic(tiny_llama_path, tmp_path, ref
         ready = _wait_for(lambda: all((_job(_status(port)) or {}).get("global_step", 0) > 0 for port in ports), 300)
         assert ready, [srv.log_tail() for srv in servers]
         at_start = [_job(_status(port)) for port in ports]
-        traffic, qos, _, after = _serve_traffic(ports, servers)
+        traffic, qos, _, after, traffic_s = _serve_traffic(ports, servers)
         logs = [srv.log_path.read_text(errors="replace") for srv in servers]
     finally:
         for srv in servers:
@@ -378,7 +413,7 @@ def test_solo_job_baseline_under_the_same_traffic(tiny_llama_path, tmp_path, ref
         "tokens_trained_during_traffic": _job(after[index])["tokens_seen"] - at_start[index]["tokens_seen"],
         "steps_during_traffic": _job(after[index])["global_step"] - at_start[index]["global_step"],
         **qos[index]} for index in (0, 1)],
-        "traffic_s": TRAFFIC_S, "clients_per_server": CLIENTS_PER_SERVER, "pause_s": PAUSE_S}
+        "traffic_s": round(traffic_s, 1), "clients_per_server": CLIENTS_PER_SERVER, "pause_s": PAUSE_S}
     _write_numbers(tmp_path, "solo-qos.json", numbers)
     _check_outputs(traffic, reference)
     for log in logs:
