@@ -86,3 +86,27 @@ def _environment_restored():
     if os.environ != saved:
         os.environ.clear()
         os.environ.update(saved)
+
+
+@pytest.fixture(scope="session")
+def plain_server_outputs(tiny_llama_path, tmp_path_factory):
+    """Greedy outputs of one SGLang server without harvest (the CPU flags, no radix cache,
+    16384 KV tokens), the reference of every test that compares a harvest server's answers
+    with it: {"colocation": tests/colocate/test_sglang_colocation.py's light requests (8 at
+    a time) and burst (all at once), "fleet": tests/fleet/test_sglang_fleet.py's prompts (4
+    at a time)}. Both modules asked for the same server: one start serves both, each set
+    sent as its module sent it, one after the other (no radix cache: nothing carries over)."""
+    import concurrent.futures
+
+    from harvest.sglang import server
+    from tests.colocate import test_sglang_colocation as colocation
+    from tests.fleet import test_sglang_fleet as fleet
+
+    log = tmp_path_factory.mktemp("plain-reference") / "sglang.log"
+    light, burst = colocation._prompts()
+    with server.launch(colocation._args(tiny_llama_path), log_path=log) as srv:
+        outputs = {"colocation": (colocation._generate_all(srv, light, 8), colocation._generate_all(srv, burst, colocation.BURST))}
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            outputs["fleet"] = list(pool.map(lambda ids: fleet._generate(srv, ids), fleet._prompts()))
+    assert colocation.RETRACTION not in log.read_text(errors="replace")  # the pool fits the burst without harvest
+    return outputs

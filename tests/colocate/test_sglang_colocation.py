@@ -105,13 +105,11 @@ def _args(model_path, *extra):
 
 
 @pytest.fixture(scope="module")
-def reference_outputs(tiny_llama_path, tmp_path_factory):
-    light, burst = _prompts()
-    log = tmp_path_factory.mktemp("reference") / "sglang.log"
-    with server.launch(_args(tiny_llama_path), log_path=log) as srv:
-        outputs = _generate_all(srv, light, 8), _generate_all(srv, burst, BURST)
-    assert RETRACTION not in log.read_text(errors="replace")  # the pool fits the burst without harvest
-    return outputs
+def reference_outputs(plain_server_outputs):
+    """(light, burst) greedy outputs of a server without harvest (tests/conftest.py: the
+    same server answers tests/fleet/test_sglang_fleet.py's reference; it checks that the
+    pool fits the burst without harvest: no retraction)."""
+    return plain_server_outputs["colocation"]
 
 
 RETRACTION = "KV cache pool is full. Retract requests"  # SGLang's warning when decode runs out of KV

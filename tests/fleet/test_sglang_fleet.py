@@ -247,13 +247,10 @@ def _traffic_shows_enough(traffic, statuses, at_start, seen, prometheus):
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_llama_path, tmp_path_factory):
-    """Greedy outputs of every prompt by a server without harvest (computed once)."""
-    log = tmp_path_factory.mktemp("reference") / "sglang.log"
-    args = server.cpu_server_args(tiny_llama_path, max_total_tokens=16384) + ["--disable-radix-cache"]
-    with server.launch(args, log_path=log) as srv:
-        with concurrent.futures.ThreadPoolExecutor(4) as pool:
-            return list(pool.map(lambda ids: _generate(srv, ids), _prompts()))
+def reference(plain_server_outputs):
+    """Greedy outputs of every prompt by a server without harvest (computed once, on the
+    server tests/colocate/test_sglang_colocation.py's reference comes from: tests/conftest.py)."""
+    return plain_server_outputs["fleet"]
 
 
 def _serve_traffic(ports, servers, on_poll=None, enough=None):
