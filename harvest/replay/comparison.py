@@ -170,7 +170,8 @@ def simulate_policies(
             runs[name], wall[name] = runs[shared], 0.0
             continue
         start = time.perf_counter()
-        runs[name] = _simulate(requests, policy, settings.limits, show_progress, lending_model(policy, settings))
+        runs[name] = _simulate(requests, policy, settings.limits, show_progress,
+                               lending_model(policy, settings, profile.tp_size))
         wall[name] = time.perf_counter() - start
     return Simulated(len(requests), built, runs, refused, wall)
 
@@ -207,14 +208,16 @@ def run(
     return summarise_policies(simulated, simulated.end_s, profile, settings, seed)
 
 
-def lending_model(policy: policy_mod.BasePolicy, settings: ReplaySettings) -> kv_memory.LendingModel | None:
-    """harvest's KV lending on its instance when the memory is modelled, else None."""
+def lending_model(policy: policy_mod.BasePolicy, settings: ReplaySettings,
+                  tp_size: int = 1) -> kv_memory.LendingModel | None:
+    """harvest's KV lending on its instance (of ``tp_size`` ranks) when the memory is
+    modelled, else None."""
     if settings.memory is None or policy.name != HARVEST:
         return None
     limits = settings.limits
     capacity = max(1, int(limits.kv_capacity_tokens * policy.kv_fraction))  # as the simulator's
     return kv_memory.LendingModel(capacity, settings.memory, settings.target_tpot_ms, limits.max_batch_size,
-                                  settings.kv_bytes_per_token)
+                                  settings.kv_bytes_per_token, tp_size)
 
 
 def memory_summary(policy: policy_mod.BasePolicy, run: DecodeRun, horizon_s: float, settings: ReplaySettings):

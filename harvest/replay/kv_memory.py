@@ -2,11 +2,20 @@
 trainer, and what decode waits for when it needs lent memory back.
 
 The ``harvest`` policy lends through the server's own code (:mod:`harvest.memory.lending`,
-:class:`~harvest.memory.demand.DemandReserve`), called as harvest/sglang/kv_lending.py
-calls it, with harvest.yaml's ``memory`` settings (``--memory KEY=VALUE``). Invariants:
-a step's allocations that do not fit the free mapped slots are an urgent reclaim the step
-waits for; StaticMode lends a fixed 40 % for the whole replay and never reclaims;
-SeparateMode and decode-only lend nothing.
+:class:`~harvest.memory.demand.DemandReserve`, :func:`~harvest.memory.demand.free_target`),
+called as harvest/sglang/kv_lending.py calls it, with harvest.yaml's ``memory`` settings
+(``--memory KEY=VALUE``). With ``reclaim_ahead`` (the default), as in the server: the free
+slots kept are the reserve plus what admission set aside for the running requests'
+decode (the simulator's admission reserves each request's whole footprint: the set-aside
+is that less what its requests hold), and the auto reserve follows the requests arriving
+(priced as admission prices them) instead of the allocations. With ``lending_thread``
+(auto: on, the replay's servers being GPU servers), lends and reclaims run their driver
+calls off the decode thread and delay no step (their driver time is still totalled);
+inline, each delays the next step by its time. Tensor-parallel servers keep neither, as
+the server's ranks do. Invariants: a step's
+allocations that do not fit the free mapped slots are an urgent reclaim the step waits
+for; StaticMode lends a fixed 40 % for the whole replay and never reclaims; SeparateMode
+and decode-only lend nothing.
 
 Rules: docs/design.md, 'The replay's KV pool (harvest/replay/kv_memory.py)'.
 """
@@ -22,7 +31,7 @@ import numpy as np
 
 from harvest.config import MemoryConfig
 from harvest.memory import lend_costs, lending_setup
-from harvest.memory.demand import UPDATE_INTERVAL_S
+from harvest.memory.demand import UPDATE_INTERVAL_S, free_target
 from harvest.memory.lending import plan, reclaim_count
 from harvest.settings import from_mapping
 
@@ -160,7 +169,7 @@ class LendingModel:
     around every step, :meth:`idle` over every gap and :meth:`finish`."""
 
     def __init__(self, capacity_tokens: int, memory: MemorySettings, target_tpot_ms: float, max_batch_size: int,
-                 kv_bytes_per_token: int):
+                 kv_bytes_per_token: int, tp_size: int = 1):
         tpc = memory.tokens_per_chunk
         slots = capacity_tokens + 1  # slot 0: SGLang's padding slot, never free
         num_chunks = lending_setup.pool_chunks(capacity_tokens, tpc)
@@ -173,6 +182,10 @@ class LendingModel:
         self.reserve = lending_setup.demand_reserve(self.policy, pool_tokens=capacity_tokens, target_tpot_ms=target_tpot_ms,
                                                     memory=cfg, reclaim_ms_per_chunk=memory.reclaim_ms_per_chunk)
         self._record = None if self.reserve is None else self.reserve.demand.record
+        one_rank = tp_size == 1  # a tensor-parallel server's ranks lend inline and watch no admissions
+        self.reclaim_ahead = cfg.reclaim_ahead and one_rank
+        self.lending_thread = (True if cfg.lending_thread is None else cfg.lending_thread) and one_rank
+        self.promised = 0  # admission's set-aside for the running requests' decode (reclaim ahead)
         self.capacity = capacity_tokens
         self.tpc = tpc
         self.lend_interval_s = cfg.lend_interval_s
@@ -206,7 +219,7 @@ class LendingModel:
         allocated = held - self.held
         free = self.capacity - self.lent * self.tpc - self.held
         self.held = held
-        if self._record is not None and allocated > 0:
+        if self._record is not None and allocated > 0 and not self.reclaim_ahead:
             self._record(t, allocated)
         if allocated <= free:
             return owed
@@ -220,12 +233,20 @@ class LendingModel:
         self._event(t)
         return delay + owed
 
-    def after_step(self, t: float, held: int) -> None:
+    def arrived(self, t: float, tokens: int) -> None:
+        """A request arrived at ``t`` whose admission sets aside ``tokens`` (its prompt and
+        its decode): with reclaim ahead, the demand the auto reserve follows."""
+        if self._record is not None and self.reclaim_ahead:
+            self._record(t, tokens)
+
+    def after_step(self, t: float, held: int, promised: int = 0) -> None:
         """The step ended at ``t`` and its finished requests freed theirs: ``held`` tokens
-        remain. The reserve check, then the lending pass when one is due."""
+        remain, and admission has set aside ``promised`` more for the running requests'
+        decode. The free-target check, then the lending pass when one is due."""
         self.held = held
+        self.promised = max(0, promised) if self.reclaim_ahead else 0
         if self.lent:
-            count = reclaim_count(self.policy, self.capacity - self.lent * self.tpc - held, self.lent)
+            count = reclaim_count(self._target_policy(), self.capacity - self.lent * self.tpc - held, self.lent)
             if count:
                 self._reclaim(t, count)
         if t - self._last_pass >= self.lend_interval_s:
@@ -235,6 +256,7 @@ class LendingModel:
         """No request runs from ``t`` to ``until`` (the next arrival): of the idle ticks'
         lending passes, those that can change anything: the first due, the first that works
         out the auto reserve again, and one just before the arrival."""
+        self.promised = 0  # no running request
         first = max(t, self._last_pass + self.lend_interval_s)
         if first <= until:
             self.lending_pass(first)
@@ -263,6 +285,8 @@ class LendingModel:
         self._last_pass = t
         if self.reserve is not None and t - self._reserve_at >= UPDATE_INTERVAL_S:
             self._reserve_at = t
+            if self.reclaim_ahead:  # what arrived() records (the server says so at its update too)
+                self.reserve.recorded = "tokens arriving (as admission prices them)"
             decision = self.reserve.update(t)
             if decision.tokens != self.policy.reserve_tokens:
                 self.policy = dataclasses.replace(self.policy, reserve_tokens=decision.tokens)
@@ -270,7 +294,7 @@ class LendingModel:
         if not self._could_act():
             return
         free_per_chunk, lent = self.chunk_view()
-        decision = plan(self.policy, free_per_chunk, lent)
+        decision = plan(self._target_policy(), free_per_chunk, lent)
         if decision.reclaim_count:
             self._reclaim(t, decision.reclaim_count)
         elif decision.lend:
@@ -281,11 +305,18 @@ class LendingModel:
         O(1) (plan reclaims below the reserve or over the cap, and lends a chunk only if the
         free mapped slots stay at the reserve plus the hysteresis after it). Skipping the
         plan otherwise changes nothing (tests/replay/test_memory.py checks it)."""
-        p = self.policy
+        p = self._target_policy()
         free = self.capacity - self.lent * self.tpc - self.held
         if self.lent > p.max_lent_chunks or (free < p.reserve_tokens and self.lent):
             return True
         return self.lent < p.max_lent_chunks and free - self.tpc >= p.reserve_tokens + p.hysteresis_chunks * self.tpc
+
+    def _target_policy(self):
+        """The policy with the free target in place of the reserve (the server's
+        ``KvLendingController._target_policy``)."""
+        target = free_target(self.policy.reserve_tokens, promised_tokens=self.promised)
+        return self.policy if target == self.policy.reserve_tokens else dataclasses.replace(self.policy,
+                                                                                           reserve_tokens=target)
 
     def chunk_view(self) -> tuple[list[int], list[bool]]:
         """Free slots per chunk and which chunks are lent, as the controller reads them from
@@ -311,14 +342,16 @@ class LendingModel:
         self.lent += count
         self._lent_total += count
         self._lend_s_total += count * self.lend_s
-        self._owed_s += count * self.lend_s
+        if not self.lending_thread:
+            self._owed_s += count * self.lend_s
         self._event(t)
 
     def _reclaim(self, t: float, count: int) -> None:
         self.lent -= count
         self._reclaimed_total += count
         self._reclaim_s_total += count * self.reclaim_s
-        self._owed_s += count * self.reclaim_s
+        if not self.lending_thread:
+            self._owed_s += count * self.reclaim_s
         self._event(t)
 
     def _event(self, t: float) -> None:

@@ -104,9 +104,9 @@ def simulate(
     t = idle = 0.0
     k = n = sum_context0 = sum_admit = reserved = 0
     nxt = dropped = prefill_only = 0
-    before_step = after_step = None
+    before_step = after_step = arrived = None
     if memory is not None:
-        before_step, after_step = memory.before_step, memory.after_step
+        before_step, after_step, arrived = memory.before_step, memory.after_step, memory.arrived
         memory.start(t)
 
     while True:
@@ -120,6 +120,8 @@ def simulate(
                 admitted[i] = finished[i] = arrival[i]
             else:
                 queue.append(i)
+                if arrived is not None:
+                    arrived(arrival[i], footprint[i])  # admission prices its prompt and its decode
         while queue and n < max_batch and reserved + footprint[queue[0]] <= capacity:
             i = queue.popleft()
             n += 1
@@ -158,7 +160,8 @@ def simulate(
             sum_admit -= admit_step[i]
             reserved -= footprint[i]
         if after_step is not None:
-            after_step(t, sum_context0 - sum_admit + n * (k + 1))  # the tokens the requests left hold
+            held = sum_context0 - sum_admit + n * (k + 1)  # the tokens the requests left hold
+            after_step(t, held, reserved - held)  # and what admission set aside for their decode
         k += 1
         if progress is not None and k % PROGRESS_EVERY_STEPS == 0:
             progress(nxt)

@@ -19,6 +19,10 @@ from tests.replay.helpers import settings
 # lending work on the scheduler thread (7 ms a chunk, between steps) keeps some servers'
 # TPOT p99 over 40 ms up to 13 servers: 14 hold it
 BUSY = ["--rate-scale", "6", "--rate-scale-sizes", "resample"]
+# Lending inline on the scheduler thread, the reserve alone (no reclaim ahead): each lend
+# and reclaim delays the next decode step by its 7 ms, so the fleet is sized by TPOT, over
+# several bisection steps (the default lending thread's fleet: the last test).
+INLINE = ["--memory", "lending_thread=false", "--memory", "reclaim_ahead=false"]
 
 
 def run_cli(capsys, *argv):
@@ -29,7 +33,7 @@ def run_cli(capsys, *argv):
 
 
 def test_servers_auto_on_the_busy_sample_picks_the_smallest_fleet_and_reports_every_policy_there(capsys):
-    code, out, err = run_cli(capsys, "--servers", "auto", "--json", *BUSY)
+    code, out, err = run_cli(capsys, "--servers", "auto", "--json", *BUSY, *INLINE)
     assert code == 0, err
     data = json.loads(out)
     auto = data["fleet"]["auto"]
@@ -49,12 +53,13 @@ def test_servers_auto_on_the_busy_sample_picks_the_smallest_fleet_and_reports_ev
         assert harvest["memory"]["urgent_reclaims"] == sum(harvest["memory"]["urgent_reclaims_per_server"])
         assert "finetune_per_gpu" in policies["static"]["metrics"] and "violation_rate" in policies["static"]["metrics"]
     # the same again: deterministic
-    code, again, _ = run_cli(capsys, "--servers", "auto", "--json", *BUSY)
+    code, again, _ = run_cli(capsys, "--servers", "auto", "--json", *BUSY, *INLINE)
     assert json.loads(again)["fleet"]["auto"] == auto
 
 
 def test_the_text_report_says_what_was_chosen_and_why(capsys):
-    code, out, err = run_cli(capsys, "--servers", "auto", "--router", "least-loaded", "--policies", "harvest,static", *BUSY)
+    code, out, err = run_cli(capsys, "--servers", "auto", "--router", "least-loaded", "--policies", "harvest,static", *BUSY,
+                             *INLINE)
     assert code == 0, err
     line = next(line for line in out.splitlines() if "servers auto:" in line)
     # least-loaded spreads the bursts better than round-robin: one server fewer
@@ -94,3 +99,16 @@ def test_servers_takes_a_number_or_auto(capsys):
     with pytest.raises(SystemExit) as exit_:
         run_cli(capsys, "--servers", "many")
     assert exit_.value.code == 2 and "'many': expected a number of servers or auto" in capsys.readouterr().err
+
+
+def test_with_the_lending_thread_lending_delays_no_step_and_the_busy_sample_needs_fewer_servers(capsys):
+    """The defaults (a GPU server's: lending thread, reclaim ahead): the busy sample's fleet is
+    sized by its queueing alone, no longer by lending work on the decode thread."""
+    code, out, err = run_cli(capsys, "--servers", "auto", "--json", *BUSY)
+    assert code == 0, err
+    auto = json.loads(out)["fleet"]["auto"]
+    probes = {p["num_servers"]: p for p in auto["probes"]}
+    assert auto["num_servers"] == 3 and [n for n, p in probes.items() if p["holds"]] == [4, 3]
+    assert probes[2]["queue_delay_p99_worst_s"] > 1.0 and probes[2]["tpot_p99_worst_ms"] <= 40.0
+    harvest = json.loads(out)["fleet"]["runs"][0]["routers"]["round-robin"]["policies"]["harvest"]["memory"]
+    assert harvest["scheduled_delay_s_total"] == 0.0 and harvest["reclaim_s_total"] > 0

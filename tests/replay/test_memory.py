@@ -68,12 +68,14 @@ def test_a_burst_forces_an_urgent_reclaim_with_a_fixed_reserve_and_none_once_the
     # auto reserve: the first burst is news; the second finds the reserve it left
     assert auto.run.memory.urgent_s.tolist() == pytest.approx([1.0])
     assert auto.memory.metrics["reserve_tokens_max"] >= 603
-    assert auto.memory.metrics["reserve_reason"].startswith("p99 of tokens allocated within one reclaim horizon")
+    # reclaim ahead (the default): the reserve follows arrivals, priced with their decode
+    assert auto.memory.metrics["reserve_reason"].startswith("p99 of tokens arriving (as admission prices them) "
+                                                            "within one reclaim horizon")
     assert auto.memory.metrics["chunks_lent_mean"] < fixed.memory.metrics["chunks_lent_mean"]  # what the reserve costs
 
 
-def test_the_urgent_reclaim_delays_its_step_by_the_reclaim_time_and_lending_work_the_next_step():
-    result = replay(two_bursts(), memory_settings(reserve_tokens=16)).results[HARVEST]
+def test_the_urgent_reclaim_delays_its_step_by_the_reclaim_time_and_inline_lending_work_the_next_step():
+    result = replay(two_bursts(), memory_settings(reserve_tokens=16, lending_thread=False)).results[HARVEST]
     run, memory = result.run, result.run.memory
     urgent_steps = np.searchsorted(run.step_start_s, memory.urgent_s)
     assert run.step_start_s[urgent_steps].tolist() == pytest.approx(memory.urgent_s.tolist())
@@ -89,6 +91,52 @@ def test_the_urgent_reclaim_delays_its_step_by_the_reclaim_time_and_lending_work
     m = result.memory.metrics
     assert m["reclaim_delay_ms_p99"] == pytest.approx(90.0) and m["reclaim_delay_s_total"] == pytest.approx(0.180)
     assert result.metrics["tpot_max_ms"] >= 100.0 - 1e-9  # the delay is decode's: TPOT sees it
+
+
+def test_with_the_lending_thread_only_urgent_reclaims_delay_steps():
+    """lending_thread (auto: on, as on a GPU server): lends and reclaims between steps run
+    off the decode thread; their driver time is counted, not added to any step."""
+    result = replay(two_bursts(), memory_settings(reserve_tokens=16)).results[HARVEST]
+    run, memory = result.run, result.run.memory
+    extra = run.step_latency_s - 0.010
+    assert memory.urgent_delay_s.tolist() == pytest.approx([0.090, 0.090])  # decode still waits for those
+    assert extra.sum() == pytest.approx(memory.urgent_delay_s.sum())
+    assert memory.scheduled_delay_s_total == 0.0 and memory.lend_s_total > 0 and memory.reclaim_s_total > 0
+    inline = replay(two_bursts(), memory_settings(reserve_tokens=16, lending_thread=False)).results[HARVEST]
+    assert inline.run.memory.scheduled_delay_s_total > 0
+    assert inline.run.step_latency_s.sum() > run.step_latency_s.sum()
+
+
+def _lent_model(reclaim_ahead=True, tp_size=1):
+    memory = memory_settings(reserve_tokens=16, reclaim_ahead=reclaim_ahead)
+    model = kv_memory.LendingModel(CAPACITY, memory, 40.0, 8, 1024, tp_size)
+    model.start(0.0)  # an idle server lends up to its cap
+    assert model.lent == 80
+    return model
+
+
+def test_reclaim_ahead_keeps_free_what_admission_set_aside_for_the_running_requests_decode():
+    """The server's free target (harvest.memory.demand.free_target): the reserve plus what
+    admission set aside for the running requests' decode; chunks come back ahead of it."""
+    ahead = _lent_model()
+    # 100 tokens held, 500 more set aside: 1600 - 80 x 16 - 100 = 220 free, 516 wanted
+    ahead.after_step(1.0, held=100, promised=500)
+    assert ahead.lent == 80 - 19 and ahead.capacity - ahead.lent * TPC - ahead.held >= 16 + 500
+    assert ahead._urgent_s.tolist() == []  # taken back between steps, not by a waiting step
+    for fixed in (_lent_model(reclaim_ahead=False), _lent_model(tp_size=2)):  # the reserve alone
+        fixed.after_step(1.0, held=100, promised=500)
+        assert fixed.lent == 80
+
+
+def test_with_reclaim_ahead_the_auto_reserve_follows_arrivals_not_allocations():
+    ahead = kv_memory.LendingModel(CAPACITY, memory_settings(), 40.0, 8, 1024)
+    ahead.arrived(1.0, 660)
+    ahead.before_step(1.0, held=600)  # the prompts' allocation: not recorded again
+    assert list(ahead.reserve.demand._records) == [(1.0, 660)]
+    allocations = kv_memory.LendingModel(CAPACITY, memory_settings(reclaim_ahead=False), 40.0, 8, 1024)
+    allocations.arrived(1.0, 660)  # not recorded
+    allocations.before_step(1.0, held=600)
+    assert list(allocations.reserve.demand._records) == [(1.0, 600)]
 
 
 @pytest.mark.parametrize("reserve", [None, 16, 300])
