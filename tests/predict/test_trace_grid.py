@@ -54,7 +54,7 @@ def test_sample_trace_grid_is_deterministic_and_spaced_where_the_steps_are(sampl
     grid = choose_grid(sample_steps, STEPS_PER_POINT, kv_capacity_tokens=160_000)
     assert grid == choose_grid(again, STEPS_PER_POINT, kv_capacity_tokens=160_000)
     assert sample_steps.policies == ("harvest", "separate", "static", "decode-only")
-    assert grid.batch_sizes == (1, 8, 24, 72) and grid.context_lengths == (64, 256, 1088)
+    assert grid.batch_sizes == (1, 8, 24, 64) and grid.context_lengths == (64, 1088, 1200)
     assert len(grid.batch_sizes) * len(grid.context_lengths) <= 12  # as many points as the default grid
 
     b, s = sample_steps.batch_sizes, sample_steps.sum_contexts
@@ -62,11 +62,11 @@ def test_sample_trace_grid_is_deterministic_and_spaced_where_the_steps_are(sampl
     terciles = np.quantile(b, [1 / 3, 2 / 3], method="nearest")
     assert list(grid.batch_sizes[1:3]) == [capture_size(int(t), "nearest") for t in terciles]
     assert (b < grid.batch_sizes[1]).mean() < 0.5 and (b > grid.batch_sizes[2]).mean() < 0.5
-    # the middle context: the steps' median tokens per request where it lies between the
-    # ends; here it does not (1089, past the largest point's 1088), so their geometric mean
+    # the middle context: the steps' median tokens per request, lying between the ends here
+    # (1090; where it does not, their geometric mean: the next test)
     median = float(np.quantile(s / b, 0.5, method="nearest"))
-    assert median > grid.context_lengths[-1]
-    assert abs(grid.context_lengths[1] - (grid.context_lengths[0] * grid.context_lengths[-1]) ** 0.5) <= 16
+    assert grid.context_lengths[0] < median < grid.context_lengths[-1]
+    assert grid.context_lengths[1] == context_multiple(median, "nearest")
     # covers the steps' extremes: the measured range holds every step
     assert grid.batch_sizes[0] <= b.min() and grid.batch_sizes[-1] >= b.max()
     assert grid.batch_sizes[-1] * (grid.context_lengths[-1] + 1) >= s.max()
@@ -81,9 +81,19 @@ def test_the_report_is_a_header_and_one_line_per_axis(sample_steps):
     assert len(lines) == 3
     assert lines[0].startswith(f"grid from {SAMPLE_TRACE}: its 300 requests at their recorded rate through one decode instance")
     assert "step latencies from synthetic-a100" in lines[0] and "100.0 % of them inside" in lines[0]
-    assert lines[1].startswith("  batch sizes 1,8,24,72: the steps' batch sizes at quantiles 0, 1/3, 2/3, 1 are 1,6,20,65")
-    assert lines[2].startswith("  context lengths 64,256,1088 (tokens per request): 64 keeps the smallest step's")
-    assert "256 lies between them (geometric mean; the steps' median tokens per request, 1089, is not)" in lines[2]
+    assert lines[1].startswith("  batch sizes 1,8,24,64: the steps' batch sizes at quantiles 0, 1/3, 2/3, 1 are 1,6,20,63")
+    assert lines[2].startswith("  context lengths 64,1088,1200 (tokens per request): 64 keeps the smallest step's")
+    assert "1088 is the steps' median tokens per request (1090)" in lines[2]
+
+
+def test_a_median_outside_the_ends_gives_their_geometric_mean():
+    # per request: 500 at batch size 1, 100 in three steps of 10, 2000 in one: the median (100)
+    # lies under the smallest context (480: the smallest step's Σctx less a point's steps)
+    steps = _steps([1, 10, 10, 10, 10], [500, 1000, 1000, 1000, 20000], max_batch=100, kv=100_000)
+    grid = choose_grid(steps, STEPS_PER_POINT)
+    low, middle, high = grid.context_lengths
+    assert (low, high) == (480, 1264) and middle == context_multiple((low * high) ** 0.5, "nearest") == 784
+    assert "784 lies between them (geometric mean; the steps' median tokens per request, 100, is not)" in grid.lines(steps)[2]
 
 
 def test_a_grid_chosen_from_a_trace_covers_the_replay_of_that_trace(sample_steps, tmp_path, capsys):
@@ -158,10 +168,10 @@ def test_the_command_profiles_the_chosen_grid_and_says_why(tmp_path, capsys, no_
     code = _profile(tmp_path, "--grid-from-trace", str(SAMPLE_TRACE), "--grid-profile", "synthetic-a100")
     out = capsys.readouterr().out
     assert code == 0 and len(no_profiling) == 1
-    assert no_profiling[0].batch_sizes == (1, 8, 24, 72) and no_profiling[0].context_lengths == (64, 256, 1088)
+    assert no_profiling[0].batch_sizes == (1, 8, 24, 64) and no_profiling[0].context_lengths == (64, 1088, 1200)
     lines = out.splitlines()
     assert lines[0].startswith(f"harvest profile: grid from {SAMPLE_TRACE}")
-    assert lines[1].startswith("  batch sizes 1,8,24,72: ") and lines[2].startswith("  context lengths 64,256,1088 ")
+    assert lines[1].startswith("  batch sizes 1,8,24,64: ") and lines[2].startswith("  context lengths 64,1088,1200 ")
     # the instance's limits bound the simulated steps, so the grid; an explicit axis is kept
     code = _profile(tmp_path, "--grid-from-trace", str(SAMPLE_TRACE), "--grid-profile", "synthetic-a100",
                     "--max-batch-size", "8", "--kv-capacity-tokens", "4000", "--context-lengths", "32,256")
@@ -208,9 +218,9 @@ def test_a_chosen_grid_the_device_cannot_hold_is_refused_naming_the_trace_and_th
     code = _profile(tmp_path, "--grid-from-trace", str(SAMPLE_TRACE), "--grid-profile", "synthetic-a100")
     err = capsys.readouterr().err
     assert code == 2 and no_profiling == []
-    assert err.startswith(f"harvest profile: the grid from --grid-from-trace {SAMPLE_TRACE} (batch sizes 1,8,24,72 x context "
-                          "lengths 64,256,1088; bound it with --max-batch-size/--kv-capacity-tokens): its largest point, "
-                          "72 requests x 1088 tokens (+14 decode steps), needs 38.7 MiB of KV cache (512 B/token"), err
+    assert err.startswith(f"harvest profile: the grid from --grid-from-trace {SAMPLE_TRACE} (batch sizes 1,8,24,64 x context "
+                          "lengths 64,1088,1200; bound it with --max-batch-size/--kv-capacity-tokens): its largest point, "
+                          "64 requests x 1200 tokens (+14 decode steps), needs 37.9 MiB of KV cache (512 B/token"), err
     assert "and cpu has 1.0 MiB free" in err
 
 

@@ -93,7 +93,7 @@ def trace_steps(trace_path: str | Path, profile_spec: str | None, max_batch_size
         raise TraceGridError(f"--grid-profile: {exc}") from None
     try:
         limits = DecodeLimits(max_batch_size, kv_capacity_tokens)
-        memory, _ = kv_memory.resolve(profile)  # as `harvest replay` models it by default (lending delays steps)
+        memory, _ = kv_memory.resolve(profile)  # as `harvest replay` models it by default (urgent reclaims delay steps)
         settings = comparison.ReplaySettings(limits=limits, tp_size=profile.tp_size, memory=memory)
         simulated = comparison.simulate_policies(requests, profile, trainer_model.build(profile), settings)
     except ValueError as exc:
