@@ -5,11 +5,13 @@
 :func:`device_identity` is the name profiles give a device, used both when a profile is
 measured and when a serving process checks the profile it is given;
 :func:`connections_problem` says when ``CUDA_DEVICE_MAX_CONNECTIONS`` gives the streams
-harvest creates too few hardware queues.
+harvest creates too few hardware queues; :func:`on_stream` issues a block's CUDA work on
+a stream, or leaves everything as it is.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import os
@@ -177,3 +179,16 @@ def device_identity(device: str) -> DeviceIdentity:
     except Exception:  # noqa: BLE001 - the driver version is informative, not required
         driver = None
     return DeviceIdentity("cuda", props.name, f"{props.major}.{props.minor}", driver)
+
+
+def on_stream(stream):
+    """``with on_stream(stream):`` issues the block's CUDA work on ``stream``; None (a CPU
+    device, or the thread's current stream) changes nothing and makes no CUDA call:
+    ``torch.cuda.stream(None)`` asks for the current device, which starts CUDA even in a
+    process whose work runs on a CPU."""
+    if stream is None:
+        return contextlib.nullcontext()
+    import torch
+
+    return torch.cuda.stream(stream)
+

@@ -18,7 +18,6 @@ the same code path; only a GPU's figures say what a GPU server pays.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import statistics
 import threading
@@ -187,10 +186,10 @@ class _DecodeLike:
         self.error: BaseException | None = None
 
     def _run(self) -> None:
-        import torch
+        from harvest.compute.device import on_stream
 
         try:
-            with torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
+            with on_stream(self._stream):
                 while not self._stop.is_set():
                     total = sum(view.sum() for view in self._slices)
                     product = self._weights @ self._weights

@@ -12,7 +12,6 @@ Semantics: docs/jobs.md, 'Evaluation'.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import itertools
 import math
@@ -21,6 +20,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
+from harvest.compute.device import on_stream
 from harvest.train.data import IGNORE_INDEX
 from harvest.train.split_model import MicroBatch
 from harvest.train.stats import Unit, UnitKind, UnitRecord
@@ -156,7 +156,7 @@ class EvalRunner:
         """Run the pass's next unit, as the trainer's `_run_unit_locked` runs a training unit."""
         t = self.trainer
         started = time.perf_counter()
-        with torch.cuda.stream(compute_stream) if compute_stream is not None else contextlib.nullcontext():
+        with on_stream(compute_stream):
             if self.eval_pass is None:
                 self.eval_pass = self.evaluation.new_pass(t.split.num_stages, t.device)
                 self.owed = False

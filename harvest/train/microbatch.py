@@ -17,7 +17,6 @@ step').
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import statistics
@@ -26,6 +25,7 @@ from typing import Any
 
 import torch
 
+from harvest.compute.device import on_stream
 from harvest.train import checkpoint
 from harvest.train.split_model import MicroBatch
 
@@ -101,7 +101,7 @@ def longest_unit_ms(trainer, micro_batch_size: int, seq_len: int, repeats: int =
             window.prepare(stage, iter(order), compute_stream)
             _synchronize(device)
             started = time.perf_counter()
-            with _on(compute_stream):
+            with on_stream(compute_stream):
                 action()
             _synchronize(device)
             durations.append((time.perf_counter() - started) * 1e3)
@@ -112,7 +112,7 @@ def longest_unit_ms(trainer, micro_batch_size: int, seq_len: int, repeats: int =
 
         with trainer._unit_lock:
             window.prepare(0, iter(order), compute_stream)
-            with _on(compute_stream):
+            with on_stream(compute_stream):
                 forward(0)
             if layer_stage != split.head_stage:
                 timed(layer_stage, lambda: forward(layer_stage))
@@ -123,10 +123,6 @@ def longest_unit_ms(trainer, micro_batch_size: int, seq_len: int, repeats: int =
                 timed(layer_stage, lambda: split.backward(layer_stage, mb))
         samples.append(max(durations))
     return statistics.median(samples[1:])
-
-
-def _on(stream):
-    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
 
 def _synchronize(device: torch.device) -> None:

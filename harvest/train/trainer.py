@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 import torch
 
+from harvest.compute.device import on_stream
 from harvest.train import checkpoint, run_loop
 from harvest.train.data import StepBatches
 from harvest.train.errors import TrainingDiverged
@@ -285,7 +286,7 @@ class LayerSplitTrainer:
         load_s, num_tokens = 0.0, 0
         if self.evals.in_progress:
             return self.evals.run_unit_locked(compute_stream, events)
-        with torch.cuda.stream(compute_stream) if compute_stream is not None else contextlib.nullcontext():
+        with on_stream(compute_stream):
             step = self._current_step()
             unit = step.plan[step.cursor]
             if unit.kind == UnitKind.OPTIMIZER:

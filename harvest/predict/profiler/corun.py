@@ -14,6 +14,7 @@ import abc
 import threading
 from typing import Any
 
+from harvest.compute.device import on_stream
 from harvest.logs import get_logger
 from harvest.train import trainer_cpu
 from harvest.train.trainer_cpu import DEFAULT_TRAINER_CPU_THREADS, DEFAULT_TRAINER_NICE
@@ -110,11 +111,7 @@ class UnitLoopWorkload(BaseCoRunWorkload):
             self.stop()
 
     def _loop(self, phase: str, stream: Any) -> None:
-        import contextlib
-
-        import torch
-
-        context = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+        context = on_stream(stream)
         try:
             trainer_cpu.claim_trainer_thread(self.cpu_threads, self.nice)
             with context:
