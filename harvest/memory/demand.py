@@ -176,6 +176,14 @@ def free_target(reserve_tokens: int, *, promised_tokens: int = 0, held_tokens: i
     return max(reserve_tokens + max(0, promised_tokens), held_tokens)
 
 
+def with_free_target(policy, *, promised_tokens: int = 0, held_tokens: int = 0):
+    """``policy`` (harvest.memory.lending.LendingPolicy) planning against :func:`free_target`
+    in place of its reserve: what the lending plan and the reclaim check take, in the
+    server and in the replay alike."""
+    target = free_target(policy.reserve_tokens, promised_tokens=promised_tokens, held_tokens=held_tokens)
+    return policy if target == policy.reserve_tokens else dataclasses.replace(policy, reserve_tokens=target)
+
+
 def free_target_reason(reserve_tokens: int, *, promised_tokens: int = 0, held_tokens: int = 0) -> str:
     """:func:`free_target` in words (for ``/harvest/status``)."""
     ahead = reserve_tokens + max(0, promised_tokens)

@@ -31,7 +31,7 @@ import numpy as np
 
 from harvest.config import MemoryConfig
 from harvest.memory import lend_costs, lending_setup
-from harvest.memory.demand import UPDATE_INTERVAL_S, free_target
+from harvest.memory.demand import UPDATE_INTERVAL_S, with_free_target
 from harvest.memory.lending import plan, reclaim_count
 from harvest.settings import from_mapping
 
@@ -312,11 +312,8 @@ class LendingModel:
         return self.lent < p.max_lent_chunks and free - self.tpc >= p.reserve_tokens + p.hysteresis_chunks * self.tpc
 
     def _target_policy(self):
-        """The policy with the free target in place of the reserve (the server's
-        ``KvLendingController._target_policy``)."""
-        target = free_target(self.policy.reserve_tokens, promised_tokens=self.promised)
-        return self.policy if target == self.policy.reserve_tokens else dataclasses.replace(self.policy,
-                                                                                           reserve_tokens=target)
+        """The policy with the free target in place of the reserve, as the server plans."""
+        return with_free_target(self.policy, promised_tokens=self.promised)
 
     def chunk_view(self) -> tuple[list[int], list[bool]]:
         """Free slots per chunk and which chunks are lent, as the controller reads them from

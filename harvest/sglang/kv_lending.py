@@ -161,9 +161,7 @@ class KvLendingController:
                                   held_tokens=self.held_tokens)
 
     def _target_policy(self) -> LendingPolicy:
-        target = self.free_target()
-        return self.policy if target == self.policy.reserve_tokens else dataclasses.replace(self.policy,
-                                                                                           reserve_tokens=target)
+        return demand.with_free_target(self.policy, promised_tokens=self.promised_tokens, held_tokens=self.held_tokens)
 
     # -- per step / idle ------------------------------------------------------------------
     def after_step(self) -> None:
