@@ -206,14 +206,21 @@ def _set_aside_cache_named_in(exc: BaseException) -> bool:
     return True
 
 
-def _chain_text(exc: BaseException) -> str:
-    """The messages of ``exc`` and every error under it."""
-    texts, seen, current = [], set(), exc
+def _errors_under(exc: BaseException, *, implicit: bool = False):
+    """``exc``, then each error it wraps (BackendCompilerFailed keeps its cause apart, in
+    ``inner_exception``), once each; ``implicit``: also errors raised while handling
+    another (``__context__``)."""
+    seen, current = set(), exc
     while current is not None and id(current) not in seen:
         seen.add(id(current))
-        texts.append(str(current))
-        current = getattr(current, "inner_exception", None) or current.__cause__ or current.__context__
-    return "\n".join(texts)
+        yield current
+        current = (getattr(current, "inner_exception", None) or current.__cause__
+                   or (current.__context__ if implicit else None))
+
+
+def _chain_text(exc: BaseException) -> str:
+    """The messages of ``exc`` and every error under it."""
+    return "\n".join(str(error) for error in _errors_under(exc, implicit=True))
 
 
 def _describe(exc: BaseException) -> str:
@@ -222,11 +229,5 @@ def _describe(exc: BaseException) -> str:
         text = str(error).strip()
         return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
 
-    root, seen = exc, {id(exc)}
-    while True:
-        inner = getattr(root, "inner_exception", None) or root.__cause__  # BackendCompilerFailed keeps it apart
-        if inner is None or id(inner) in seen:
-            break
-        root = inner
-        seen.add(id(root))
+    *_, root = _errors_under(exc)
     return line(exc) if root is exc else f"{line(exc)} ({line(root)})"

@@ -110,8 +110,8 @@ def _aten(name: str):
 
 def _define_ops() -> dict:
     """``harvest::eager_sum`` and the like: ATen's reduction kernels (and SiLU's backward)
-    behind ops inductor does not know, so it calls them as they are. Returns {ATen op: harvest op}; a swapped node
-    keeps its arguments (the same schema)."""
+    behind ops inductor does not know, so it calls them as they are. Returns {ATen op:
+    harvest op} of the reductions; a swapped node keeps its arguments (the same schema)."""
     with _library_lock:
         _define_ops_locked()
     return {_aten(name): getattr(torch.ops.harvest, op).default for name, (op, _) in _REDUCTIONS.items()}
