@@ -4,9 +4,11 @@
 address, the profile's content and model, every job file as ``harvest train --check``
 checks it); the first failure is one :class:`PreflightError` naming the harvest.yaml file,
 the field and the file it names. ``harvest launch`` runs :func:`check` before it execs
-SGLang; the plugin's launcher hook runs it through :func:`check_in_child` (``python -m
-harvest.preflight``) so the launcher holds no CUDA context. What needs the device or the
-loaded model is left to the scheduler.
+SGLang. The plugin's launcher hook runs :data:`LAUNCHER_CHECKS` itself (milliseconds) and
+starts the job files' check in a child interpreter (:func:`start_job_check`, ``python -m
+harvest.preflight --jobs-only``) so the launcher holds no CUDA context; the launcher
+awaits that child while its schedulers load the model, before SGLang serves. What needs
+the device or the loaded model is left to the scheduler.
 
 Rules: docs/sglang-integration.md, 'The pre-flight check (harvest/preflight.py)'.
 """
@@ -118,6 +120,12 @@ def check_metrics_endpoint(inputs: LaunchInputs) -> None:
 # A check added here runs in `harvest launch` and in the plugin's launcher hook alike.
 # The port first: it costs nothing, the job check imports LlamaFactory.
 CHECKS: tuple[Callable[[LaunchInputs], None], ...] = (check_metrics_endpoint, check_profile, check_job_files)
+# What SGLang's launcher runs itself, before it starts anything: files and a socket, no
+# CUDA. The job check (LlamaFactory's TrainingArguments set up the device) runs in a child
+# while the schedulers start (`start_job_check`); never the port check there, since by
+# then the scheduler may hold that port itself.
+LAUNCHER_CHECKS: tuple[Callable[[LaunchInputs], None], ...] = (check_metrics_endpoint, check_profile)
+JOB_CHECKS: tuple[Callable[[LaunchInputs], None], ...] = (check_job_files,)
 
 
 def load_config(config_path: str | os.PathLike | None) -> HarvestConfig:
@@ -131,43 +139,50 @@ def load_config(config_path: str | os.PathLike | None) -> HarvestConfig:
 
 
 def check(config_path: str | os.PathLike | None, *, model_path: str | None = None,
-          sglang_host: str | None = None, tp_size: int | None = None) -> HarvestConfig:
-    """Everything checkable before the model loads (module docstring); returns the config.
-    ``model_path``, ``sglang_host``, ``tp_size``: the served checkpoint, SGLang's --host and
-    --tp-size, when the caller knows them."""
+          sglang_host: str | None = None, tp_size: int | None = None,
+          checks: tuple[Callable[[LaunchInputs], None], ...] = CHECKS) -> HarvestConfig:
+    """Everything checkable before the model loads (module docstring), or only ``checks``;
+    returns the config. ``model_path``, ``sglang_host``, ``tp_size``: the served checkpoint,
+    SGLang's --host and --tp-size, when the caller knows them."""
     config = load_config(config_path)
     inputs = LaunchInputs(config, model_path, sglang_host, tp_size)
-    for run_check in CHECKS:
+    for run_check in checks:
         run_check(inputs)
     return config
 
 
-def check_in_child(config_path: str | os.PathLike | None, *, model_path: str | None = None,
-                   sglang_host: str | None = None, tp_size: int | None = None) -> None:
-    """:func:`check` in a child interpreter, for a process that must not start CUDA.
+class ChildCheck:
+    """A pre-flight check running in a child interpreter (:func:`start_job_check`), its
+    verdict read by :meth:`result`."""
 
-    The job check runs LlamaFactory's argument parser, whose TrainingArguments set up the
-    device (``torch.cuda.set_device`` on a GPU machine): in SGLang's launcher, which
-    keeps running as the server's tokenizer, that would hold a CUDA context on the first
-    GPU for the server's whole life. The child pays the imports of torch, transformers
-    and LlamaFactory again (measured in docs/measurements.md)."""
-    command = [sys.executable, "-m", "harvest.preflight"]
+    def __init__(self, command: list[str]):
+        self._process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def result(self) -> None:
+        """Wait for the child; raise its PreflightError (or what else ended it)."""
+        stdout, stderr = self._process.communicate()
+        if self._process.returncode == 0:
+            return
+        reported = reported_error(stdout)
+        if reported is not None:
+            raise PreflightError(reported)
+        raise PreflightError(f"harvest's pre-flight check failed (exit status {self._process.returncode}): "
+                             f"{stderr.strip()[-2000:] or 'no output'}")
+
+
+def start_job_check(config_path: str | os.PathLike | None, *, tp_size: int | None = None) -> ChildCheck:
+    """:data:`JOB_CHECKS` in a child interpreter, started now, for a process that must not
+    start CUDA: LlamaFactory's TrainingArguments set up the device (``torch.cuda.set_device``
+    on a GPU machine), which in SGLang's launcher (it goes on as the server's tokenizer)
+    would hold a CUDA context on the first GPU for the server's whole life. The child pays
+    the imports of torch, transformers and LlamaFactory again: seconds the launcher spends
+    starting its schedulers meanwhile (docs/measurements.md)."""
+    command = [sys.executable, "-m", "harvest.preflight", "--jobs-only"]
     if config_path is not None:
         command += ["--config", str(config_path)]
-    if model_path is not None:
-        command += ["--model-path", str(model_path)]
-    if sglang_host is not None:
-        command += ["--sglang-host", str(sglang_host)]
     if tp_size is not None:
         command += ["--tp-size", str(tp_size)]
-    out = subprocess.run(command, capture_output=True, text=True, check=False)
-    if out.returncode == 0:
-        return
-    reported = reported_error(out.stdout)
-    if reported is not None:
-        raise PreflightError(reported)
-    raise PreflightError(f"harvest's pre-flight check failed (exit status {out.returncode}): "
-                         f"{out.stderr.strip()[-2000:] or 'no output'}")
+    return ChildCheck(command)
 
 
 _REPORT_KEY = "preflight_error"
@@ -208,12 +223,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sglang-host", default=None, help="SGLang's --host")
     parser.add_argument("--tp-size", type=int, default=None, help="SGLang's --tp-size (with --job: the server's)")
     parser.add_argument("--job", default=None, help="check this one job file instead (a run-time submission)")
+    parser.add_argument("--jobs-only", action="store_true", help="only harvest.yaml's job files (JOB_CHECKS)")
     args = parser.parse_args(argv)
     try:
         if args.job is not None:
             check_job_file(args.job, tp_size=args.tp_size or 1)
         else:
-            check(args.config, model_path=args.model_path, sglang_host=args.sglang_host, tp_size=args.tp_size)
+            check(args.config, model_path=args.model_path, sglang_host=args.sglang_host, tp_size=args.tp_size,
+                  checks=JOB_CHECKS if args.jobs_only else CHECKS)
     except PreflightError as exc:
         print(json.dumps({_REPORT_KEY: str(exc)}))
         return 2

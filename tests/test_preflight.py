@@ -1,8 +1,9 @@
 """harvest's pre-flight check: every bad input stops `harvest launch` (exit status 2, one
-message, no traceback, nothing exec'd) and the plugin's launcher hook (HarvestStartupError,
-SGLang not started) before any model loads, naming harvest.yaml, the field and the file it
-names. Both launchers run in this process: `harvest launch` with os.execv recorded, the
-plugin's ``ServerArgs.from_cli_args`` hook with a stand-in for SGLang's own."""
+message, no traceback, nothing exec'd) and the plugin's launcher hooks (HarvestStartupError:
+from ``ServerArgs.from_cli_args``, SGLang not started, or, for a job file, from the
+launcher's wait for its schedulers, SGLang not serving), naming harvest.yaml, the field and
+the file it names. Both launchers run in this process: `harvest launch` with os.execv
+recorded, the plugin's hooks with stand-ins for SGLang's own functions."""
 
 from __future__ import annotations
 
@@ -128,13 +129,21 @@ def _harvest_launch(monkeypatch, capsys, argv: list[str]) -> tuple[int, str, lis
     return rc, capsys.readouterr().err, execs
 
 
-def _plugin_hook(config: Path | None, model: Path | str, **sglang_args):
-    """SGLang's launcher parsing its arguments: the plugin's hook around from_cli_args."""
+def _plugin_hook(config: Path | None, model: Path | str, started: list | None = None, **sglang_args):
+    """SGLang's launcher parsing its arguments (the plugin's hook around from_cli_args),
+    then waiting for its schedulers (the hook that awaits the job check); what SGLang got
+    to do is appended to ``started``."""
     args = argparse.Namespace(enable_harvest=True, harvest_config=None if config is None else str(config),
                               model_path=str(model), **sglang_args)
-    started = []
+    started = [] if started is None else started
     plugin._from_cli_args(lambda cls, parsed: started.append(parsed) or "server args", object, args)
+    plugin._await_job_check(lambda: started.append("schedulers ready"))
     return started
+
+
+def _refused_by_the_job_check(case: str) -> bool:
+    """The cases the launcher's own checks pass and the child's job check refuses."""
+    return BAD_INPUTS[case][1].startswith("jobs[") and "job file" in BAD_INPUTS[case][1]
 
 
 @pytest.mark.parametrize("case", list(BAD_INPUTS))
@@ -149,13 +158,24 @@ def test_harvest_launch_refuses_before_exec_naming_file_and_field(case, tiny_lla
     assert len(ours) == 1 and ours[0].startswith(f"harvest launch: {message}"), err
 
 
-@pytest.mark.parametrize("case", list(BAD_INPUTS))
+# Every case the launcher refuses itself, and one the job check refuses: its child runs
+# `check` on JOB_CHECKS, the functions `harvest launch` runs above on every case (a child
+# per case would cost seconds each for no other path).
+@pytest.mark.parametrize("case", [case for case in BAD_INPUTS if not _refused_by_the_job_check(case)]
+                         + ["second of two jobs bad"])
 def test_the_plugin_refuses_to_start_sglang_naming_file_and_field(case, tiny_llama_path, setup_dir):
     config, message = _broken_setup(setup_dir, tiny_llama_path, case)
+    started = []
     with pytest.raises(plugin.HarvestStartupError) as refused:
-        _plugin_hook(config, tiny_llama_path)
+        _plugin_hook(config, tiny_llama_path, started)
     assert str(refused.value).startswith(message)
-    assert config_env.ENABLED_VAR not in os.environ  # nothing handed to SGLang's processes
+    if _refused_by_the_job_check(case):
+        # The job check ran while the schedulers started; refused before SGLang serves.
+        # SGLang parsed its arguments (its schedulers start); the wait for them never ran.
+        assert os.environ[config_env.ENABLED_VAR] == "1"
+        assert len(started) == 1 and "schedulers ready" not in started
+    else:
+        assert config_env.ENABLED_VAR not in os.environ and started == []  # nothing handed to SGLang
 
 
 def test_a_good_setup_passes_and_is_launched(tiny_llama_path, setup_dir, monkeypatch, capsys):
@@ -267,7 +287,7 @@ def test_a_child_that_fails_otherwise_is_reported_with_its_output(monkeypatch):
 
     monkeypatch.setattr(preflight.sys, "executable", shutil.which("false"))
     with pytest.raises(PreflightError, match=r"^harvest's pre-flight check failed \(exit status 1\): no output$"):
-        preflight.check_in_child(None)
+        preflight.start_job_check(None).result()
 
 
 @pytest.mark.parametrize("argv, model_path", [

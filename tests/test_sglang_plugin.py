@@ -1,6 +1,7 @@
 """The plugin's start-up contract, through SGLang's real launcher.
 
-- `--enable-harvest --harvest-config bad.yaml` refuses to start, naming the field.
+- `--enable-harvest --harvest-config bad.yaml` refuses to start, naming the field; a bad
+  job file refuses before the server serves, naming the job file and the key.
 - An unsupported SGLang version refuses to start when harvest is enabled, and leaves a
   server without `--enable-harvest` alone.
 - `harvest launch` validates before exec'ing SGLang.
@@ -44,6 +45,25 @@ def test_bad_config_refuses_to_start_naming_the_field(tiny_llama_path, tmp_path)
     out = _launch_server(["--model-path", str(tiny_llama_path), "--device", "cpu", "--enable-harvest", "--harvest-config", str(bad)])
     assert out.returncode != 0
     assert "qos.target_tpot_ms=-5: expected a finite number > 0.0; " in out.stderr
+
+
+def test_a_bad_job_file_stops_start_up_before_serving_naming_the_key(tiny_llama_path, tmp_path):
+    # The job check runs in a child while the schedulers start; the launcher awaits it
+    # before it serves, and SGLang's launcher ends its children (else this run would wait
+    # on their open stderr until the timeout).
+    import yaml
+
+    from harvest import colocation_config
+    from harvest.sglang import server
+
+    config = colocation_config.write(tmp_path, tiny_llama_path)
+    job = yaml.safe_load((tmp_path / "job.yaml").read_text())
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump({**job, "lora_rank": -1}))
+    out = _launch_server(server.cpu_server_args(tiny_llama_path) + ["--enable-harvest", "--harvest-config", str(config)])
+    assert out.returncode != 0
+    assert f"HarvestStartupError: harvest config {config}: jobs[0]: job file '{tmp_path}/job.yaml': lora_rank: must be " \
+        "an integer > 0, got -1" in out.stderr, out.stderr[-3000:]
+    assert "The server is fired up" not in out.stderr
 
 
 def test_config_without_enable_flag_is_refused(tiny_llama_path, tmp_path):

@@ -1,8 +1,9 @@
 """Entry point of harvest's SGLang plugin (group ``sglang.srt.plugins``).
 
 SGLang calls :func:`load` in every process it starts. It registers harvest's command-line
-flags, the pre-flight check around ``ServerArgs.from_cli_args`` and the co-location hooks
-of :mod:`harvest.sglang.hooks`. Invariants: a server without ``--enable-harvest`` is never
+flags, the pre-flight check around ``ServerArgs.from_cli_args`` (its job check awaited
+around the launcher's wait for its schedulers) and the co-location hooks of
+:mod:`harvest.sglang.hooks`. Invariants: a server without ``--enable-harvest`` is never
 affected; with it, a wrong SGLang version or an unresolved hook target refuses start-up
 from ``from_cli_args`` or ``Scheduler.__init__`` (SGLang swallows exceptions from ``load``
 itself); each scheduler subprocess gets back the CUDA_DEVICE_MAX_CONNECTIONS harvest needs.
@@ -26,6 +27,9 @@ logger = get_logger(__name__)
 LOADED_MESSAGE = "harvest plugin loaded"
 
 SERVER_ARGS = "sglang.srt.server_args.ServerArgs"
+# The launcher's wait for its schedulers' "ready" (the model loaded), where it awaits
+# harvest's job check.
+SCHEDULERS_READY_WAIT = "sglang.srt.entrypoints.engine._wait_for_scheduler_ready"
 
 
 class HarvestStartupError(RuntimeError):
@@ -79,13 +83,14 @@ def _from_cli_args(original, cls, args):
         for var, value in overrides.items():  # the command line wins over the environment
             if value is not None:
                 os.environ[var] = str(value)
-        from harvest.preflight import PreflightError, check_in_child
+        from harvest.preflight import LAUNCHER_CHECKS, PreflightError, check, start_job_check
 
         if config_path:
             config_path = str(Path(config_path).expanduser().resolve())  # the subprocesses may start elsewhere
+        tp_size = getattr(args, "tp_size", 1)
         try:
-            check_in_child(config_path, model_path=getattr(args, "model_path", None),
-                           sglang_host=getattr(args, "host", None), tp_size=getattr(args, "tp_size", 1))
+            config = check(config_path, model_path=getattr(args, "model_path", None),
+                           sglang_host=getattr(args, "host", None), tp_size=tp_size, checks=LAUNCHER_CHECKS)
         except PreflightError as exc:  # names the file and the field
             raise HarvestStartupError(str(exc)) from None
         os.environ[config_env.ENABLED_VAR] = "1"
@@ -93,7 +98,32 @@ def _from_cli_args(original, cls, args):
         if config_path:
             os.environ[config_env.CONFIG_VAR] = config_path
         logger.info("harvest enabled (config: %s)", config_path or "defaults")
+        server_args = original(cls, args)
+        global _job_check
+        _job_check = start_job_check(config_path, tp_size=tp_size) if config.jobs else None
+        return server_args
     return original(cls, args)
+
+
+# The job files' pre-flight check, running in a child process from the launcher's
+# from_cli_args until the launcher waits for its schedulers (_await_job_check).
+_job_check = None
+
+
+def _await_job_check(original, *args, **kwargs):
+    # Launcher: the schedulers have started loading the model; before SGLang serves, the
+    # job check's verdict. A refusal ends start-up here (SGLang's launcher then ends its
+    # children); the schedulers check the same files again when they build the trainer.
+    global _job_check
+    pending, _job_check = _job_check, None
+    if pending is not None:
+        from harvest.preflight import PreflightError
+
+        try:
+            pending.result()
+        except PreflightError as exc:  # names the file and the field
+            raise HarvestStartupError(str(exc)) from None
+    return original(*args, **kwargs)
 
 
 _problems: list[str] = []
@@ -140,7 +170,8 @@ def load() -> bool:
         _problems.append(problem)
     from harvest.sglang import level_graphs, refusals
 
-    missing = unresolvable_targets([f"{SERVER_ARGS}.add_cli_args", f"{SERVER_ARGS}.from_cli_args", *hooks.TARGETS,
+    missing = unresolvable_targets([f"{SERVER_ARGS}.add_cli_args", f"{SERVER_ARGS}.from_cli_args",
+                                    SCHEDULERS_READY_WAIT, *hooks.TARGETS,
                                     *level_graphs.SGLANG_ATTRIBUTES, *refusals.SGLANG_ATTRIBUTES])
     if missing:
         _problems.append("hook target(s) not found: " + ", ".join(missing))
@@ -151,6 +182,8 @@ def load() -> bool:
         HookRegistry.register(f"{SERVER_ARGS}.add_cli_args", _add_cli_args, HookType.AFTER)
     if f"{SERVER_ARGS}.from_cli_args" not in missing:
         HookRegistry.register(f"{SERVER_ARGS}.from_cli_args", _from_cli_args, HookType.AROUND)
+    if SCHEDULERS_READY_WAIT not in missing:
+        HookRegistry.register(SCHEDULERS_READY_WAIT, _await_job_check, HookType.AROUND)
     if _problems:
         if config_env.harvest_enabled():
             # A subprocess of a launcher that enabled harvest: refuse in Scheduler.__init__.
