@@ -28,7 +28,8 @@ CPU with harvest.train.eager_numerics' backend), eager with a one-stage window (
                        units, forward and backward alike, over the timed steps
   ops_per_layer_eager / _compiled   operators dispatched for one layer's forward + backward unit
   compile_s            seconds spent compiling (dynamo's timers: frames, lazily compiled
-                       backward graphs), at the compiled layers' first calls, before the
+                       backward graphs, on a CPU the layers' explicit pairs: a trace per
+                       layer, harvest.train.compiled_pair), at the layers' first calls, before the
                        timed steps (`compiles_in_timed_steps`: 0); from inductor's cache
                        (`compile_cache`: its folder, hits and misses) unless `--cold-compile`
   targets              the issue's CPU targets, true or false: ops compiled <= 0.3 x eager,
@@ -309,20 +310,25 @@ def _max_rel_diff(grads: dict, reference: dict) -> float:
 
 def _dynamo_compiles() -> int:
     """Compilations so far in this process: frames dynamo compiled (a compilation or a
-    recompilation each) and backward graphs compiled at their first call."""
+    recompilation each), backward graphs compiled at their first call, and the layers'
+    explicit pairs built (harvest.train.compiled_pair: a trace each, compiled or shared)."""
     from torch._dynamo.utils import compilation_time_metrics, counters
 
-    return int(counters["frames"]["ok"]) + len(compilation_time_metrics.get(_LAZY_BACKWARD, []))
+    return int(counters["frames"]["ok"]) + sum(len(compilation_time_metrics.get(name, []))
+                                               for name in (_LAZY_BACKWARD, _PAIR_BUILD))
 
 
-# dynamo_timed's names for a frame's compilation and a backward graph's lazy compilation.
+# dynamo_timed's names for a frame's compilation, a backward graph's lazy compilation and
+# a compiled pair's build.
 _FRAME_COMPILE, _LAZY_BACKWARD = "_compile.compile_inner", "backward._backward_impl"
+_PAIR_BUILD = "harvest.compiled_pair.build"  # harvest.train.compiled_pair.BUILD_TIMER
 
 
 def _compile_seconds() -> float:
     from torch._dynamo.utils import compilation_time_metrics
 
-    return float(sum(sum(compilation_time_metrics.get(name, [])) for name in (_FRAME_COMPILE, _LAZY_BACKWARD)))
+    return float(sum(sum(compilation_time_metrics.get(name, []))
+                     for name in (_FRAME_COMPILE, _LAZY_BACKWARD, _PAIR_BUILD)))
 
 
 def _compile_cache() -> dict:

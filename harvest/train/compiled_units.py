@@ -6,7 +6,10 @@ PEFT wrappers and window swaps unchanged; the unit boundary stays outside the gr
 compilation runs on the trainer's thread while the job builds, never on the decode thread;
 ``auto`` compiles on CUDA and not on a CPU; a layer whose compilation fails (its forward
 or its backward: both compile at its first forward call) runs eager from then on with its
-``reason`` kept; tensor-parallel layers stay eager. A cache is never trusted over a
+``reason`` kept; tensor-parallel layers stay eager. On a CPU with the default backend a
+layer's training units run as an explicit compiled pair (harvest.train.compiled_pair: no
+dynamo or autograd runtime per call); its module call is compiled as well (evaluation's
+no-grad calls, signatures no pair covers). A cache is never trusted over a
 compilation: artifacts that fail to load are set aside and compiled again, and each torch
 version has a cache directory of its own.
 
@@ -16,6 +19,7 @@ Rules and figures: docs/design.md §2, 'Compiled decoder layers'.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import tempfile
 import time
@@ -39,9 +43,16 @@ class CompiledLayers:
     requested: str  # auto | on | off
     layers: int = 0  # layers compiled (those that failed to compile are not counted)
     reason: str | None = None  # why some or all layers run eager; None: all compiled, or compile off
+    # Per layer, its training forward and backward as an explicit compiled pair
+    # (harvest.train.compiled_pair; on a CPU with the default backend); empty: none.
+    paired: list = dataclasses.field(default_factory=list)
 
     def status(self) -> dict[str, Any]:
         return {"requested": self.requested, "layers_compiled": self.layers, "reason": self.reason}
+
+    def paired_layer(self, index: int):
+        """Layer ``index``'s `PairedLayer`, or None (it runs as a module)."""
+        return self.paired[index] if self.paired else None
 
 
 def wants_compile(requested: str, device: torch.device) -> bool:
@@ -113,12 +124,22 @@ def compile_layers(layers: list[nn.Module], requested: str, device: torch.device
     import torch._functorch.config
 
     torch._functorch.config.force_non_lazy_backward_lowering = True
+    pairs = None
     if backend is None:
         backend = default_backend(device)
+        if device.type == "cpu":  # measured there (docs/measurements.md); CUDA keeps torch.compile's runtime
+            from harvest.train.compiled_pair import PairCompiler
+
+            pairs = PairCompiler(backend)
     for layer in layers:
+        # Compiled as a module too: evaluation's no-grad calls, and signatures no pair covers.
         layer.compile(backend=backend, dynamic=None)
         _guard_first_call(layer, state)
         state.layers += 1
+        if pairs is not None:
+            from harvest.train.compiled_pair import PairedLayer
+
+            state.paired.append(PairedLayer(layer, pairs, functools.partial(_pair_failed, layer, state)))
     return state
 
 
@@ -165,13 +186,29 @@ def _guard_first_call(layer: nn.Module, state: CompiledLayers) -> None:
                 return compiled_call(*args, **kwargs)
             except errors as exc:
                 failure = exc
-        layer._compiled_call_impl = None
-        state.layers -= 1
-        state.reason = f"a decoder layer could not compile and runs eager: {_describe(failure)}"
-        logger.warning("trainer.compile: %s", state.reason)
+        _run_eager(layer, state, failure)
         return layer._call_impl(*args, **kwargs)
 
     layer._compiled_call_impl = call
+
+
+def _run_eager(layer: nn.Module, state: CompiledLayers, failure: BaseException) -> None:
+    """``layer`` runs eager from now on (its module call and its pair), the reason kept."""
+    if layer._compiled_call_impl is None:
+        return  # already eager, counted and said
+    layer._compiled_call_impl = None
+    state.layers -= 1
+    state.reason = f"a decoder layer could not compile and runs eager: {_describe(failure)}"
+    logger.warning("trainer.compile: %s", state.reason)
+
+
+def _pair_failed(layer: nn.Module, state: CompiledLayers, failure: BaseException) -> bool:
+    """A layer's pair could not be built: True to build it again (the failure was a cache
+    artifact's, now set aside), else the layer runs eager."""
+    if _set_aside_cache_named_in(failure):
+        return True
+    _run_eager(layer, state, failure)
+    return False
 
 
 _cache_set_aside = False  # at most once per process: a second failure is the layer's own

@@ -3,7 +3,8 @@
 Stages: 0 = token embedding, 1..L = decoder layers, L+1 = final norm + LM head + loss. A
 stage's forward takes the previous stage's output detached (a fresh leaf requiring grad
 when something below is trainable) and keeps its input and output; its backward is an
-explicit ``torch.autograd.backward(output, grad)`` handing ``input.grad`` down. Positions,
+explicit ``torch.autograd.backward(output, grad)`` handing ``input.grad`` down, or, for a
+layer run as a compiled pair (harvest.train.compiled_pair), that pair's backward function. Positions,
 rotary embeddings and masks are computed once per micro-batch, in the embedding stage.
 Invariant: a micro-batch's loss is divided by the label tokens of the whole optimizer step
 (``num_items_in_batch``), so gradients accumulated over any split equal the full batch's.
@@ -42,6 +43,8 @@ class MicroBatch:
     hidden: torch.Tensor | None = None  # output of the last stage run forward
     inputs: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)  # kept for backward
     outputs: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+    # stage -> what a layer's compiled pair saved for its backward (compiled_pair.SavedForBackward)
+    pair_saved: dict[int, Any] = dataclasses.field(default_factory=dict)
     grad: torch.Tensor | None = None  # d loss / d output of the next stage to run backward
     loss: torch.Tensor | None = None
 
@@ -119,8 +122,12 @@ class SplitCausalLM:
     def backward(self, stage: int, mb: MicroBatch) -> None:
         output = mb.outputs.pop(stage)
         stage_input = mb.inputs.pop(stage, None)
-        torch.autograd.backward(output, grad_tensors=mb.grad)
-        mb.grad = stage_input.grad if stage_input is not None and stage_input.requires_grad else None
+        saved = mb.pair_saved.pop(stage, None)
+        if saved is not None:
+            mb.grad = saved.backward(mb.grad)
+        else:
+            torch.autograd.backward(output, grad_tensors=mb.grad)
+            mb.grad = stage_input.grad if stage_input is not None and stage_input.requires_grad else None
         if stage == self.first_trainable_stage:
             mb.grad = None
 
@@ -152,15 +159,19 @@ class SplitCausalLM:
     def _layer_forward(self, stage: int, mb: MicroBatch, training: bool = True) -> None:
         layer_index = stage - 1
         stage_input = self._stage_input(stage, mb) if training else mb.hidden
-        with torch.set_grad_enabled(training and stage >= self.first_trainable_stage):
-            output = self.decoder.layers[layer_index](
-                stage_input,
-                attention_mask=mb.masks[self._layer_types[layer_index]],
-                position_ids=mb.position_ids,
-                position_embeddings=mb.position_embeddings,
-            )
-        if isinstance(output, tuple):  # older decoder layers return (hidden, ...)
-            output = output[0]
+        mask = mb.masks[self._layer_types[layer_index]]
+        trains = training and stage >= self.first_trainable_stage
+        paired = self.compiled.paired_layer(layer_index) if trains else None
+        result = paired.forward(stage_input, mask, mb.position_ids, mb.position_embeddings) if paired else None
+        if result is not None:
+            output, mb.pair_saved[stage] = result
+        else:
+            with torch.set_grad_enabled(trains):
+                output = self.decoder.layers[layer_index](
+                    stage_input, attention_mask=mask, position_ids=mb.position_ids,
+                    position_embeddings=mb.position_embeddings)
+            if isinstance(output, tuple):  # older decoder layers return (hidden, ...)
+                output = output[0]
         if training:
             self._keep(stage, mb, stage_input, output)
         mb.hidden = output

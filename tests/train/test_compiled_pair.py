@@ -1,0 +1,125 @@
+"""Decoder layers' training units as explicit compiled pairs (harvest.train.compiled_pair), fp32 on CPU.
+
+- A step through the pairs equals the eager step bit for bit (gradients accumulated over
+  two micro-batches, LoRA dropout's masks, a one-stage window whose saved frozen weights
+  are stage handles); the gradients are accumulated as autograd's AccumulateGrad does.
+- A layer whose pair cannot be built trains eager, with the reason in the status; a
+  signature past the pairs' limit runs through the layer's torch.compile call.
+- A saved input changed in place between the forward and backward units is refused, as
+  autograd refuses it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from harvest.train import compiled_pair
+from harvest.train.stats import UnitKind
+from tests.train.trainer_helpers import build, lora_grads, max_abs_diff, randomize_lora_b, run_until_optimizer
+
+pytestmark = pytest.mark.timeout(900)
+
+
+def _step_grads(trainer, seed=5):
+    randomize_lora_b(trainer)
+    torch.manual_seed(seed)  # the same dropout masks in both trainers
+    run_until_optimizer(trainer)
+    return lora_grads(trainer.split.peft_model)
+
+
+def _pair_calls(trainer) -> list[int]:
+    return [paired.calls for paired in trainer.split.compiled.paired]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("window_stages, lora_dropout", [("all", 0.1), (1, 0.0)])
+def test_a_step_through_the_pairs_equals_the_eager_step(window_stages, lora_dropout, tiny_llama_path, tmp_path):
+    harvest = {"window_stages": window_stages, "micro_batch_size": 2}
+    eager = build(tiny_llama_path, tmp_path / "eager", compile_layers="off", harvest=harvest,
+                  lora_dropout=lora_dropout, per_device_train_batch_size=2, gradient_accumulation_steps=2)
+    paired = build(tiny_llama_path, tmp_path / "paired", compile_layers="on", harvest=harvest,
+                   lora_dropout=lora_dropout, per_device_train_batch_size=2, gradient_accumulation_steps=2)
+    expected = _step_grads(eager)
+    got = _step_grads(paired)
+
+    assert len(paired._step.micro_batches) == 2  # the second micro-batch's gradients add to the first's
+    assert max_abs_diff(got, expected) == 0.0
+    assert max(float(g.abs().max()) for g in expected.values()) > 1e-3  # not vacuous
+    # Every layer's forward units ran as pairs (one per micro-batch), none through autograd.
+    assert _pair_calls(paired) == [2] * paired.split.num_layers
+    assert paired.stats().compile == {"requested": "on", "layers_compiled": paired.split.num_layers, "reason": None}
+
+
+def test_saved_frozen_weights_are_stage_handles_where_the_window_needs_them(tiny_llama_path, tmp_path):
+    from harvest.train.window import _WeightHandle
+
+    trainer = build(tiny_llama_path, tmp_path / "one", compile_layers="on", harvest={"window_stages": 1})
+    assert trainer.window.needs_saved_tensor_hooks()
+    randomize_lora_b(trainer)
+    while trainer.next_unit().kind == UnitKind.FORWARD:
+        trainer.run_one_unit()
+    saved = trainer._step.micro_batches[0].pair_saved
+    assert sorted(saved) == [1, 2]  # both decoder layers' stages
+    for stage_saved in saved.values():
+        handles = [t for t in stage_saved.saved if isinstance(t, _WeightHandle)]
+        assert handles and not any(torch.is_tensor(t) and t.device.type == "meta" for t in stage_saved.saved)
+    run_until_optimizer(trainer)  # the backward units rebuild them from the window
+    assert all(p.grad is not None for p in trainer.trainable_params)
+
+
+def test_gradients_accumulate_as_autograds_accumulate_grad():
+    parameter = torch.nn.Parameter(torch.zeros(3, 4))
+    first, second = torch.randn(3, 4), torch.randn(4, 3).t()  # the second in another layout
+    expected = torch.nn.Parameter(torch.zeros(3, 4))
+    (expected * 1).backward(first.clone())
+    (expected * 1).backward(second.clone())
+
+    compiled_pair._accumulate(parameter, first)
+    assert parameter.grad is first  # the first gradient becomes .grad, as autograd steals it
+    compiled_pair._accumulate(parameter, second)
+    assert parameter.grad is first and torch.equal(parameter.grad, expected.grad)  # added in place
+
+    fresh = torch.nn.Parameter(torch.zeros(3, 4))
+    compiled_pair._accumulate(fresh, second)  # a first gradient in another layout: copied into the parameter's
+    assert fresh.grad.stride() == fresh.stride() and torch.equal(fresh.grad, second)
+
+
+def test_a_layer_whose_pair_cannot_be_built_trains_eager_and_says_why(tiny_llama_path, tmp_path, monkeypatch):
+    def fails(self, *args):
+        raise RuntimeError("this pair builds nothing")
+
+    monkeypatch.setattr(compiled_pair.PairCompiler, "_build", fails)
+    eager = build(tiny_llama_path, tmp_path / "eager", compile_layers="off")
+    trainer = build(tiny_llama_path, tmp_path / "fails", compile_layers="on")
+    expected = _step_grads(eager)
+    assert max_abs_diff(_step_grads(trainer), expected) == 0.0
+
+    status = trainer.stats().compile
+    assert status["layers_compiled"] == 0
+    assert "could not compile and runs eager" in status["reason"] and "this pair builds nothing" in status["reason"]
+    assert all(layer._compiled_call_impl is None for layer in trainer.split.decoder.layers)
+    assert _pair_calls(trainer) == [0, 0]
+
+
+def test_signatures_past_the_limit_run_through_the_layers_compiled_call(tiny_llama_path, tmp_path, monkeypatch):
+    monkeypatch.setattr(compiled_pair, "MAX_SIGNATURES", 0)
+    eager = build(tiny_llama_path, tmp_path / "eager", compile_layers="off")
+    trainer = build(tiny_llama_path, tmp_path / "module", compile_layers="on")
+    expected = _step_grads(eager)
+    assert max_abs_diff(_step_grads(trainer), expected) == 0.0
+    assert _pair_calls(trainer) == [0, 0]
+    assert trainer.stats().compile == {"requested": "on", "layers_compiled": 2, "reason": None}
+
+
+def test_a_saved_input_changed_in_place_before_the_backward_is_refused(tiny_llama_path, tmp_path):
+    trainer = build(tiny_llama_path, tmp_path / "paired", compile_layers="on")
+    randomize_lora_b(trainer)
+    while trainer.next_unit().kind == UnitKind.FORWARD:
+        trainer.run_one_unit()
+    with torch.no_grad():  # what autograd's version check is there for
+        for parameter in trainer.trainable_params:
+            parameter.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified in place"):
+        while trainer.next_unit().kind != UnitKind.OPTIMIZER:
+            trainer.run_one_unit()
