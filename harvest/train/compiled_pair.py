@@ -87,6 +87,8 @@ class PairCompiler:
         import torch._functorch.aot_autograd as aot
         from torch._inductor import compile_fx as inductor
         from torch._inductor import config as inductor_config
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.fx.experimental.symbolic_shapes import ShapeEnv
         from torch.nn.utils.stateless import _reparametrize_module
 
         num_parameters = len(names)
@@ -102,7 +104,9 @@ class PairCompiler:
             keep_inference_input_mutations=False, dynamic_shapes=False, aot_autograd_arg_pos_to_source=None,
             is_export=False, no_tangents=False, force_non_lazy_backward_lowering=True)
         compiled: dict[str, Any] = {}
-        inner = functools.partial(inductor.compile_fx_inner, get_decomp_fn=lambda: self.decompositions)
+        # As compile_fx passes it: a table its FX graph cache can pickle into the key.
+        inner = functools.partial(inductor.compile_fx_inner,
+                                  get_decomp_fn=inductor._ConstantDecompTable(self.decompositions))
 
         def forward_compiler(graph, example_inputs):
             compiled["metadata"] = torch._guards.TracingContext.get().fw_metadata
@@ -122,8 +126,12 @@ class PairCompiler:
 
         with inductor_config.patch(self.config_patches), contextlib.ExitStack() as stack:
             flat_function, _ = aot.create_tree_flattened_fn(layer_function, tuple(tensors), {})
-            fake_mode, shape_env = aot.construct_fake_mode(tensors, aot_config)
-            fake_tensors, input_indices = aot.process_inputs(tensors, aot_config, fake_mode, shape_env)
+            # A shape environment with no symbol in it (static shapes, as the signature is):
+            # inductor's FX graph cache keys on one and bypasses graphs traced without.
+            shape_env = ShapeEnv()
+            fake_mode = FakeTensorMode(shape_env=shape_env)
+            fake_tensors, input_indices = aot.process_inputs(tensors, aot_config, fake_mode, shape_env,
+                                                             ignore_shape_env=True)
             stack.enter_context(torch._guards.tracing(torch._guards.TracingContext(fake_mode)))
             state = aot.create_aot_state(stack, flat_function, fake_tensors,
                                          [aot.PlainAOTInput(i) for i in range(len(fake_tensors))],

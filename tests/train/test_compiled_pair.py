@@ -123,3 +123,67 @@ def test_a_saved_input_changed_in_place_before_the_backward_is_refused(tiny_llam
     with pytest.raises(RuntimeError, match="modified in place"):
         while trainer.next_unit().kind != UnitKind.OPTIMIZER:
             trainer.run_one_unit()
+
+
+class _Layer(torch.nn.Module):
+    """A decoder layer's call signature over a small computation (a projection, SiLU, a residual)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 16)
+
+    def forward(self, hidden, attention_mask=None, position_ids=None, position_embeddings=None):
+        cos, sin = position_embeddings
+        return hidden + torch.nn.functional.silu(self.proj(hidden * cos + sin))
+
+
+def _pair_step(layer, paired, inputs, grad):
+    hidden, cos, sin = inputs
+    leaf = hidden.detach().clone().requires_grad_(True)
+    layer.zero_grad(set_to_none=True)
+    if paired is None:
+        output = layer(leaf, position_embeddings=(cos, sin))
+        output.backward(grad)
+        return [output.detach(), leaf.grad, layer.proj.weight.grad, layer.proj.bias.grad]
+    output, saved = paired.forward(leaf, None, None, (cos, sin))
+    input_grad = saved.backward(grad)
+    return [output, input_grad, layer.proj.weight.grad, layer.proj.bias.grad]
+
+
+def test_a_pair_whose_cached_artifacts_do_not_load_sets_the_cache_aside(tmp_path, monkeypatch):
+    """The compile cache's rule (harvest.train.compiled_units) holds for pairs: artifacts
+    that do not load are set aside and the pair compiles again, never runs eager for it."""
+    from torch._inductor.utils import clear_caches
+
+    from harvest.train import compiled_units
+
+    monkeypatch.setenv("HARVEST_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setattr(compiled_units, "_cache_set_aside", False)
+    clear_caches()
+    generator = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(2, 4, 16, generator=generator) for _ in range(3)]
+    grad = torch.randn(2, 4, 16, generator=generator)
+    torch.manual_seed(0)
+    expected = _pair_step(_Layer(), None, inputs, grad)
+
+    def compiled_layer():
+        torch.manual_seed(0)
+        layer = _Layer()
+        state = compiled_units.compile_layers([layer], "on", torch.device("cpu"))
+        return layer, state
+
+    layer, state = compiled_layer()
+    assert [torch.equal(a, b) for a, b in zip(_pair_step(layer, state.paired[0], inputs, grad), expected)] == [True] * 4
+    cache = tmp_path / "cache" / "torchinductor" / torch.__version__
+    for path in [p for p in cache.rglob("*.py") if p.is_file()]:
+        path.write_text("def call(args):\n    return (\n")  # what a crash mid-write leaves
+    clear_caches()  # a new process: only the files remain
+    try:
+        layer, state = compiled_layer()
+        got = _pair_step(layer, state.paired[0], inputs, grad)
+    finally:
+        clear_caches()
+    assert [torch.equal(a, b) for a, b in zip(got, expected)] == [True] * 4
+    assert state.status() == {"requested": "on", "layers_compiled": 1, "reason": None} and state.paired[0].calls == 1
+    assert len([p for p in cache.parent.iterdir() if ".aside-" in p.name]) == 1
