@@ -1,33 +1,29 @@
 """A decoder layer's training forward and backward as an explicit pair of compiled functions (CPU).
 
-Through ``torch.compile`` a compiled layer unit still pays, per call, dynamo's guards and
-AOT autograd's runtime (an autograd Function saving ~46 tensors; the autograd engine and
-15 AccumulateGrad nodes in the backward unit): on a CPU that was half of a compiled unit's
-host time (docs/measurements.md, trainer section). The trainer runs each layer's forward
-unit and backward unit itself, so it can call the compiled graphs directly: the forward
-function returns the layer's output and the tensors its backward needs, the backward
-function takes those and the output's gradient and returns the gradients of the layer's
-input and of its trainable parameters, which `SavedForBackward.backward` accumulates into
-``.grad`` as autograd's AccumulateGrad would (the first micro-batch sets, later ones add).
+Through ``torch.compile`` a layer unit still pays, per call, dynamo's guards and AOT
+autograd's runtime (an autograd Function saving ~46 tensors; the autograd engine and
+AccumulateGrad in the backward unit): half of a compiled unit's host time on a CPU
+(docs/measurements.md). The trainer runs each layer's forward and backward units itself,
+so it calls the compiled graphs directly: the forward returns the output and the tensors
+the backward needs; the backward takes those and the output's gradient and returns the
+input's and the trainable parameters' gradients, which `SavedForBackward.backward` adds
+into ``.grad`` as AccumulateGrad would (the first micro-batch sets, later ones add).
 
-How a pair is made: AOT autograd's own stages, as ``torch.compile`` runs them below
-dynamo (capture the joint forward + backward graph with the backend's decompositions,
-inductor's partitioner, inductor's forward and backward compilers under the backend's
-configuration), keeping the two compiled functions and dropping the runtime wrapped around
-them. A pair is used only when AOT's metadata says its calling convention is the plain one
-(`_check_plain`): no input mutated, no output aliasing an input, nothing saved but tensors.
+A pair is made by AOT autograd's own stages as ``torch.compile`` runs them below dynamo
+(joint capture with the backend's decompositions, inductor's partitioner and compilers
+under the backend's configuration), keeping the two compiled functions, not the runtime
+around them; only when AOT's metadata says the calling convention is the plain one
+(`_check_plain`: no input mutated, no output aliasing an input, only tensors saved).
 
 Invariants:
 - Numerics are the backend's: the same graphs, partition and kernels as the layer compiled
   by ``torch.compile``, so a step equals eager's bit for bit (harvest.train.eager_numerics).
-- A pair is specific to what its graph was traced with: the inputs' shapes, strides, dtypes
-  and requires_grad, the modules' training flags (LoRA dropout), autocast and deterministic
-  mode (`PairedLayer._signature`). A new signature traces again (layers whose traced graphs
-  are equal share one compiled pair); past `MAX_SIGNATURES` a layer runs that signature
-  through its ``torch.compile`` call, which handles changing shapes (dynamic dimensions).
-- A layer's parameters keep their shapes, dtypes, layouts and requires_grad for the job
-  (the weight window installs views of the same layout): read from the modules at each
-  call, they are not part of the signature.
+- A pair is specific to what its graph was traced with (`PairedLayer._signature`: the
+  inputs' shapes, strides, dtypes and requires_grad, the modules' training flags, autocast,
+  deterministic mode). A new signature traces again (layers whose traced graphs are equal
+  share one compiled pair); past `MAX_SIGNATURES` a layer runs it through its
+  ``torch.compile`` call, which handles changing shapes. Parameters, read from the modules
+  at each call, keep their shapes, dtypes and layouts for the job (the window's views too).
 - Saved tensors go through the saved-tensor hooks in effect at the forward, as autograd's
   would (the weight window's handles where it needs them); the others are checked against
   in-place changes (their version counters) as autograd checks them.
@@ -35,9 +31,9 @@ Invariants:
   building a pair draws none (tracing is on fake tensors, and runs under ``fork_rng``).
 
 CUDA graphs would sit on this pair: its inputs (parameters, hidden states, mask, position
-ids and embeddings) and outputs (the output and the saved tensors; the gradients) are
-explicit tensors, so one capture per signature replays with the inputs copied into static
-buffers, each micro-batch in flight owning its saved tensors' buffers (not built: CUDA
+ids and embeddings) and outputs (the output and saved tensors; the gradients) are explicit
+tensors, so one capture per signature replays with the inputs copied into static buffers,
+each micro-batch in flight owning its saved tensors' buffers (not built: CUDA
 layers use ``torch.compile`` as measured; no GPU was lent to measure a replay).
 """
 
@@ -74,13 +70,11 @@ class PairCompiler:
         self.decompositions = backend.keywords["decompositions"]
         self.config_patches = backend.keywords["config_patches"]
         self._by_graph: dict[tuple, _Pair] = {}
-        self.builds = 0
 
     def build(self, layer: nn.Module, names: list[str], call: Callable, tensors: list[torch.Tensor]) -> _Pair:
         from torch._dynamo.utils import dynamo_timed
 
         with dynamo_timed(BUILD_TIMER), torch.random.fork_rng(devices=[]):
-            self.builds += 1
             return self._build(layer, names, call, tensors)
 
     def _build(self, layer, names, call, tensors) -> _Pair:
@@ -297,7 +291,8 @@ class SavedForBackward:
         with torch.no_grad(), torch._C._DisableAutocast():
             grads = pair.backward([*saved, grad_output])
         for parameter, index in zip(self.trainable, pair.trainable):
-            _accumulate(parameter, grads[index])
+            if grads[index] is not None:  # None: the output does not depend on it (autograd adds nothing)
+                _accumulate(parameter, grads[index])
         return grads[pair.num_parameters] if self.input_requires_grad else None
 
 
