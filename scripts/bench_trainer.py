@@ -12,8 +12,9 @@ through the LlamaFactory job path. Shapes (512-token vocabulary; `--layers N` fo
 Four learners train on the same batches in one run, interleaved round by round (the
 order rotates each round): plain PEFT (forward + backward + clip + AdamW on the whole
 batch), the layer-split trainer with every stage resident (W = all) eager, the same
-compiled (``trainer.compile: on``: every decoder layer through ``torch.compile``, on a
-CPU with harvest.train.eager_numerics' backend), eager with a one-stage window (W = 1):
+compiled (``trainer.compile: on``: every decoder layer through ``torch.compile``; on a
+CPU with harvest.train.eager_numerics' backend, its training units calling the compiled
+graphs as an explicit pair, harvest.train.compiled_pair), eager with a one-stage window (W = 1):
 
   tokens_per_s_peft / _eager / _compiled   non-padding tokens / median step time (W = all)
   step_ratio_vs_peft   median step time, layer-split W=all eager / plain PEFT  (target <= 1.10)

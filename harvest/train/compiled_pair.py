@@ -114,8 +114,8 @@ class PairCompiler:
         def backward_compiler(graph, example_inputs):
             tangent = example_inputs[-1]  # the output's gradient: the backward's last input
             compiled["grad_layout"] = (tuple(tangent.shape), tuple(tangent.stride()))
-            compiled["backward"] = inductor.compile_fx_backward(graph, example_inputs, compiler_config_extra=compiled["extra"],
-                                                               inner_compile=inner)
+            compiled["backward"] = inductor.compile_fx_backward(
+                graph, example_inputs, compiler_config_extra=compiled["extra"], inner_compile=inner)
             return compiled["backward"]
 
         with inductor_config.patch(self.config_patches), contextlib.ExitStack() as stack:

@@ -128,18 +128,16 @@ def compile_layers(layers: list[nn.Module], requested: str, device: torch.device
     if backend is None:
         backend = default_backend(device)
         if device.type == "cpu":  # measured there (docs/measurements.md); CUDA keeps torch.compile's runtime
-            from harvest.train.compiled_pair import PairCompiler
+            from harvest.train import compiled_pair
 
-            pairs = PairCompiler(backend)
+            pairs = compiled_pair.PairCompiler(backend)
     for layer in layers:
         # Compiled as a module too: evaluation's no-grad calls, and signatures no pair covers.
         layer.compile(backend=backend, dynamic=None)
         _guard_first_call(layer, state)
         state.layers += 1
         if pairs is not None:
-            from harvest.train.compiled_pair import PairedLayer
-
-            state.paired.append(PairedLayer(layer, pairs, functools.partial(_pair_failed, layer, state)))
+            state.paired.append(compiled_pair.PairedLayer(layer, pairs, functools.partial(_pair_failed, layer, state)))
     return state
 
 
