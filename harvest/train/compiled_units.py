@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import re
 import tempfile
 import time
 from pathlib import Path
@@ -87,17 +88,32 @@ def use_harvest_cache() -> None:
 _warned_versions: set[Path] = set()
 
 
+# A folder of another torch's artifacts: named by its version ("2.11.0", "2.13.0+cu128").
+_TORCH_VERSION_NAME = re.compile(r"^\d+\.\d+\.\d+")
+
+
 def _warn_of_other_versions(directory: Path) -> None:
     try:
         others = sorted(p.name for p in directory.parent.iterdir()
-                        if p.is_dir() and p.name != directory.name and ".aside-" not in p.name)
+                        if p.name != directory.name and ".aside-" not in p.name)
     except OSError:
         return
-    if others and directory.parent not in _warned_versions:
-        _warned_versions.add(directory.parent)
-        logger.warning("trainer.compile: compiled artifacts of torch %s under %s are not used by torch %s "
-                       "(compiled again into %s; delete the old folders to reclaim the disk)",
-                       ", ".join(others), directory.parent, torch.__version__, directory.name)
+    if not others or directory.parent in _warned_versions:
+        return
+    _warned_versions.add(directory.parent)
+    versions = [name for name in others if _TORCH_VERSION_NAME.match(name)]
+    # Anything else there is inductor's own layout (its hashed folders, fxgraph, aotautograd)
+    # from a harvest that kept one cache for every torch: counted, not listed.
+    unversioned = len(others) - len(versions)
+    parts = []
+    if versions:
+        parts.append(f"compiled artifacts of torch {', '.join(versions)} under {directory.parent} are not used by "
+                     f"torch {torch.__version__}")
+    if unversioned:
+        parts.append(f"{unversioned} entries directly under {directory.parent} (an earlier harvest's cache for every "
+                     "torch version) are not used")
+    logger.warning("trainer.compile: %s (compiled again into %s; delete them to reclaim the disk)",
+                   "; ".join(parts), directory)
 
 
 def compile_layers(layers: list[nn.Module], requested: str, device: torch.device, *, tensor_parallel: bool = False,

@@ -98,6 +98,21 @@ def test_another_torchs_artifacts_are_kept_apart_and_named(fresh_compiler, caplo
     assert len(warnings) == 1 and f"not used by torch {torch.__version__}" in warnings[0]
 
 
+def test_an_earlier_layout_beside_the_versions_is_counted_not_listed(fresh_compiler, caplog):
+    # inductor's own folders straight under the cache: what a harvest that kept one cache
+    # for every torch left behind (hashed folders, fxgraph, a lock file)
+    for name in ("2d", "fxgraph", "aotautograd", "3w"):
+        (fresh_compiler.parent / name).mkdir(parents=True)
+    (fresh_compiler.parent / "cache.lock").write_text("")
+    (fresh_compiler.parent / "2.12.1+cu128").mkdir()
+    with caplog.at_level(logging.WARNING, logger="harvest"):
+        compiled_units.use_harvest_cache()
+    warnings = [r.getMessage() for r in caplog.records if "trainer.compile" in r.getMessage()]
+    assert len(warnings) == 1, warnings
+    assert "compiled artifacts of torch 2.12.1+cu128 under" in warnings[0]
+    assert "5 entries directly under" in warnings[0] and "fxgraph" not in warnings[0] and "aotautograd" not in warnings[0]
+
+
 def test_a_layer_whose_backward_cannot_compile_runs_eager_from_its_first_call(fresh_compiler, caplog):
     from torch._dynamo.backends.common import aot_autograd
 
