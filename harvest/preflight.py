@@ -4,11 +4,12 @@
 address, the profile's content and model, every job file as ``harvest train --check``
 checks it); the first failure is one :class:`PreflightError` naming the harvest.yaml file,
 the field and the file it names. ``harvest launch`` runs :func:`check` before it execs
-SGLang. The plugin's launcher hook runs :data:`LAUNCHER_CHECKS` itself (milliseconds) and
-starts the job files' check in a child interpreter (:func:`start_job_check`, ``python -m
-harvest.preflight --jobs-only``) so the launcher holds no CUDA context; the launcher
-awaits that child while its schedulers load the model, before SGLang serves. What needs
-the device or the loaded model is left to the scheduler.
+SGLang. The plugin's launcher hook runs :data:`LAUNCHER_CHECKS` itself (milliseconds);
+where a CUDA driver exists it starts the job files' check in a child interpreter
+(:func:`start_job_check`, ``python -m harvest.preflight --jobs-only``) so the launcher
+holds no CUDA context, and awaits that child while its schedulers load the model, before
+SGLang serves; where none exists it runs every check itself. What needs the device or the
+loaded model is left to the scheduler.
 
 Rules: docs/sglang-integration.md, 'The pre-flight check (harvest/preflight.py)'.
 """

@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from harvest import cli, colocation_config, config_env, preflight
+from harvest.compute import device
 from harvest.preflight import PreflightError
 from harvest.sglang import launch, plugin
 
@@ -114,6 +115,19 @@ def setup_dir(tmp_path):
     return tmp_path / "setup"
 
 
+@pytest.fixture(autouse=True)
+def no_cuda_driver(monkeypatch):
+    """The plugin's hooks as on a machine without a CUDA driver (every check in the
+    launcher) whatever this machine has; `cuda_driver` makes it one with a driver."""
+    monkeypatch.setattr(device, "cuda_driver_present", lambda: False)
+
+
+@pytest.fixture
+def cuda_driver(monkeypatch):
+    """As on a GPU server: the job check runs in a child, awaited before SGLang serves."""
+    monkeypatch.setattr(device, "cuda_driver_present", lambda: True)
+
+
 def _broken_setup(setup_dir: Path, model: Path, case: str) -> tuple[Path, str]:
     """harvest.yaml of the tiny model's ready setup, broken as ``case`` says; the message expected."""
     config = colocation_config.write(setup_dir, model)
@@ -142,7 +156,7 @@ def _plugin_hook(config: Path | None, model: Path | str, started: list | None = 
 
 
 def _refused_by_the_job_check(case: str) -> bool:
-    """The cases the launcher's own checks pass and the child's job check refuses."""
+    """The cases the launcher's own checks pass and the job check refuses."""
     return BAD_INPUTS[case][1].startswith("jobs[") and "job file" in BAD_INPUTS[case][1]
 
 
@@ -158,24 +172,35 @@ def test_harvest_launch_refuses_before_exec_naming_file_and_field(case, tiny_lla
     assert len(ours) == 1 and ours[0].startswith(f"harvest launch: {message}"), err
 
 
-# Every case the launcher refuses itself, and one the job check refuses: its child runs
-# `check` on JOB_CHECKS, the functions `harvest launch` runs above on every case (a child
-# per case would cost seconds each for no other path).
-@pytest.mark.parametrize("case", [case for case in BAD_INPUTS if not _refused_by_the_job_check(case)]
-                         + ["second of two jobs bad"])
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
 def test_the_plugin_refuses_to_start_sglang_naming_file_and_field(case, tiny_llama_path, setup_dir):
+    # No CUDA driver: every check runs in the launcher before SGLang starts anything.
+    config, message = _broken_setup(setup_dir, tiny_llama_path, case)
+    started = []
+    with pytest.raises(plugin.HarvestStartupError) as refused:
+        _plugin_hook(config, tiny_llama_path, started)
+    assert str(refused.value).startswith(message)
+    assert config_env.ENABLED_VAR not in os.environ and started == []  # nothing handed to SGLang
+
+
+# With a driver, one case the launcher refuses itself and one the job check refuses: the
+# child runs `check` on JOB_CHECKS, the functions run in-process above on every case (a
+# child per case would cost seconds each for no other path).
+@pytest.mark.parametrize("case", ["junk profile", "second of two jobs bad"])
+def test_with_a_cuda_driver_a_bad_job_file_is_refused_before_sglang_serves(case, tiny_llama_path, setup_dir,
+                                                                          cuda_driver):
     config, message = _broken_setup(setup_dir, tiny_llama_path, case)
     started = []
     with pytest.raises(plugin.HarvestStartupError) as refused:
         _plugin_hook(config, tiny_llama_path, started)
     assert str(refused.value).startswith(message)
     if _refused_by_the_job_check(case):
-        # The job check ran while the schedulers started; refused before SGLang serves.
-        # SGLang parsed its arguments (its schedulers start); the wait for them never ran.
+        # The job check ran in its child while the schedulers started: SGLang parsed its
+        # arguments (its schedulers start); the wait for them never ran.
         assert os.environ[config_env.ENABLED_VAR] == "1"
         assert len(started) == 1 and "schedulers ready" not in started
     else:
-        assert config_env.ENABLED_VAR not in os.environ and started == []  # nothing handed to SGLang
+        assert config_env.ENABLED_VAR not in os.environ and started == []
 
 
 def test_a_good_setup_passes_and_is_launched(tiny_llama_path, setup_dir, monkeypatch, capsys):
@@ -185,9 +210,12 @@ def test_a_good_setup_passes_and_is_launched(tiny_llama_path, setup_dir, monkeyp
     assert rc == 0, err
     assert execs and execs[0][1:3] == ["-m", "sglang.launch_server"]
     assert execs[0][-3:] == ["--enable-harvest", "--harvest-config", str(config)]
-    # The plugin's hook passes it too, in its child process, and lets SGLang start.
-    assert _plugin_hook(config, tiny_llama_path) != []
+    # The plugin's hooks pass it too and let SGLang start and serve: every check in the
+    # launcher without a CUDA driver, the job check in a child with one.
+    assert len(_plugin_hook(config, tiny_llama_path)) == 2
     assert os.environ[config_env.CONFIG_VAR] == str(config)
+    monkeypatch.setattr(device, "cuda_driver_present", lambda: True)
+    assert _plugin_hook(config, tiny_llama_path)[1:] == ["schedulers ready"]
 
 
 def _model_of_another_shape(tiny_llama_path: Path, directory: Path) -> Path:

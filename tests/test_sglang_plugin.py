@@ -23,8 +23,10 @@ from harvest.sglang.server import cpu_server_env
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(300)]
 
 
-def _launch_server(argv: list[str], *, fake_sglang_version: str | None = None, timeout: float = 240):
-    """Run sglang.launch_server's __main__ in a subprocess, optionally faking its version."""
+def _launch_server(argv: list[str], *, fake_sglang_version: str | None = None, cuda_driver: bool | None = None,
+                   timeout: float = 240):
+    """Run sglang.launch_server's __main__ in a subprocess, optionally faking its version
+    or, in the launcher, whether a CUDA driver is present."""
     code = textwrap.dedent(
         f"""
         import importlib.metadata as metadata, runpy, sys
@@ -32,6 +34,9 @@ def _launch_server(argv: list[str], *, fake_sglang_version: str | None = None, t
         if fake:
             real = metadata.version
             metadata.version = lambda dist: fake if dist == "sglang" else real(dist)
+        if {cuda_driver!r} is not None:
+            from harvest.compute import device
+            device.cuda_driver_present = lambda: {cuda_driver!r}
         sys.argv = ["sglang.launch_server", *{argv!r}]
         runpy.run_module("sglang.launch_server", run_name="__main__")
         """
@@ -47,8 +52,10 @@ def test_bad_config_refuses_to_start_naming_the_field(tiny_llama_path, tmp_path)
     assert "qos.target_tpot_ms=-5: expected a finite number > 0.0; " in out.stderr
 
 
-def test_a_bad_job_file_stops_start_up_before_serving_naming_the_key(tiny_llama_path, tmp_path):
-    # The job check runs in a child while the schedulers start; the launcher awaits it
+@pytest.mark.parametrize("cuda_driver", [False, True], ids=["no CUDA driver", "a CUDA driver"])
+def test_a_bad_job_file_stops_start_up_before_serving_naming_the_key(cuda_driver, tiny_llama_path, tmp_path):
+    # Without a driver the launcher checks the job before SGLang starts anything. With one
+    # the job check runs in a child while the schedulers start; the launcher awaits it
     # before it serves, and SGLang's launcher ends its children (else this run would wait
     # on their open stderr until the timeout).
     import yaml
@@ -59,11 +66,14 @@ def test_a_bad_job_file_stops_start_up_before_serving_naming_the_key(tiny_llama_
     config = colocation_config.write(tmp_path, tiny_llama_path)
     job = yaml.safe_load((tmp_path / "job.yaml").read_text())
     (tmp_path / "job.yaml").write_text(yaml.safe_dump({**job, "lora_rank": -1}))
-    out = _launch_server(server.cpu_server_args(tiny_llama_path) + ["--enable-harvest", "--harvest-config", str(config)])
+    out = _launch_server(server.cpu_server_args(tiny_llama_path) + ["--enable-harvest", "--harvest-config", str(config)],
+                         cuda_driver=cuda_driver)
     assert out.returncode != 0
     assert f"HarvestStartupError: harvest config {config}: jobs[0]: job file '{tmp_path}/job.yaml': lora_rank: must be " \
         "an integer > 0, got -1" in out.stderr, out.stderr[-3000:]
     assert "The server is fired up" not in out.stderr
+    if not cuda_driver:
+        assert "Load weight begin" not in out.stderr  # refused before SGLang started anything
 
 
 def test_config_without_enable_flag_is_refused(tiny_llama_path, tmp_path):

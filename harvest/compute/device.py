@@ -2,6 +2,7 @@
 
 :func:`probe_gpus` asks the CUDA driver through libharvest_vmm and libharvest_greenctx
 (the driver API opened at run time, so this works, and says so, without a driver);
+:func:`cuda_driver_present` says whether a CUDA context could exist in this process at all;
 :func:`device_identity` is the name profiles give a device, used both when a profile is
 measured and when a serving process checks the profile it is given;
 :func:`connections_problem` says when ``CUDA_DEVICE_MAX_CONNECTIONS`` gives the streams
@@ -101,6 +102,19 @@ class GpuInfo:
     green_contexts_supported: bool
     min_sm_partition_size: int  # 0: not reported by the driver
     sm_coscheduled_alignment: int  # 0: not reported by the driver
+
+
+CUDA_DRIVER_LIBRARY = "libcuda.so.1"
+
+
+def cuda_driver_present() -> bool:
+    """Whether this process could load the CUDA driver. Without it nothing in the process
+    can create a CUDA context. Loading the library initializes nothing (no ``cuInit``)."""
+    try:
+        ctypes.CDLL(CUDA_DRIVER_LIBRARY)
+    except OSError:
+        return False
+    return True
 
 
 def probe_gpus() -> tuple[list[GpuInfo], str | None, int | None]:

@@ -83,14 +83,21 @@ def _from_cli_args(original, cls, args):
         for var, value in overrides.items():  # the command line wins over the environment
             if value is not None:
                 os.environ[var] = str(value)
-        from harvest.preflight import LAUNCHER_CHECKS, PreflightError, check, start_job_check
+        from harvest.compute import device
+        from harvest.preflight import CHECKS, LAUNCHER_CHECKS, PreflightError, check, start_job_check
 
         if config_path:
             config_path = str(Path(config_path).expanduser().resolve())  # the subprocesses may start elsewhere
         tp_size = getattr(args, "tp_size", 1)
+        # The job check sets up the CUDA device (LlamaFactory's TrainingArguments): where a
+        # driver could give the launcher a context, it runs in a child beside SGLang's
+        # start-up; where there is none (a CPU server) it runs here with the others, 0.4 s
+        # against the child's 6-7 s of imports (docs/measurements.md).
+        job_check_in_child = device.cuda_driver_present()
         try:
             config = check(config_path, model_path=getattr(args, "model_path", None),
-                           sglang_host=getattr(args, "host", None), tp_size=tp_size, checks=LAUNCHER_CHECKS)
+                           sglang_host=getattr(args, "host", None), tp_size=tp_size,
+                           checks=LAUNCHER_CHECKS if job_check_in_child else CHECKS)
         except PreflightError as exc:  # names the file and the field
             raise HarvestStartupError(str(exc)) from None
         os.environ[config_env.ENABLED_VAR] = "1"
@@ -100,7 +107,7 @@ def _from_cli_args(original, cls, args):
         logger.info("harvest enabled (config: %s)", config_path or "defaults")
         server_args = original(cls, args)
         global _job_check
-        _job_check = start_job_check(config_path, tp_size=tp_size) if config.jobs else None
+        _job_check = start_job_check(config_path, tp_size=tp_size) if config.jobs and job_check_in_child else None
         return server_args
     return original(cls, args)
 
