@@ -122,9 +122,9 @@ def check_metrics_endpoint(inputs: LaunchInputs) -> None:
 # The port first: it costs nothing, the job check imports LlamaFactory.
 CHECKS: tuple[Callable[[LaunchInputs], None], ...] = (check_metrics_endpoint, check_profile, check_job_files)
 # What SGLang's launcher runs itself, before it starts anything: files and a socket, no
-# CUDA. The job check (LlamaFactory's TrainingArguments set up the device) runs in a child
-# while the schedulers start (`start_job_check`); never the port check there, since by
-# then the scheduler may hold that port itself.
+# CUDA. Where a CUDA driver exists the job check (LlamaFactory's TrainingArguments set up
+# the device) runs in a child while the schedulers start (`start_job_check`); never the
+# port check there, since by then the scheduler may hold that port itself.
 LAUNCHER_CHECKS: tuple[Callable[[LaunchInputs], None], ...] = (check_metrics_endpoint, check_profile)
 JOB_CHECKS: tuple[Callable[[LaunchInputs], None], ...] = (check_job_files,)
 

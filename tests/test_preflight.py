@@ -1,8 +1,8 @@
 """harvest's pre-flight check: every bad input stops `harvest launch` (exit status 2, one
 message, no traceback, nothing exec'd) and the plugin's launcher hooks (HarvestStartupError:
-from ``ServerArgs.from_cli_args``, SGLang not started, or, for a job file, from the
-launcher's wait for its schedulers, SGLang not serving), naming harvest.yaml, the field and
-the file it names. Both launchers run in this process: `harvest launch` with os.execv
+from ``ServerArgs.from_cli_args``, SGLang not started, or, for a job file where a CUDA
+driver exists, from the launcher's wait for its schedulers, SGLang not serving), naming
+harvest.yaml, the field and the file it names. Both launchers run in this process: `harvest launch` with os.execv
 recorded, the plugin's hooks with stand-ins for SGLang's own functions."""
 
 from __future__ import annotations
