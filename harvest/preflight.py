@@ -17,6 +17,7 @@ Rules: docs/sglang-integration.md, 'The pre-flight check (harvest/preflight.py)'
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -83,10 +84,36 @@ def check_profile(inputs: LaunchInputs) -> None:
                              "allow_profile_mismatch: true (predictions will be off)")
 
 
+@contextlib.contextmanager
+def generators_kept():
+    """Python's, NumPy's and torch's random generators as they were, after the block.
+
+    LlamaFactory's argument parsing seeds them all with the job's seed (transformers'
+    ``set_seed``). A check runs in processes that go on: SGLang's launcher, which draws its
+    internal ports with ``random`` (two servers started together, both seeded 0 by their
+    job check, picked the same port and one failed), and a scheduler, whose sampling
+    generators SGLang seeded with ``--random-seed``. A check must leave them as it found
+    them."""
+    import random
+
+    import numpy as np
+    import torch
+
+    # CUDA's generators only where CUDA is up (a scheduler); asking elsewhere would start it.
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    python_state, numpy_state = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=devices):
+        try:
+            yield
+        finally:
+            random.setstate(python_state)
+            np.random.set_state(numpy_state)
+
+
 def check_job_files(inputs: LaunchInputs) -> None:
     """Each job as `harvest train --check` checks it (harvest.train.plan.ready_job: what the
     build would refuse), with the server's caps and tensor-parallel degree, before the
-    model loads."""
+    model loads. The process's random generators are left as they were."""
     from harvest.train.errors import CheckpointError, JobError
     from harvest.train.job import load_job
     from harvest.train.plan import check_job
@@ -94,7 +121,8 @@ def check_job_files(inputs: LaunchInputs) -> None:
     config = inputs.config
     for index, path in enumerate(config.jobs):
         try:
-            check_job(load_job(path, in_server=True), tp_size=inputs.tp_size or 1)
+            with generators_kept():
+                check_job(load_job(path, in_server=True), tp_size=inputs.tp_size or 1)
         except (JobError, CheckpointError) as exc:  # names the job file, then the key or the checkpoint
             raise PreflightError(f"{where(config.source)}jobs[{index}]: {exc}") from None
 

@@ -218,6 +218,40 @@ def test_a_good_setup_passes_and_is_launched(tiny_llama_path, setup_dir, monkeyp
     assert _plugin_hook(config, tiny_llama_path)[1:] == ["schedulers ready"]
 
 
+def _process_state() -> tuple:
+    """What a check in a process that goes on (SGLang's launcher, a scheduler) must leave
+    as it was: the random generators' next draws, torch's global settings."""
+    import random
+
+    import numpy as np
+    import torch
+
+    return (random.random(), float(np.random.rand()), float(torch.rand(1)), torch.get_default_dtype(),
+            torch.get_num_threads(), torch.are_deterministic_algorithms_enabled())
+
+
+def test_the_launchers_job_check_leaves_its_generators_as_it_found_them(tiny_llama_path, setup_dir):
+    # LlamaFactory's parser seeds every generator with the job's seed: two launchers whose
+    # jobs both had seed 0 drew the same "random" internal port and one server failed.
+    import random
+
+    import numpy as np
+    import torch
+
+    config = colocation_config.write(setup_dir, tiny_llama_path)
+
+    def seeded():
+        random.seed(1234)
+        np.random.seed(1234)
+        torch.manual_seed(1234)
+
+    seeded()
+    expected = _process_state()
+    seeded()
+    assert len(_plugin_hook(config, tiny_llama_path)) == 2  # every check ran here (no CUDA driver)
+    assert _process_state() == expected
+
+
 def _model_of_another_shape(tiny_llama_path: Path, directory: Path) -> Path:
     """A checkpoint directory whose config.json differs in a latency field (all a profile check reads)."""
     directory.mkdir()
