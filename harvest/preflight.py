@@ -99,8 +99,9 @@ def generators_kept():
     import numpy as np
     import torch
 
-    # CUDA's generators only where CUDA is up (a scheduler); asking elsewhere would start it.
-    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    # CUDA's generator only where CUDA is up (a scheduler), and only its own device's: asking
+    # elsewhere would start CUDA, and another device's would put a context on that GPU.
+    devices = [torch.cuda.current_device()] if torch.cuda.is_initialized() else []
     python_state, numpy_state = random.getstate(), np.random.get_state()
     with torch.random.fork_rng(devices=devices):
         try:
