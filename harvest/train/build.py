@@ -21,7 +21,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from harvest.train.computed_buffers import check_computed_buffers
-from harvest.train.data import IGNORE_INDEX, StepBatches
+from harvest.train.data import IGNORE_INDEX, StepBatches, micro_batch_from
 from harvest.train.evaluation import EvalSettings, Evaluation
 from harvest.train.errors import JobError
 from harvest.train.job import DEFAULT_UNIT_TARGET_MS, HARVEST_SECTION, HarvestOptions, TrainJob, import_llamafactory
@@ -64,6 +64,9 @@ class TrainerSettings:
     shuffle: bool = True  # False: each epoch in dataset order (LlamaFactory's disable_shuffling)
     save_only_model: bool = False  # checkpoints without optimizer/schedule/RNG state (not resumable)
     evaluation: EvalSettings = EvalSettings()  # when to evaluate (with eval sets)
+    # ignore_pad_token_for_loss: false: padding carries loss, so what a step trains depends
+    # on how its samples are batched; micro_batch_size auto then takes LlamaFactory's batch.
+    padded_loss_batch_size: int | None = None
 
     @classmethod
     def from_job(cls, job: TrainJob) -> "TrainerSettings":
@@ -80,7 +83,9 @@ class TrainerSettings:
             save_steps=save_steps, save_total_limit=args.save_total_limit, max_grad_norm=args.max_grad_norm,
             output_dir=Path(args.output_dir), autocast_dtype=torch.bfloat16 if args.bf16 else None,
             fingerprint=job.fingerprint(), shuffle=not job.finetuning_args.disable_shuffling,
-            save_only_model=bool(args.save_only_model), evaluation=_eval_settings(args))
+            save_only_model=bool(args.save_only_model), evaluation=_eval_settings(args),
+            padded_loss_batch_size=(None if job.data_args.ignore_pad_token_for_loss
+                                    else int(args.per_device_train_batch_size)))
 
 
 def _eval_settings(args) -> EvalSettings:
@@ -138,9 +143,20 @@ def build_trainer(job: TrainJob, *, weight_source: BaseWeightSource | None = Non
             raise JobError(f"lora_target: {job.llamafactory_args.get('lora_target')!r} matches no module of the "
                            f"model ({exc})") from None
         raise JobError(f"model_name_or_path: LlamaFactory could not load the model: {exc}") from None
+    # Built as LlamaFactory's SFT workflow builds it for training, so a batch holds what
+    # llamafactory-cli train feeds the model: the packed rows' position_ids, neat packing's
+    # block-diagonal mask, padded labels per ignore_pad_token_for_loss.
     collator = SFTDataCollatorWith4DAttentionMask(
-        template=template, model=None, pad_to_multiple_of=8, label_pad_token_id=IGNORE_INDEX,
+        template=template, model=None, pad_to_multiple_of=8,
+        label_pad_token_id=(IGNORE_INDEX if job.data_args.ignore_pad_token_for_loss
+                            else tokenizer_module["tokenizer"].pad_token_id),
+        block_diag_attn=model_args.block_diag_attn, neat_packing=job.data_args.neat_packing,
+        attn_implementation=getattr(model.config, "_attn_implementation", None),
         compute_dtype=model_args.compute_dtype or torch.float32, **tokenizer_module)
+    try:  # what the collator makes must be something the trainer feeds on, before any step runs
+        micro_batch_from(collator([dataset[0]]), 0, torch.device("cpu"))
+    except ValueError as exc:
+        raise JobError(f"dataset: {exc}") from None
     checkpoint_path = job.training_args.resume_from_checkpoint if resume else None
     if resume and job.training_args.overwrite_output_dir and writer:
         _remove_earlier_run(job.output_dir)
@@ -281,6 +297,12 @@ def assemble_trainer(peft_model, dataset: Sequence[dict[str, Any]], collate: Cal
             trainer.micro_batch_size = int(resumed["micro_batch_size"])  # same split as the first run
             trainer.unit_sizing = {"micro_batch_size": trainer.micro_batch_size,
                                    "reason": "the checkpoint's: a resumed run keeps its micro-batches"}
+        elif settings.padded_loss_batch_size is not None:
+            trainer.micro_batch_size = settings.padded_loss_batch_size
+            trainer.unit_sizing = {"micro_batch_size": trainer.micro_batch_size,
+                                   "reason": "ignore_pad_token_for_loss: false: padding carries loss, so a unit pads "
+                                             "per_device_train_batch_size samples together, as llamafactory-cli train "
+                                             "does"}
         else:
             seq_len = _longest_sample(dataset, max_sample_len)
             trainer.micro_batch_size, unit_ms = choose_micro_batch_size(

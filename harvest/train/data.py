@@ -53,18 +53,8 @@ class StepBatches:
             indices = indices[shard[0]::shard[1]]
         result = []
         for number, start in enumerate(range(0, len(indices), micro_batch_size)):
-            features = [self.dataset[i] for i in indices[start: start + micro_batch_size]]
-            batch = self.collate(features)
-            attention_mask, labels = batch["attention_mask"], batch["labels"]
-            result.append(MicroBatch(
-                index=number,
-                input_ids=_to_device(batch["input_ids"], device),
-                attention_mask=_to_device(attention_mask, device),
-                labels=_to_device(labels, device),
-                num_tokens=int(attention_mask.sum()),
-                # After the causal shift (Hugging Face's num_items_in_batch counts these).
-                num_label_tokens=int((labels[:, 1:] != IGNORE_INDEX).sum()),
-            ))
+            batch = self.collate([self.dataset[i] for i in indices[start: start + micro_batch_size]])
+            result.append(micro_batch_from(batch, number, device))
         return result
 
     def _epoch_order(self, epoch: int) -> list[int]:
@@ -77,6 +67,52 @@ class StepBatches:
             self._cached_order = (epoch, order)
         return self._cached_order[1]
 
+
+
+# What LlamaFactory's SFT collator hands the model, each fed to the split model as
+# ``model(**batch)`` would take it. Anything else is refused, not dropped: a batch field the
+# trainer left out would train something other than what ``llamafactory-cli train`` trains.
+BATCH_FIELDS = frozenset({"input_ids", "attention_mask", "labels", "position_ids"})
+
+
+def micro_batch_from(batch: dict[str, Any], index: int, device: torch.device) -> MicroBatch:
+    """A collated batch as one micro-batch, on ``device``. The one conversion used by
+    training, evaluation and the build-time check of the collator.
+
+    ``attention_mask`` is what the collator made of it: 2-D (1 per token; with
+    ``packing`` the padding of a packed row is 1 too, as LlamaFactory makes it), 4-D
+    (``neat_packing``: LlamaFactory's block-diagonal causal mask, 0 where a token may
+    attend and the dtype's minimum elsewhere, passed to the decoder layers as it is) or
+    absent (``neat_packing`` with flash attention: the packed rows are told apart by
+    ``position_ids``). ``position_ids`` (packing: each packed sequence counts from 0) goes
+    to the layers and the rotary embedding as Hugging Face's model forward passes it.
+    """
+    extra = sorted(set(batch) - BATCH_FIELDS)
+    if extra:
+        raise ValueError(f"the collated batch carries {', '.join(extra)}, which the layer-split trainer does not "
+                         "feed to the model (it trains text-only decoders on input_ids, attention_mask, "
+                         "position_ids and labels)")
+    input_ids, attention_mask, labels = batch["input_ids"], batch.get("attention_mask"), batch["labels"]
+    position_ids = batch.get("position_ids")
+    return MicroBatch(
+        index=index,
+        input_ids=_to_device(input_ids, device),
+        attention_mask=_to_device(attention_mask, device) if attention_mask is not None else None,
+        labels=_to_device(labels, device),
+        position_ids=_to_device(position_ids, device) if position_ids is not None else None,
+        num_tokens=real_tokens(input_ids, attention_mask),
+        # After the causal shift (Hugging Face's num_items_in_batch counts these).
+        num_label_tokens=int((labels[:, 1:] != IGNORE_INDEX).sum()),
+    )
+
+
+def real_tokens(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> int:
+    """Tokens the mask lets attend (padding excluded), whatever form the mask has."""
+    if attention_mask is None:
+        return input_ids.numel()
+    if attention_mask.dim() == 4:  # a token that may attend to itself is not padding
+        return int((attention_mask.diagonal(dim1=-2, dim2=-1) == 0).sum())
+    return int((attention_mask != 0).sum())  # neat packing numbers its sequences 1, 2, ...
 
 
 def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

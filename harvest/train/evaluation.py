@@ -21,7 +21,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from harvest.compute.device import on_stream
-from harvest.train.data import IGNORE_INDEX
+from harvest.train.data import micro_batch_from
 from harvest.train.split_model import MicroBatch
 from harvest.train.stats import Unit, UnitKind, UnitRecord
 
@@ -79,12 +79,7 @@ class EvalPass:
         for prefix, data in evaluation.eval_sets.items():
             for start in range(0, len(data), size):
                 batch = evaluation.collate([data[i] for i in range(start, min(start + size, len(data)))])
-                labels = batch["labels"]
-                self.micro_batches.append((prefix, MicroBatch(
-                    index=len(self.micro_batches), input_ids=batch["input_ids"].to(device),
-                    attention_mask=batch["attention_mask"].to(device), labels=labels.to(device),
-                    num_tokens=int(batch["attention_mask"].sum()),
-                    num_label_tokens=int((labels[:, 1:] != IGNORE_INDEX).sum()))))
+                self.micro_batches.append((prefix, micro_batch_from(batch, len(self.micro_batches), device)))
         self.plan: list[Unit] = []
         group = evaluation.microbatches_per_pass
         for first in range(0, len(self.micro_batches), group):

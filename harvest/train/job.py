@@ -226,6 +226,12 @@ def _validated_job(raw: dict[str, Any], origin: str, job_dir: Path | None, in_se
     parsed = _parse_with_llamafactory(lf_args)
     model_args, data_args, training_args, finetuning_args = parsed
     _check_parsed(model_args, data_args, training_args, finetuning_args)
+    if (not data_args.ignore_pad_token_for_loss and options.micro_batch_size is not None
+            and options.micro_batch_size != training_args.per_device_train_batch_size):
+        notes.append(f"ignore_pad_token_for_loss: false with harvest.micro_batch_size {options.micro_batch_size} "
+                     f"and per_device_train_batch_size {training_args.per_device_train_batch_size}: padding carries "
+                     "loss and a micro-batch pads its samples to its longest, so the loss (and what is trained) "
+                     "differs from llamafactory-cli train's; leave micro_batch_size out (auto) to match it")
     for note in notes:
         logger.info("job %s: %s", origin, note)
     return TrainJob(lf_args, options, model_args, data_args, training_args, finetuning_args, origin, tuple(notes))
@@ -266,8 +272,6 @@ def _check_parsed(model_args, data_args, training_args, finetuning_args) -> None
     if model_args.disable_gradient_checkpointing is False:
         raise JobError("disable_gradient_checkpointing: false is not supported; the layer-split trainer keeps one "
                        "micro-batch pass of activations instead (lower harvest.micro_batch_size to use less memory)")
-    if data_args.neat_packing:
-        raise JobError("neat_packing: not supported by the layer-split trainer (set neat_packing: false)")
 
 
 def _resolve_paths(args: dict[str, Any], job_dir: Path | None) -> list[str]:

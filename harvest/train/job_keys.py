@@ -84,11 +84,15 @@ _decide(H, "LlamaFactory's dataset registry and preprocessing, as in llamafactor
         "dataset_dir or media_dir is taken relative to the job file)",
         "template dataset dataset_dir media_dir cutoff_len train_on_prompt mask_history max_samples overwrite_cache "
         "preprocessing_batch_size tool_format default_system enable_thinking preserve_thinking "
-        "ignore_pad_token_for_loss mix_strategy interleave_probs packing tokenized_path")
+        "mix_strategy interleave_probs tokenized_path")
+_decide(H, "as LlamaFactory's collator pads labels; with false the padding carries loss, so micro_batch_size auto "
+        "pads per_device_train_batch_size samples together as llamafactory-cli train does (another micro_batch_size "
+        "is accepted with a note that the loss then differs)", "ignore_pad_token_for_loss")
 _decide(H, "honoured, but capped inside a decode server (harvest.yaml jobs) so preprocessing cannot take the "
         "serving process's cores; harvest train uses it as given", "preprocessing_num_workers")
-_decide(R, "neat packing needs 4D block-diagonal attention masks, which the layer-split trainer does not build",
-        "neat_packing")
+_decide(H, "LlamaFactory's packing and its collator: packed rows keep each sequence's own position ids, and neat "
+        "packing's block-diagonal attention mask reaches every decoder layer as llamafactory-cli train passes it",
+        "packing neat_packing")
 _decide(R, "harvest places each step's samples as a function of the step number (exact resume), which needs the "
         "dataset's length; streaming datasets have none", "streaming buffer_size")
 _decide(N, "only matters when several processes preprocess on different machines", "data_shared_file_system")

@@ -33,11 +33,11 @@ class MicroBatch:
 
     index: int
     input_ids: torch.Tensor
-    attention_mask: torch.Tensor
+    attention_mask: torch.Tensor | None  # 2-D, LlamaFactory's 4-D neat-packing mask, or None (data.micro_batch_from)
     labels: torch.Tensor
     num_tokens: int  # non-padding tokens
     num_label_tokens: int = 0  # tokens that carry loss, after the causal shift
-    position_ids: torch.Tensor | None = None
+    position_ids: torch.Tensor | None = None  # the batch's (packing), else 0.. set by the embedding stage
     position_embeddings: Any = None
     masks: dict[str, Any] = dataclasses.field(default_factory=dict)
     hidden: torch.Tensor | None = None  # output of the last stage run forward
@@ -145,7 +145,8 @@ class SplitCausalLM:
 
         with torch.set_grad_enabled(training and self.first_trainable_stage == 0):
             hidden = self.decoder.embed_tokens(mb.input_ids)
-        mb.position_ids = torch.arange(mb.input_ids.shape[1], device=hidden.device).unsqueeze(0)
+        if mb.position_ids is None:  # as the Hugging Face model forward does without position_ids
+            mb.position_ids = torch.arange(mb.input_ids.shape[1], device=hidden.device).unsqueeze(0)
         mask_kwargs = dict(config=self.config, inputs_embeds=hidden, attention_mask=mb.attention_mask,
                            past_key_values=None, position_ids=mb.position_ids)
         mb.masks = {"full_attention": create_causal_mask(**mask_kwargs)}

@@ -24,7 +24,7 @@ from tests.train.trainer_helpers import DATA_DIR
 TOLERANCE = 1e-5
 
 
-def parity_job(model: Path, output_dir: Path) -> dict:
+def parity_job(model: Path, output_dir: Path, **overrides) -> dict:
     return dict(
         model_name_or_path=str(model), stage="sft", do_train=True, finetuning_type="lora", lora_target="q_proj,v_proj",
         lora_rank=4, lora_alpha=8, template="default", dataset="tiny_alpaca", dataset_dir=str(DATA_DIR),
@@ -32,12 +32,12 @@ def parity_job(model: Path, output_dir: Path) -> dict:
         lr_scheduler_type="cosine", warmup_steps=2, weight_decay=0.01, max_grad_norm=1.0, disable_shuffling=True,
         logging_steps=1, max_steps=6, save_steps=100, report_to="none", seed=3, output_dir=str(output_dir),
         overwrite_output_dir=True,
-    )
+    ) | overrides
 
 
-def llamafactory_cli_run(model: Path, work: Path) -> tuple[list[dict], dict]:
+def llamafactory_cli_run(model: Path, work: Path, **overrides) -> tuple[list[dict], dict]:
     job = work / "llamafactory.yaml"
-    job.write_text(yaml.safe_dump(parity_job(model, work / "llamafactory")))
+    job.write_text(yaml.safe_dump(parity_job(model, work / "llamafactory", **overrides)))
     cli = shutil.which("llamafactory-cli", path=str(Path(sys.executable).parent)) or "llamafactory-cli"
     env = {**os.environ, "DISABLE_VERSION_CHECK": "1", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1",
            "HF_HUB_OFFLINE": "1", "WANDB_DISABLED": "true"}
@@ -48,14 +48,19 @@ def llamafactory_cli_run(model: Path, work: Path) -> tuple[list[dict], dict]:
     return steps, _adapter(work / "llamafactory")
 
 
-def harvest_run(model: Path, work: Path, micro_batch_size: int) -> tuple[list[dict], dict]:
+def harvest_run(model: Path, work: Path, micro_batch_size: int | None, on_trainer=None,
+                **overrides) -> tuple[list[dict], dict]:
+    """``micro_batch_size`` None: left to the trainer (auto); ``on_trainer`` sees the built trainer."""
     from harvest.train.build import build_trainer
     from harvest.train.gate import Gate
     from harvest.train.job import load_job
 
     out = work / f"harvest-mb{micro_batch_size}"
-    job = {**parity_job(model, out), "harvest": {"micro_batch_size": micro_batch_size, "device": "cpu"}}
+    options = {"device": "cpu"} | ({"micro_batch_size": micro_batch_size} if micro_batch_size is not None else {})
+    job = {**parity_job(model, out, **overrides), "harvest": options}
     trainer = build_trainer(load_job(job))
+    if on_trainer is not None:
+        on_trainer(trainer)
     entries: list[dict] = []
     trainer.step_callbacks.append(entries.append)
     assert trainer.run(Gate()) == "finished"
@@ -82,13 +87,45 @@ def test_same_losses_and_adapter_as_llamafactory_cli(micro_batch_size, llamafact
                                                      tmp_path):
     reference_steps, reference_adapter = llamafactory_reference
     entries, adapter = harvest_run(Path(tiny_qwen2_path), tmp_path, micro_batch_size)
+    assert_same_training(reference_steps, reference_adapter, entries, adapter, f"micro_batch_size={micro_batch_size}")
 
+
+# LlamaFactory's data semantics that reach the model through its collator. With cutoff_len
+# 256 several tiny_alpaca samples share a packed row, so position ids restarting per sequence
+# (packing) and the block-diagonal mask (neat_packing) both change the loss; with
+# ignore_pad_token_for_loss: false the padding carries loss, so the micro-batches must pad as
+# LlamaFactory's batches do (micro_batch_size auto takes per_device_train_batch_size).
+DATA_SEMANTICS = {
+    "packing": (dict(packing=True, cutoff_len=256), 1),
+    "neat_packing": (dict(neat_packing=True, cutoff_len=256), 1),
+    "padding_carries_loss": (dict(ignore_pad_token_for_loss=False), None),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("case", sorted(DATA_SEMANTICS))
+def test_llamafactory_data_semantics(case, tiny_qwen2_path, tmp_path):
+    overrides, micro_batch_size = DATA_SEMANTICS[case]
+    reference_steps, reference_adapter = llamafactory_cli_run(Path(tiny_qwen2_path), tmp_path, **overrides)
+    built = []
+    entries, adapter = harvest_run(Path(tiny_qwen2_path), tmp_path, micro_batch_size, on_trainer=built.append,
+                                   **overrides)
+    assert_same_training(reference_steps, reference_adapter, entries, adapter, case)
+    rows = built[0].batches.num_samples
+    if "packing" in case:  # several samples per row, or the case would not test packing
+        assert rows <= len(json.loads((DATA_DIR / "tiny_alpaca.json").read_text())) // 2, rows
+    else:
+        assert built[0].micro_batch_size == 2, built[0].unit_sizing  # LlamaFactory's batch, chosen by auto
+
+
+def assert_same_training(reference_steps, reference_adapter, entries, adapter, label: str) -> None:
     assert [e["step"] for e in reference_steps] == [e["step"] for e in entries] == [1, 2, 3, 4, 5, 6]
     loss_diffs = [abs(ref["loss"] - ours["loss"]) for ref, ours in zip(reference_steps, entries)]
     lr_diffs = [abs(ref["learning_rate"] - ours["learning_rate"]) for ref, ours in zip(reference_steps, entries)]
     assert set(adapter) == set(reference_adapter)
     weight_diff = max(float((adapter[k] - reference_adapter[k]).abs().max()) for k in adapter)
-    print(f"parity micro_batch_size={micro_batch_size}: max |loss diff| {max(loss_diffs):.3g}, "
+    print(f"parity {label}: max |loss diff| {max(loss_diffs):.3g}, "
           f"max |lr diff| {max(lr_diffs):.3g}, max |adapter diff| {weight_diff:.3g}")
     assert max(loss_diffs) <= TOLERANCE, (reference_steps, entries)
     assert max(lr_diffs) <= 1e-12
