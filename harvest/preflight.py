@@ -181,23 +181,41 @@ def check(config_path: str | os.PathLike | None, *, model_path: str | None = Non
     return config
 
 
+# LlamaFactory's imports and a dataset's preprocessing, on a loaded machine: minutes at
+# worst. A child past it is stuck (a hung import, a dataset on a dead mount).
+CHILD_CHECK_TIMEOUT_S = 600.0
+
+
 class ChildCheck:
-    """A pre-flight check running in a child interpreter (:func:`start_job_check`), its
-    verdict read by :meth:`result`."""
+    """A pre-flight check running in a child interpreter (``python -m harvest.preflight``),
+    started at construction; its verdict read by :meth:`verdict` or :meth:`result`. The one
+    way harvest runs a check in a child: the launcher's job check beside SGLang's start-up
+    (:func:`start_job_check`) and the control endpoint's check of a submitted job file."""
 
-    def __init__(self, command: list[str]):
-        self._process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    def __init__(self, arguments: list[str], what: str = "harvest's pre-flight check"):
+        self.what = what
+        self._process = subprocess.Popen([sys.executable, "-m", "harvest.preflight", *arguments],
+                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
-    def result(self) -> None:
-        """Wait for the child; raise its PreflightError (or what else ended it)."""
-        stdout, stderr = self._process.communicate()
+    def verdict(self, timeout_s: float = CHILD_CHECK_TIMEOUT_S) -> str | None:
+        """Wait for the child: None when it passed, else why not (its PreflightError, or
+        how it ended otherwise). A child still running after ``timeout_s`` is killed."""
+        try:
+            stdout, stderr = self._process.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.communicate()
+            return f"{self.what} did not finish within {timeout_s:.0f} s"
         if self._process.returncode == 0:
-            return
-        reported = reported_error(stdout)
-        if reported is not None:
-            raise PreflightError(reported)
-        raise PreflightError(f"harvest's pre-flight check failed (exit status {self._process.returncode}): "
-                             f"{stderr.strip()[-2000:] or 'no output'}")
+            return None
+        return reported_error(stdout) or (f"{self.what} failed (exit status {self._process.returncode}): "
+                                          f"{stderr.strip()[-2000:] or 'no output'}")
+
+    def result(self, timeout_s: float = CHILD_CHECK_TIMEOUT_S) -> None:
+        """Wait for the child; raise PreflightError with the reason it did not pass."""
+        problem = self.verdict(timeout_s)
+        if problem is not None:
+            raise PreflightError(problem)
 
 
 def start_job_check(config_path: str | os.PathLike | None, *, tp_size: int | None = None) -> ChildCheck:
@@ -207,12 +225,12 @@ def start_job_check(config_path: str | os.PathLike | None, *, tp_size: int | Non
     would hold a CUDA context on the first GPU for the server's whole life. The child pays
     the imports of torch, transformers and LlamaFactory again: seconds the launcher spends
     starting its schedulers meanwhile (docs/measurements.md)."""
-    command = [sys.executable, "-m", "harvest.preflight", "--jobs-only"]
+    arguments = ["--jobs-only"]
     if config_path is not None:
-        command += ["--config", str(config_path)]
+        arguments += ["--config", str(config_path)]
     if tp_size is not None:
-        command += ["--tp-size", str(tp_size)]
-    return ChildCheck(command)
+        arguments += ["--tp-size", str(tp_size)]
+    return ChildCheck(arguments)
 
 
 _REPORT_KEY = "preflight_error"

@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -350,6 +351,20 @@ def test_a_child_that_fails_otherwise_is_reported_with_its_output(monkeypatch):
     monkeypatch.setattr(preflight.sys, "executable", shutil.which("false"))
     with pytest.raises(PreflightError, match=r"^harvest's pre-flight check failed \(exit status 1\): no output$"):
         preflight.start_job_check(None).result()
+
+
+def test_a_child_still_running_at_its_timeout_is_killed_and_reported(monkeypatch, tmp_path):
+    from harvest import preflight
+
+    stuck = tmp_path / "stuck-interpreter"
+    stuck.write_text("#!/bin/sh\nexec sleep 60\n")
+    stuck.chmod(0o755)
+    monkeypatch.setattr(preflight.sys, "executable", str(stuck))
+    check = preflight.ChildCheck(["--jobs-only"], what="the job check of /srv/job.yaml")
+    started = time.monotonic()
+    assert check.verdict(timeout_s=1.0) == "the job check of /srv/job.yaml did not finish within 1 s"
+    assert time.monotonic() - started < 30  # killed, not waited for
+    assert check._process.poll() is not None
 
 
 @pytest.mark.parametrize("argv, model_path", [

@@ -23,7 +23,6 @@ import queue
 import re
 import shutil
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -374,17 +373,10 @@ def check_job_in_child(path, tp_size: int = 1) -> str | None:
         return f"'path' must be the job file's absolute path on the server, got {path!r}"
     if not os.path.isabs(path):
         return f"'path' must be absolute (the server's working directory is not yours): {path}"
-    command = [sys.executable, "-m", "harvest.preflight", "--job", path, "--tp-size", str(tp_size)]
-    try:
-        out = subprocess.run(command, capture_output=True, text=True, timeout=JOB_CHECK_TIMEOUT_S, check=False)
-    except subprocess.TimeoutExpired:
-        return f"the job check of {path} did not finish within {JOB_CHECK_TIMEOUT_S:.0f} s"
-    if out.returncode == 0:
-        return None
-    from harvest.preflight import reported_error
+    from harvest.preflight import ChildCheck
 
-    return reported_error(out.stdout) or (f"the job check of {path} failed (exit status {out.returncode}): "
-                                          f"{out.stderr.strip()[-2000:] or 'no output'}")
+    return ChildCheck(["--job", path, "--tp-size", str(tp_size)], what=f"the job check of {path}").verdict(
+        JOB_CHECK_TIMEOUT_S)
 
 
 def _lower_priority(nice: int) -> None:
