@@ -577,7 +577,7 @@ def _synthetic_trainer(shape, window, device, dtype, batch, seq_len, steps, comp
                                fused_adamw=device.type == "cuda")
     options = HarvestOptions(window_stages=None if window == "all" else window)
     # The micro-batch sizing runs units here: a compiled learner compiles its layers here.
-    return assemble_trainer(peft_model, dataset, collate, settings, options, device=device, max_sample_len=seq_len,
+    return assemble_trainer(peft_model, dataset, collate, settings, options, device=device,
                             record_device_events=device.type == "cuda", compile_layers=compile_layers)
 
 

@@ -28,7 +28,7 @@ from harvest.train.job import DEFAULT_UNIT_TARGET_MS, HARVEST_SECTION, HarvestOp
 from harvest.train.llamafactory_env import LOADING_LOCK
 from harvest.train.microbatch import UnitSizing, choose_micro_batch_size
 from harvest.train.plan import check_device, job_identity_name, ready_job
-from harvest.train.split_model import SplitCausalLM
+from harvest.train.split_model import MicroBatch, SplitCausalLM
 from harvest.train.trainer import LayerSplitTrainer
 from harvest.train.weights import BaseWeightSource, HostCopyWeightSource
 from harvest.train.window import WeightWindow, stages_fitting
@@ -172,7 +172,7 @@ def build_trainer(job: TrainJob, *, weight_source: BaseWeightSource | None = Non
     # each), and no member keeps the one-process trainer log there.
     return assemble_trainer(model, dataset, collator, settings, job.harvest, device=device,
                             weight_source=weight_source, allocator=allocator, resume_from=checkpoint_path,
-                            max_sample_len=job.data_args.cutoff_len, make_optimizer=job_optimizer(job),
+                            make_optimizer=job_optimizer(job),
                             make_log=make_log if resume and writer and fleet is None else None,
                             eval_sets=eval_sets, tp=tp, compile_layers=compile_layers, unit_sizing=unit_sizing,
                             fleet_job_id=(fleet.job_id or job_identity_name(job)) if fleet is not None else None)
@@ -223,7 +223,7 @@ def job_optimizer(job: TrainJob) -> Callable[[torch.nn.Module], torch.optim.Opti
 def assemble_trainer(peft_model, dataset: Sequence[dict[str, Any]], collate: Callable, settings: TrainerSettings,
                      options: HarvestOptions, *, device: torch.device, weight_source: BaseWeightSource | None = None,
                      allocator: BaseWindowAllocator | None = None, resume_from: str | Path | None = None,
-                     max_sample_len: int | None = None, record_device_events: bool = False,
+                     record_device_events: bool = False,
                      make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer] | None = None,
                      make_log: Callable[[int, int], Any] | None = None,
                      eval_sets: dict[str, Sequence[dict[str, Any]]] | None = None, tp=None,
@@ -304,9 +304,13 @@ def assemble_trainer(peft_model, dataset: Sequence[dict[str, Any]], collate: Cal
                                              "per_device_train_batch_size samples together, as llamafactory-cli train "
                                              "does"}
         else:
-            seq_len = _longest_sample(dataset, max_sample_len)
+            longest = dataset[_longest_sample(dataset)]
+
+            def probe_batch(size: int) -> MicroBatch:
+                return micro_batch_from(collate([longest] * size), 0, device)
+
             trainer.micro_batch_size, unit_ms = choose_micro_batch_size(
-                trainer, sizing.target_ms, seq_len, settings.samples_per_step,
+                trainer, sizing.target_ms, probe_batch, settings.samples_per_step,
                 agree_ms=sharded.tp.max_float if sharded is not None else None, stream=sizing.stream)
             trainer.unit_sizing = sizing.status(trainer.micro_batch_size, unit_ms)
             logger.info("micro-batch size %d: longest unit %.2f ms (target %.2f ms: %s)",
@@ -403,8 +407,8 @@ def _steps(value: float | None, total_steps: int) -> int | None:
     return int(value) if value >= 1 else math.ceil(value * total_steps)
 
 
-def _longest_sample(dataset: Sequence[dict[str, Any]], cap: int | None) -> int:
+def _longest_sample(dataset: Sequence[dict[str, Any]]) -> int:
+    """The index of the longest of (at most about 2048, evenly spread) samples."""
     count = len(dataset)
     stride = max(1, count // 2048)
-    longest = max(len(dataset[i]["input_ids"]) for i in range(0, count, stride))
-    return min(longest, cap) if cap else longest
+    return max(range(0, count, stride), key=lambda i: len(dataset[i]["input_ids"]))

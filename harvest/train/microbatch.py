@@ -21,7 +21,7 @@ import dataclasses
 import math
 import statistics
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -61,40 +61,40 @@ def decode_step_sizing(unit_step_fraction: float, target_tpot_ms: float, ladder)
                       f"{unit_step_fraction:g} of the {target_tpot_ms:g} ms decode step, on {where}")
 
 
-def choose_micro_batch_size(trainer, target_ms: float, seq_len: int, max_size: int,
+def choose_micro_batch_size(trainer, target_ms: float, probe_batch: Callable[[int], MicroBatch], max_size: int,
                             agree_ms=None, stream=None) -> tuple[int, float]:
-    """(micro-batch size in 1..max_size, its measured longest unit in ms). ``agree_ms``:
+    """(micro-batch size in 1..max_size, its measured longest unit in ms). ``probe_batch(n)``:
+    a micro-batch of ``n`` of the job's longest samples, as its collator makes it (the
+    mask's form and the padded length set what attention costs). ``agree_ms``:
     tensor-parallel ranks' agreement on a measurement (their slowest), so every rank
     probes the same sizes and picks the same one (the probes run collectives).
     ``stream``: the trainer stream of the partition the target is for (None: current)."""
     rng_state = checkpoint.capture_rng_state(trainer.device)
     agree = agree_ms or (lambda ms: ms)
     try:
-        unit_ms = agree(longest_unit_ms(trainer, 1, seq_len, stream=stream))
+        unit_ms = agree(longest_unit_ms(trainer, probe_batch(1), stream=stream))
         size = max(1, min(max_size, math.floor(target_ms / unit_ms)))
         if size > 1:
-            unit_ms = agree(longest_unit_ms(trainer, size, seq_len, stream=stream))
+            unit_ms = agree(longest_unit_ms(trainer, probe_batch(size), stream=stream))
             if unit_ms > 1.2 * target_ms:
                 size = max(1, math.floor(size * target_ms / unit_ms))
-                unit_ms = agree(longest_unit_ms(trainer, size, seq_len, stream=stream))
+                unit_ms = agree(longest_unit_ms(trainer, probe_batch(size), stream=stream))
         return size, unit_ms
     finally:
         trainer.optimizer.zero_grad(set_to_none=True)
         checkpoint.restore_rng_state(rng_state, trainer.device)
 
 
-def longest_unit_ms(trainer, micro_batch_size: int, seq_len: int, repeats: int = 3, stream=None) -> float:
-    """Median over `repeats` (after one warm-up) of the longest unit of a synthetic
-    micro-batch, its units issued on ``stream`` (None: the current stream)."""
+def longest_unit_ms(trainer, probe: MicroBatch, repeats: int = 3, stream=None) -> float:
+    """Median over `repeats` (after one warm-up) of the longest unit of micro-batch
+    ``probe``, its units issued on ``stream`` (None: the current stream)."""
     split, window, device = trainer.split, trainer.window, trainer.device
     compute_stream = trainer._compute_stream(stream)
     layer_stage = 1 if split.num_layers > 0 else split.head_stage
     order = split.pass_stages()
     samples = []
     for _ in range(repeats + 1):
-        ids = torch.randint(0, split.config.vocab_size, (micro_batch_size, seq_len), device=device)
-        mb = MicroBatch(0, ids, torch.ones_like(ids), ids.clone(), num_tokens=ids.numel(),
-                        num_label_tokens=micro_batch_size * (seq_len - 1))
+        mb = dataclasses.replace(probe, masks={}, inputs={}, outputs={}, pair_saved={})  # a fresh pass each time
         durations = []
 
         def timed(stage, action):

@@ -75,6 +75,25 @@ def test_the_jobs_own_target_wins_and_alone_auto_is_the_default(tiny_llama_path,
     assert fixed.stats().unit_sizing == {"micro_batch_size": 2, "reason": "harvest.micro_batch_size in the job"}
 
 
+@pytest.mark.parametrize("data_keys, mask_dims", [({}, 2), ({"neat_packing": True, "cutoff_len": 256}, 4)])
+def test_the_sizing_times_micro_batches_of_the_jobs_own_form(tiny_llama_path, tmp_path, monkeypatch, data_keys,
+                                                             mask_dims):
+    """What a unit costs depends on the batch the collator makes (neat packing's 4-D mask
+    takes attention off its causal fast path; packing fills every row to cutoff_len), so the
+    probe is the job's longest sample, collated as training collates it, not a stand-in."""
+    from harvest.train import microbatch
+    from harvest.train.build import build_trainer
+
+    probes = []
+    monkeypatch.setattr(microbatch, "longest_unit_ms", lambda trainer, probe, stream=None: probes.append(probe) or 1.0)
+    job = job_dict(tiny_llama_path, tmp_path, harvest={"micro_batch_size": "auto"}, **data_keys)
+    trainer = build_trainer(load_job(job), unit_sizing=UnitSizing(2.0, None, "two probe units"))
+    assert trainer.micro_batch_size == 2 and [p.input_ids.shape[0] for p in probes] == [1, 2]
+    longest = max(len(row["input_ids"]) for row in trainer.batches.dataset)
+    assert all(p.attention_mask.dim() == mask_dims for p in probes)
+    assert all(p.input_ids.shape[1] == -(-longest // 8) * 8 for p in probes)  # the collator pads to a multiple of 8
+
+
 def test_the_composition_root_hands_the_job_builder_the_decode_step_sizing(tiny_llama_path, monkeypatch):
     from harvest.colocate import assemble as assemble_module
     from harvest.colocate.assemble import EngineAdapter, KvPool, assemble

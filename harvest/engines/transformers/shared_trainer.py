@@ -42,5 +42,5 @@ def build_shared_trainer(decode_model, device, *, lora_rank=16, seq_len=512, sam
                                fused_adamw=on_gpu, autocast_dtype=dtype if dtype == torch.bfloat16 else None)
     shared = SharedTensorWeightSource(dict(decode_model.state_dict()))
     return assemble_trainer(peft_model, dataset, collate, settings, HarvestOptions(micro_batch_size=micro_batch),
-                            device=torch.device(device), weight_source=shared, max_sample_len=seq_len,
+                            device=torch.device(device), weight_source=shared,
                             compile_layers=compile_layers)
