@@ -201,6 +201,7 @@ class PairedLayer:
         self._modules = list(layer.modules())
         self._pairs: dict[tuple, _Pair] = {}
         self.calls = 0  # forward units run through a pair
+        self.past_limit = 0  # forward units of a new signature past MAX_SIGNATURES (run by the module call)
 
     def forward(self, hidden: torch.Tensor, attention_mask, position_ids, position_embeddings):
         """(output, `SavedForBackward`), or None: the caller runs the layer itself (it
@@ -216,6 +217,7 @@ class PairedLayer:
         parameters = [module._parameters[attr] for module, attr in self._homes]
         if pair is None:
             if len(self._pairs) >= MAX_SIGNATURES:
+                self.past_limit += 1
                 return None
             for attempt in range(2):
                 try:
@@ -231,6 +233,11 @@ class PairedLayer:
             outputs = pair.forward(list(flat))
         self.calls += 1
         return outputs[0], SavedForBackward(pair, parameters, list(outputs[1:]), flat, hidden.requires_grad)
+
+    def pairs(self) -> list[_Pair]:
+        """The compiled pairs this layer has traced, one per signature (shared with layers
+        whose graphs are equal)."""
+        return list(self._pairs.values())
 
     def _build(self, parameters, inputs) -> _Pair:
         present = [t is not None for t in inputs]

@@ -49,7 +49,16 @@ class CompiledLayers:
     paired: list = dataclasses.field(default_factory=list)
 
     def status(self) -> dict[str, Any]:
-        return {"requested": self.requested, "layers_compiled": self.layers, "reason": self.reason}
+        status = {"requested": self.requested, "layers_compiled": self.layers, "reason": self.reason}
+        if self.paired:
+            # What the pairs hold: a signature per input shape a layer met (few when the job
+            # packs: docs/design.md), one compiled pair per distinct graph, and the units a
+            # new shape sent past the per-layer limit to the dynamic-shape module call.
+            pairs = [pair for layer in self.paired for pair in layer.pairs()]
+            status.update(signatures=max(len(layer.pairs()) for layer in self.paired),
+                          compiled_pairs=len({id(pair) for pair in pairs}),
+                          units_past_signature_limit=sum(layer.past_limit for layer in self.paired))
+        return status
 
     def paired_layer(self, index: int):
         """Layer ``index``'s `PairedLayer`, or None (it runs as a module)."""
@@ -274,11 +283,22 @@ def _chain_text(exc: BaseException) -> str:
     return "\n".join(str(error) for error in _errors_under(exc, implicit=True))
 
 
+_DESCRIBED_LINE_CHARS = 300
+
+
 def _describe(exc: BaseException) -> str:
-    """The error and its root cause, one line each at most (dynamo wraps a backend's error)."""
+    """The error and its root cause, one line each at most (dynamo wraps a backend's error),
+    each cut to a few hundred characters: BackendCompilerFailed's first line spells out the
+    backend with its whole decomposition table (some 150 kB), which a log line or
+    /harvest/status must not carry."""
     def line(error: BaseException) -> str:
         text = str(error).strip()
-        return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
+        if not text:
+            return type(error).__name__
+        first = text.splitlines()[0]
+        if len(first) > _DESCRIBED_LINE_CHARS:
+            first = first[:_DESCRIBED_LINE_CHARS] + f"... ({len(first) - _DESCRIBED_LINE_CHARS} more characters)"
+        return f"{type(error).__name__}: {first}"
 
     *_, root = _errors_under(exc)
     return line(exc) if root is exc else f"{line(exc)} ({line(root)})"

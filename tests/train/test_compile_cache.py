@@ -80,11 +80,15 @@ def test_artifacts_that_do_not_load_are_set_aside_and_compiled_again(fresh_compi
     with caplog.at_level(logging.WARNING, logger="harvest"):
         out = _step(block, x, grad)
     assert [torch.equal(a, b) for a, b in zip(out, expected)] == [True] * 3
-    assert state.status() == {"requested": "on", "layers_compiled": 1, "reason": None}  # compiled, not eager
+    status = state.status()
+    assert (status["layers_compiled"], status["reason"]) == (1, None)  # compiled, not eager
     assert block._compiled_call_impl is not None
     aside = [p for p in fresh_compiler.parent.iterdir() if ".aside-" in p.name]
     assert len(aside) == 1 and fresh_compiler.is_dir()
-    assert any("would not load" in r.getMessage() and str(aside[0]) in r.getMessage() for r in caplog.records)
+    warnings = [r.getMessage() for r in caplog.records if "would not load" in r.getMessage()]
+    assert len(warnings) == 1 and str(aside[0]) in warnings[0]
+    # One readable line, with the cause: not the backend's 150 kB decomposition table.
+    assert len(warnings[0]) < 2000 and "Failed to import" in warnings[0], len(warnings[0])
 
 
 def test_another_torchs_artifacts_are_kept_apart_and_named(fresh_compiler, caplog):

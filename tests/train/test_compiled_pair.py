@@ -48,7 +48,13 @@ def test_a_step_through_the_pairs_equals_the_eager_step(window_stages, lora_drop
     assert max(float(g.abs().max()) for g in expected.values()) > 1e-3  # not vacuous
     # Every layer's forward units ran as pairs (one per micro-batch), none through autograd.
     assert _pair_calls(paired) == [2] * paired.split.num_layers
-    assert paired.stats().compile == {"requested": "on", "layers_compiled": paired.split.num_layers, "reason": None}
+    shapes = {tuple(mb.input_ids.shape) for mb in paired._step.micro_batches}
+    status = paired.stats().compile
+    assert status == {"requested": "on", "layers_compiled": paired.split.num_layers, "reason": None,
+                      "signatures": len(shapes), "compiled_pairs": status["compiled_pairs"],
+                      "units_past_signature_limit": 0}
+    # Layer 0's input needs no gradient (a graph of its own); the layers after it share theirs.
+    assert len(shapes) <= status["compiled_pairs"] <= 2 * len(shapes)
 
 
 def test_saved_frozen_weights_are_stage_handles_where_the_window_needs_them(tiny_llama_path, tmp_path):
@@ -109,7 +115,9 @@ def test_signatures_past_the_limit_run_through_the_layers_compiled_call(tiny_lla
     expected = _step_grads(eager)
     assert max_abs_diff(_step_grads(trainer), expected) == 0.0
     assert _pair_calls(trainer) == [0, 0]
-    assert trainer.stats().compile == {"requested": "on", "layers_compiled": 2, "reason": None}
+    status = trainer.stats().compile
+    assert status == {"requested": "on", "layers_compiled": 2, "reason": None, "signatures": 0, "compiled_pairs": 0,
+                      "units_past_signature_limit": 2 * len(trainer._step.micro_batches)}
 
 
 def test_a_saved_input_changed_in_place_before_the_backward_is_refused(tiny_llama_path, tmp_path):
@@ -185,5 +193,6 @@ def test_a_pair_whose_cached_artifacts_do_not_load_sets_the_cache_aside(tmp_path
     finally:
         clear_caches()
     assert [torch.equal(a, b) for a, b in zip(got, expected)] == [True] * 4
-    assert state.status() == {"requested": "on", "layers_compiled": 1, "reason": None} and state.paired[0].calls == 1
+    assert state.status() == {"requested": "on", "layers_compiled": 1, "reason": None, "signatures": 1,
+                              "compiled_pairs": 1, "units_past_signature_limit": 0} and state.paired[0].calls == 1
     assert len([p for p in cache.parent.iterdir() if ".aside-" in p.name]) == 1

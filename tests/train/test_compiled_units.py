@@ -51,7 +51,10 @@ def test_a_compiled_step_equals_the_eager_step(window_stages, lora_dropout, tiny
     assert max(float(g.abs().max()) for g in grads.values() if g is not None) > 1e-3  # not vacuous
     assert max_abs_diff(compiled_params, params) == 0.0
     layers = compiled.split.num_layers
-    assert compiled.stats().compile == {"requested": "on", "layers_compiled": layers, "reason": None}
+    status = compiled.stats().compile
+    assert status | {"signatures": 0, "compiled_pairs": 0} == {
+        "requested": "on", "layers_compiled": layers, "reason": None, "signatures": 0, "compiled_pairs": 0,
+        "units_past_signature_limit": 0}  # the pairs' counts: tests/train/test_compiled_pair.py
     assert eager.stats().compile == {"requested": "off", "layers_compiled": 0, "reason": None}
     # The layers really ran compiled: dynamo's wrapper, not the eager call, is in place.
     assert all(layer._compiled_call_impl is not None for layer in compiled.split.decoder.layers)
