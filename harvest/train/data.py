@@ -77,7 +77,8 @@ BATCH_FIELDS = frozenset({"input_ids", "attention_mask", "labels", "position_ids
 
 def micro_batch_from(batch: dict[str, Any], index: int, device: torch.device) -> MicroBatch:
     """A collated batch as one micro-batch, on ``device``. The one conversion used by
-    training, evaluation and the build-time check of the collator.
+    training, evaluation, the micro-batch sizing's probe and the build-time check of the
+    collator.
 
     ``attention_mask`` is what the collator made of it: 2-D (1 per token; with
     ``packing`` the padding of a packed row is 1 too, as LlamaFactory makes it), 4-D
