@@ -125,3 +125,13 @@ def test_cli_reports_bad_job_with_exit_code_2(tiny_llama_path, tmp_path, capsys)
                     f"output_dir: {tmp_path / 'out'}\ncutoff_len: 0\n")
     assert cli.main(["train", str(path)]) == 2
     assert "cutoff_len: must be an integer > 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("micro_batch_size, noted", [(1, True), (2, False), ("auto", False)])
+def test_padding_that_carries_loss_with_another_split_is_noted(micro_batch_size, noted, tiny_llama_path, tmp_path):
+    job = load_job(job_dict(tiny_llama_path, tmp_path, ignore_pad_token_for_loss=False,
+                            harvest={"micro_batch_size": micro_batch_size}))
+    notes = [n for n in job.notes if n.startswith("ignore_pad_token_for_loss: false")]
+    assert len(notes) == int(noted)
+    if noted:
+        assert "micro_batch_size 1 and per_device_train_batch_size 2" in notes[0] and "differs" in notes[0]
