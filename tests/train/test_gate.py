@@ -10,7 +10,8 @@ import pytest
 
 from harvest.train.gate import Gate, GateAction
 from harvest.train.stats import UnitKind
-from tests.train.trainer_helpers import build, lora_params, max_abs_diff, randomize_lora_b
+from tests.train.trainer_helpers import (PARK_TIMEOUT_S, build, lora_params, max_abs_diff, randomize_lora_b,
+                                         trainer_thread)
 
 
 @pytest.mark.timeout(20)
@@ -78,7 +79,7 @@ class PauseAt:
             self.gate.pause()
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(600)
 def test_pause_mid_backward_then_resume_is_identical(tiny_llama_path, tmp_path):
     reference = build(tiny_llama_path, tmp_path / "ref", harvest={"window_stages": 2})
     paused = build(tiny_llama_path, tmp_path / "paused", harvest={"window_stages": 2})
@@ -89,21 +90,17 @@ def test_pause_mid_backward_then_resume_is_identical(tiny_llama_path, tmp_path):
     gate = Gate()
     # Pause after step 1's backward of the top layer: lower layers' backward still to run.
     top_layer = paused.split.num_layers
-    outcome = []
-    worker = threading.Thread(target=lambda: outcome.append(
-        paused.run(gate, on_unit=PauseAt(gate, 1, UnitKind.BACKWARD, top_layer))))
-    worker.start()
-    assert gate.wait_until_parked(timeout=30)
-    units_at_pause = paused.stats().units_run
-    assert paused.next_unit().kind == UnitKind.BACKWARD  # mid-backward
-    # Reclaim while paused: the window shrinks at once (no unit is running).
-    held = paused.set_window_stages(1)
-    assert held <= max(paused.window.stage_bytes())
-    time.sleep(0.2)
-    assert paused.stats().units_run == units_at_pause  # held, not running
-    paused.set_window_stages(2)
-    gate.resume()
-    worker.join(timeout=30)
+    with trainer_thread(paused, gate, on_unit=PauseAt(gate, 1, UnitKind.BACKWARD, top_layer)) as outcome:
+        assert gate.wait_until_parked(timeout=PARK_TIMEOUT_S)
+        units_at_pause = paused.stats().units_run
+        assert paused.next_unit().kind == UnitKind.BACKWARD  # mid-backward
+        # Reclaim while paused: the window shrinks at once (no unit is running).
+        held = paused.set_window_stages(1)
+        assert held <= max(paused.window.stage_bytes())
+        time.sleep(0.2)
+        assert paused.stats().units_run == units_at_pause  # held, not running
+        paused.set_window_stages(2)
+        gate.resume()
     assert outcome == ["finished"]
     stats = paused.stats()
     assert stats.pauses == 1 and stats.paused_s >= 0.2
@@ -111,7 +108,7 @@ def test_pause_mid_backward_then_resume_is_identical(tiny_llama_path, tmp_path):
     assert _losses(tmp_path / "ref") == _losses(tmp_path / "paused")
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("compile_layers", ["off", pytest.param("on", marks=pytest.mark.slow)])
 def test_stop_mid_step_checkpoints_and_resume_finishes_identically(compile_layers, tiny_llama_path, tmp_path):
     # Compiled, the stopped and the resumed trainer still match the eager reference bit for
@@ -122,13 +119,9 @@ def test_stop_mid_step_checkpoints_and_resume_finishes_identically(compile_layer
 
     first = build(tiny_llama_path, tmp_path / "run", compile_layers=compile_layers, **overrides)
     gate = Gate()
-    outcome = []
-    worker = threading.Thread(target=lambda: outcome.append(
-        first.run(gate, on_unit=PauseAt(gate, 2, UnitKind.BACKWARD, first.split.head_stage))))
-    worker.start()
-    assert gate.wait_until_parked(timeout=30 if compile_layers == "off" else 240)  # a cold compile: ~30 s
-    gate.stop()
-    worker.join(timeout=30)
+    with trainer_thread(first, gate, on_unit=PauseAt(gate, 2, UnitKind.BACKWARD, first.split.head_stage)) as outcome:
+        assert gate.wait_until_parked(timeout=PARK_TIMEOUT_S if compile_layers == "off" else 240)  # a cold compile
+        gate.stop()
     assert outcome == ["stopped"]
     assert first.stats().state == "stopped"
     # Two steps were complete; the third was mid-backward and is redone after resume.
@@ -148,3 +141,18 @@ def _losses(output_dir) -> dict[int, float]:
 
     entries = [json.loads(line) for line in (output_dir / "trainer_log.jsonl").read_text().splitlines()]
     return {entry["current_steps"]: entry["loss"] for entry in entries}  # a redone step keeps its last value
+
+
+@pytest.mark.timeout(600)
+def test_a_failing_threaded_test_leaves_no_trainer_running(tiny_llama_path, tmp_path):
+    """The helper the threaded tests use: when a test fails mid-run, its trainer is stopped
+    and joined before the failure propagates (a trainer left running drew dropout masks
+    from the generators of the tests after it, which failed in turn: seen once)."""
+    trainer = build(tiny_llama_path, tmp_path / "run", max_steps=50, save_steps=100)
+    gate = Gate()
+    with pytest.raises(AssertionError, match="the test failed here"):
+        with trainer_thread(trainer, gate) as outcome:
+            assert gate.wait_until_parked(timeout=0.01) is False  # running, not parked
+            raise AssertionError("the test failed here")
+    assert outcome == ["stopped"]
+    assert not [t for t in threading.enumerate() if t.name == "trainer" and t.is_alive()]

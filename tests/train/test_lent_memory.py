@@ -18,7 +18,8 @@ from harvest.memory import UnifiedAllocator
 from harvest.memory.lent_budget import LentMemoryBudget
 from harvest.train.arena_window import ArenaWindowAllocator
 from harvest.train.gate import Gate
-from tests.train.trainer_helpers import build, job_dict, lora_params, max_abs_diff, randomize_lora_b
+from tests.train.trainer_helpers import (PARK_TIMEOUT_S, build, job_dict, lora_params, max_abs_diff,
+                                         randomize_lora_b, trainer_thread)
 
 NUM_CHUNKS = 32  # chunk 0 stays mapped, as SGLang's padding chunk does
 LENT = list(range(1, NUM_CHUNKS))
@@ -106,7 +107,7 @@ class PauseAfterUnits:
             self.gate.pause()
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(600)
 def test_a_parked_trainer_gives_memory_back_and_releases_it_when_it_leaves(tiny_llama_path, tmp_path, lent_arena):
     alloc, budget = lent_arena
     chunk_bytes = alloc.geometry.chunk_bytes
@@ -116,26 +117,22 @@ def test_a_parked_trainer_gives_memory_back_and_releases_it_when_it_leaves(tiny_
     trainer.window.evict_all = lambda: (evicted_on.append(threading.current_thread().name), evict_all())[1]
 
     gate = Gate()
-    outcome = []
-    worker = threading.Thread(target=lambda: outcome.append(trainer.run(gate, on_unit=PauseAfterUnits(gate, 3))),
-                              name="trainer")
-    worker.start()
-    assert gate.wait_until_parked(timeout=60)
-    assert budget.followed and trainer.window.held_bytes > 0
-    units = trainer.stats().units_run
+    with trainer_thread(trainer, gate, on_unit=PauseAfterUnits(gate, 3)) as outcome:
+        assert gate.wait_until_parked(timeout=PARK_TIMEOUT_S)
+        assert budget.followed and trainer.window.held_bytes > 0
+        units = trainer.stats().units_run
 
-    generation = budget.publish(lent_bytes=len(LENT) * chunk_bytes, wanted_back_bytes=len(LENT) * chunk_bytes)
-    assert budget.wait_acknowledged(generation, timeout_s=10)
-    assert trainer.window.held_bytes == 0 and alloc.stats().chunks_lent_idle == len(LENT)
-    assert evicted_on == ["trainer"]  # the trainer thread let go, between waits at its gate
-    assert gate.paused and trainer.stats().units_run == units  # and is still parked
-    alloc.reclaim(LENT)
-    budget.publish(lent_bytes=0, wanted_back_bytes=0)
+        generation = budget.publish(lent_bytes=len(LENT) * chunk_bytes, wanted_back_bytes=len(LENT) * chunk_bytes)
+        assert budget.wait_acknowledged(generation, timeout_s=10)
+        assert trainer.window.held_bytes == 0 and alloc.stats().chunks_lent_idle == len(LENT)
+        assert evicted_on == ["trainer"]  # the trainer thread let go, between waits at its gate
+        assert gate.paused and trainer.stats().units_run == units  # and is still parked
+        alloc.reclaim(LENT)
+        budget.publish(lent_bytes=0, wanted_back_bytes=0)
 
-    alloc.lend(LENT)
-    budget.publish(lent_bytes=len(LENT) * chunk_bytes, wanted_back_bytes=0)
-    gate.resume()
-    worker.join(timeout=60)
+        alloc.lend(LENT)
+        budget.publish(lent_bytes=len(LENT) * chunk_bytes, wanted_back_bytes=0)
+        gate.resume()
     assert outcome == ["finished"]
     # Nobody follows the budget any more, so nothing lent stays with the trainer.
     assert not budget.followed and trainer.window.held_bytes == 0

@@ -4,10 +4,38 @@ plain PEFT reference they are compared with."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import threading
 from pathlib import Path
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
+
+# How long a test waits for a trainer thread to park at its gate: the first units of a
+# compiling trainer (make test-compiled turns auto on) include a cold compile, which on a
+# loaded 2-core machine takes minutes. A parked trainer ends the wait at once.
+PARK_TIMEOUT_S = 240 if os.environ.get("HARVEST_TEST_COMPILE") == "on" else 60
+
+
+@contextlib.contextmanager
+def trainer_thread(trainer, gate, **run_kwargs):
+    """``trainer.run(gate, **run_kwargs)`` on a thread named "trainer"; yields the list its
+    outcome is appended to, and on leaving waits for the run to end. When the block fails
+    (an assertion), the gate is stopped first: a trainer left training behind a failed test
+    draws from the process's random generators under the next tests (dropout masks), which
+    then fail for no fault of theirs."""
+    outcome: list = []
+    worker = threading.Thread(target=lambda: outcome.append(trainer.run(gate, **run_kwargs)), name="trainer")
+    worker.start()
+    try:
+        yield outcome
+    except BaseException:
+        gate.stop()
+        worker.join(timeout=PARK_TIMEOUT_S)
+        raise
+    worker.join(timeout=PARK_TIMEOUT_S)
+    assert not worker.is_alive(), f"the trainer thread still runs {PARK_TIMEOUT_S} s after the test let it go"
 
 
 def job_dict(model_path, output_dir, **overrides) -> dict:
