@@ -28,7 +28,8 @@ Invariants:
   would (the weight window's handles where it needs them); the others are checked against
   in-place changes (their version counters) as autograd checks them.
 - Random numbers (LoRA dropout) are drawn by the compiled forward as eager draws them;
-  building a pair draws none (tracing is on fake tensors, and runs under ``fork_rng``).
+  building a pair draws none (tracing is on fake tensors) and leaves the process's
+  generator alone (other threads draw from it while a pair builds).
 
 CUDA graphs would sit on this pair: its inputs (parameters, hidden states, mask, position
 ids and embeddings) and outputs (the output and saved tensors; the gradients) are explicit
@@ -74,7 +75,11 @@ class PairCompiler:
     def build(self, layer: nn.Module, names: list[str], call: Callable, tensors: list[torch.Tensor]) -> _Pair:
         from torch._dynamo.utils import dynamo_timed
 
-        with dynamo_timed(BUILD_TIMER), torch.random.fork_rng(devices=[]):
+        # Not under fork_rng: tracing on fake tensors draws nothing (tests/train/
+        # test_compiled_pair.py checks it), and putting the process's generator back after
+        # a build would rewind what other threads drew meanwhile (decode's sampling,
+        # another job's dropout: the generator is the process's, not this thread's).
+        with dynamo_timed(BUILD_TIMER):
             return self._build(layer, names, call, tensors)
 
     def _build(self, layer, names, call, tensors) -> _Pair:

@@ -196,3 +196,33 @@ def test_a_pair_whose_cached_artifacts_do_not_load_sets_the_cache_aside(tmp_path
     assert state.status() == {"requested": "on", "layers_compiled": 1, "reason": None, "signatures": 1,
                               "compiled_pairs": 1, "units_past_signature_limit": 0} and state.paired[0].calls == 1
     assert len([p for p in cache.parent.iterdir() if ".aside-" in p.name]) == 1
+
+
+def test_building_a_pair_neither_draws_nor_rewinds_the_processs_generator(tiny_llama_path, tmp_path, monkeypatch):
+    """In a server other threads draw from the process's generator while a job's pairs
+    build (decode's sampling, another job's dropout). A build draws nothing itself, and must
+    not put the generator back afterwards: what another thread drew during the build would
+    be drawn again."""
+    unchanged_by_tracing, state_during, state_after = [], [], []
+    real_trace, real_build = compiled_pair.PairCompiler._build, compiled_pair.PairCompiler.build
+
+    def trace_beside_another_thread(self, *args):
+        before = torch.get_rng_state()
+        pair = real_trace(self, *args)
+        unchanged_by_tracing.append(torch.equal(before, torch.get_rng_state()))
+        torch.rand(1)  # what another thread draws while the build runs
+        state_during.append(torch.get_rng_state())
+        return pair
+
+    def build_and_record(self, *args):
+        pair = real_build(self, *args)
+        state_after.append(torch.get_rng_state())
+        return pair
+
+    monkeypatch.setattr(compiled_pair.PairCompiler, "_build", trace_beside_another_thread)
+    monkeypatch.setattr(compiled_pair.PairCompiler, "build", build_and_record)
+    trainer = build(tiny_llama_path, tmp_path / "paired", compile_layers="on", lora_dropout=0.1)
+    while trainer.next_unit().kind == UnitKind.FORWARD:
+        trainer.run_one_unit()
+    assert state_during and unchanged_by_tracing == [True] * len(state_during)
+    assert all(torch.equal(d, a) for d, a in zip(state_during, state_after))  # not put back
