@@ -22,9 +22,10 @@ PARK_TIMEOUT_S = 240 if os.environ.get("HARVEST_TEST_COMPILE") == "on" else 60
 def trainer_thread(trainer, gate, **run_kwargs):
     """``trainer.run(gate, **run_kwargs)`` on a thread named "trainer"; yields the list its
     outcome is appended to, and on leaving waits for the run to end. When the block fails
-    (an assertion), the gate is stopped first: a trainer left training behind a failed test
-    draws from the process's random generators under the next tests (dropout masks), which
-    then fail for no fault of theirs."""
+    (an assertion), the gate is stopped first: a trainer left running behind a failed test
+    changes the process's random generator under the next tests (a compile on its thread
+    puts the generator back when it is done, dynamo does, replaying what they drew
+    meanwhile), and they fail for no fault of theirs."""
     outcome: list = []
     worker = threading.Thread(target=lambda: outcome.append(trainer.run(gate, **run_kwargs)), name="trainer")
     worker.start()
