@@ -11,17 +11,27 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import logging
 import os
+import re
 import selectors
+import shutil
 import socket
+import stat
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
+
+logger = logging.getLogger(__name__)
 
 API_KEY_VAR = "HARVEST_CONTROL_API_KEY"
 ADMIN_API_KEY_VAR = "HARVEST_CONTROL_ADMIN_API_KEY"
 READY = "ready"
 RUN_DIR_PREFIX = "harvest-control-"  # the snapshot's directory, removed by the endpoint when the engine is gone
+_RUN_DIR_NAME = re.compile(re.escape(RUN_DIR_PREFIX) + r"(\d+)-")  # the engine process's pid, then mkdtemp's suffix
+STALE_RUN_DIR_AGE_S = 60.0  # a live engine rewrites its snapshot every metrics.publish_interval_s (0.5 s)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +61,64 @@ def endpoint_settings(metrics, sglang_host: str | None, source=None) -> tuple[En
         return None
     host = host or metrics.host or sglang_host or "127.0.0.1"
     return EndpointSettings(host=host, port=port, nice=metrics.endpoint_nice), where
+
+
+def create_run_dir(root: Path | None = None) -> tempfile.TemporaryDirectory:
+    """The snapshot's directory for this engine process, named after its pid, after
+    removing the directories of engines that are gone (:func:`remove_stale_run_dirs`)."""
+    removed = remove_stale_run_dirs(root)
+    if removed:
+        logger.info("harvest: removed %d control directories left by servers that were killed (%s)", len(removed),
+                    ", ".join(path.name for path in removed))
+    return tempfile.TemporaryDirectory(prefix=f"{RUN_DIR_PREFIX}{os.getpid()}-", dir=root, ignore_cleanup_errors=True)
+
+
+def remove_stale_run_dirs(root: Path | None = None, *, min_age_s: float = STALE_RUN_DIR_AGE_S) -> list[Path]:
+    """Remove the snapshot directories whose engine is gone; return them.
+
+    The endpoint removes its directory when the engine ends, but SGLang stops a server by
+    killing its whole process tree (SIGKILL from the launcher, SIGTERM to the group from
+    an init system), endpoint included, so nothing is left to remove it. A directory is
+    stale when it is this user's, its name carries a pid (older versions' names do not:
+    those are left alone), no process has that pid, and nothing in it changed for
+    ``min_age_s``: the last condition keeps the directory of an engine in another pid
+    namespace that shares this temporary folder."""
+    root = Path(root) if root is not None else Path(tempfile.gettempdir())
+    removed = []
+    try:
+        candidates = list(root.glob(RUN_DIR_PREFIX + "*"))
+    except OSError:
+        return removed
+    now = time.time()
+    for path in candidates:
+        match = _RUN_DIR_NAME.match(path.name)
+        if match is None:
+            continue
+        try:
+            info = path.lstat()
+            if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or _process_exists(int(match.group(1))):
+                continue
+            newest = max([info.st_mtime] + [entry.stat(follow_symlinks=False).st_mtime for entry in os.scandir(path)])
+        except OSError:  # gone meanwhile, or unreadable: not ours to judge
+            continue
+        if now - newest < min_age_s:
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        if not path.exists():
+            removed.append(path)
+    return removed
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    except OverflowError:  # not a pid at all: nothing runs under it
+        return False
+    return True
 
 
 class ControlEndpointError(RuntimeError):

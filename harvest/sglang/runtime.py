@@ -96,17 +96,16 @@ class HarvestRuntime:
     def _start_control(self, config, server_args) -> None:
         """harvest's HTTP endpoint, in a process of its own (harvest.sglang.endpoint_server): this
         process only publishes a snapshot file and runs the commands between steps."""
-        import tempfile
         from pathlib import Path
 
         from harvest.colocate.control_link import ControlLink
-        from harvest.sglang.control_endpoint import RUN_DIR_PREFIX, EndpointProcess, endpoint_settings
+        from harvest.sglang.control_endpoint import EndpointProcess, create_run_dir, endpoint_settings
 
         resolved = endpoint_settings(config.metrics, server_args.host, config.source)
         if resolved is None:
             return
         settings, where = resolved
-        self._run_dir = tempfile.TemporaryDirectory(prefix=RUN_DIR_PREFIX, ignore_cleanup_errors=True)
+        self._run_dir = create_run_dir()
         snapshot_path = Path(self._run_dir.name) / "snapshot.json"
         interval_s = config.metrics.publish_interval_s
         self.endpoint = EndpointProcess.start(settings, snapshot_path, api_key=server_args.api_key,

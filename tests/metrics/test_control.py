@@ -271,6 +271,75 @@ def test_the_endpoint_exits_with_the_engine_and_removes_the_snapshot(tmp_path):
     assert not run_dir.exists()
 
 
+def _dead_pid() -> int:
+    import subprocess
+
+    process = subprocess.Popen(["true"])
+    process.wait()
+    return process.pid
+
+
+def _aged(path: Path, seconds: float) -> Path:
+    then = time.time() - seconds
+    for entry in [*path.iterdir(), path]:
+        os.utime(entry, (then, then), follow_symlinks=False)
+    return path
+
+
+def _run_dir(root: Path, name: str, *, age_s: float) -> Path:
+    path = root / name
+    path.mkdir()
+    (path / "snapshot.json").write_text("{}")
+    return _aged(path, age_s)
+
+
+def test_run_dirs_of_killed_engines_are_removed_and_no_other(tmp_path):
+    """SGLang stops a server by killing its process tree, so the endpoint never removes its
+    snapshot's directory; the next engine removes those whose engine is gone. Kept: a
+    live engine's, one written to lately (an engine in another pid namespace), an older
+    version's (no pid in its name), anything that is not a directory."""
+    from harvest.sglang.control_endpoint import RUN_DIR_PREFIX, STALE_RUN_DIR_AGE_S, remove_stale_run_dirs
+
+    dead, old = _dead_pid(), STALE_RUN_DIR_AGE_S + 5
+    killed = _run_dir(tmp_path, f"{RUN_DIR_PREFIX}{dead}-abc123", age_s=old)
+    empty = tmp_path / f"{RUN_DIR_PREFIX}{dead}-empty"  # killed before its first snapshot
+    empty.mkdir()
+    _aged(empty, old)
+    kept = [
+        _run_dir(tmp_path, f"{RUN_DIR_PREFIX}{os.getpid()}-live", age_s=old),
+        _run_dir(tmp_path, f"{RUN_DIR_PREFIX}{dead}-fresh", age_s=0),
+        _run_dir(tmp_path, f"{RUN_DIR_PREFIX}k2j4x9_q", age_s=old),  # an older version's name
+    ]
+    no_such_pid = _run_dir(tmp_path, f"{RUN_DIR_PREFIX}{10**30}-huge", age_s=old)  # past any pid: no process
+    a_file = tmp_path / f"{RUN_DIR_PREFIX}{dead}-file"
+    a_file.write_text("not a directory")
+    (tmp_path / "unrelated").mkdir()
+    removed = remove_stale_run_dirs(tmp_path)
+    assert sorted(removed) == sorted([killed, empty, no_such_pid])
+    assert not killed.exists() and not empty.exists() and not no_such_pid.exists()
+    assert all(path.exists() for path in kept) and a_file.exists() and (tmp_path / "unrelated").exists()
+    # A snapshot written lately keeps the folder even when the folder itself is old.
+    fresh_inside = _run_dir(tmp_path, f"{RUN_DIR_PREFIX}{dead}-inside", age_s=old)
+    (fresh_inside / "snapshot.json").write_text("{}")
+    assert remove_stale_run_dirs(tmp_path) == [] and fresh_inside.exists()
+
+
+def test_an_engine_names_its_run_dir_after_itself_and_sweeps_first(tmp_path, caplog):
+    from harvest.sglang.control_endpoint import RUN_DIR_PREFIX, STALE_RUN_DIR_AGE_S, create_run_dir
+
+    dead = _dead_pid()
+    leftover = _run_dir(tmp_path, f"{RUN_DIR_PREFIX}{dead}-left", age_s=STALE_RUN_DIR_AGE_S + 5)
+    with caplog.at_level("INFO", logger="harvest.sglang.control_endpoint"):
+        run_dir = create_run_dir(tmp_path)
+    try:
+        path = Path(run_dir.name)
+        assert path.parent == tmp_path and path.name.startswith(f"{RUN_DIR_PREFIX}{os.getpid()}-")
+        assert not leftover.exists()
+        assert f"removed 1 control directories left by servers that were killed ({leftover.name})" in caplog.text
+    finally:
+        run_dir.cleanup()
+
+
 def _nice_and_policy(pid, tid):
     with open(f"/proc/{pid}/task/{tid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()  # field 3 (state) first

@@ -8,6 +8,7 @@ import json
 import subprocess
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -33,6 +34,15 @@ def _listening(port: int) -> set[str]:
     return {line.split()[3].rsplit(":", 1)[0] for line in out.splitlines() if line.strip()}
 
 
+def _snapshot_dir_and_engine(endpoint_pid: int) -> tuple[Path, int]:
+    """The folder of the endpoint's --snapshot and the endpoint's parent (the engine)."""
+    with open(f"/proc/{endpoint_pid}/cmdline", "rb") as f:
+        argv = f.read().decode().split("\0")
+    with open(f"/proc/{endpoint_pid}/stat") as f:
+        parent = int(f.read().rsplit(")", 1)[1].split()[1])
+    return Path(argv[argv.index("--snapshot") + 1]).parent, parent
+
+
 def test_the_endpoint_listens_where_the_instance_says_and_serves_strict_json(tiny_llama_path, tmp_path):
     yaml_port, instance_port = server.free_port(), server.free_port()
     config = tmp_path / "harvest.yaml"
@@ -50,6 +60,7 @@ def test_the_endpoint_listens_where_the_instance_says_and_serves_strict_json(tin
         metrics = _get("127.0.0.1", instance_port, "/metrics").decode()
         endpoints = srv.processes("harvest.sglang.endpoint_server")  # this server's only, not another test suite's
         yaml_port_used = _listening(yaml_port)
+        run_dirs = {pid: _snapshot_dir_and_engine(pid) for pid in endpoints}
     assert listening == {"0.0.0.0"} and not yaml_port_used  # the command line won over harvest.yaml
     rows = steps["steps"]
     assert rows and set(rows[0]) == set(steps["fields"])
@@ -59,6 +70,10 @@ def test_the_endpoint_listens_where_the_instance_says_and_serves_strict_json(tin
     assert status["trainer"] is None and status["snapshot_age_s"] < 5
     assert "harvest_decode_step_seconds_count" in metrics
     assert len(endpoints) == 1  # one endpoint process for the instance ...
+    # Its snapshot's folder carries the engine's pid: what lets the next server remove the
+    # folder when this one is killed with its endpoint (control_endpoint.remove_stale_run_dirs).
+    (run_dir, engine_pid), = run_dirs.values()
+    assert run_dir.name.startswith(f"harvest-control-{engine_pid}-"), run_dir
     deadline = time.monotonic() + 10
     while srv.processes("harvest.sglang.endpoint_server") and time.monotonic() < deadline:
         time.sleep(0.2)
