@@ -65,12 +65,14 @@ the same path with a small shape (also on CPU, where copies are synchronous: ove
 from __future__ import annotations
 
 import argparse
+import atexit
 import collections
 import copy
 import gc
 import json
 import os
 import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -138,9 +140,6 @@ def main(argv=None) -> int:
     if args.device == "cpu":
         torch.set_num_threads(args.threads)
     if args.cold_compile:  # before harvest.train.compiled_units sets its default
-        import atexit
-        import shutil
-
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="harvest-bench-inductor-")
         atexit.register(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
     if model in CPU_SHAPES:
@@ -166,7 +165,8 @@ def bench_vs_peft(args, model_name: str) -> dict:
     model_path = ensure_tiny_model(spec)
     batch = args.batch or CPU_BATCH[model_name][0]
     seq_len = args.seq_len or CPU_BATCH[model_name][1]
-    work = Path(tempfile.mkdtemp(prefix="harvest-bench-trainer-"))
+    work = Path(tempfile.mkdtemp(prefix="harvest-bench-trainer-"))  # datasets and checkpoints nobody reads after
+    atexit.register(shutil.rmtree, work, ignore_errors=True)
     data_dir = _write_dataset(work / "data", num_samples=batch * (args.rounds + args.warmup + 3), words=seq_len)
     common = dict(seq_len=seq_len, batch=batch, data_dir=data_dir, model_path=model_path)
     split_all = _build(work / "all", window="all", compile_layers="off", **common)

@@ -162,14 +162,18 @@ def default_builder() -> str:
 def check(tp: int, device: str = "cpu", fault_rank: int = -1, work_dir: Path | None = None,
           builder: str | None = None, steps: int = 4, family: str = "llama") -> dict:
     """Train on ``tp`` ranks and on one; return the comparison (and timings). ``family``:
-    harvest's tiny "llama" or "qwen2" (q/k/v biases, split with their rows)."""
+    harvest's tiny "llama" or "qwen2" (q/k/v biases, split with their rows). Without
+    ``work_dir`` the work goes to a temporary folder, removed afterwards."""
+    if work_dir is None:
+        with tempfile.TemporaryDirectory(prefix="harvest-tp-") as scratch:
+            return check(tp, device, fault_rank, Path(scratch), builder, steps, family)
     builder = builder or default_builder()
     import torch.multiprocessing as mp
 
     from harvest.tiny_model import TINY_LLAMA, TINY_QWEN2, ensure_tiny_model
 
     model_path = ensure_tiny_model({"llama": TINY_LLAMA, "qwen2": TINY_QWEN2}[family])
-    work = Path(work_dir or tempfile.mkdtemp(prefix="harvest-tp-"))
+    work = Path(work_dir)
     report: dict = {"tp": tp, "device": device, "builder": builder, "family": family}
     if fault_rank < 0:
         ref_device = "cuda:0" if device.startswith("cuda") else "cpu"
