@@ -18,10 +18,12 @@ Rules and figures: docs/design.md §2, 'Compiled decoder layers'.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import functools
 import os
 import re
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -258,6 +260,7 @@ def _set_aside_cache_named_in(exc: BaseException) -> bool:
         where = f"moved aside to {aside}"
     else:
         fresh = tempfile.mkdtemp(prefix="harvest-inductor-")
+        atexit.register(shutil.rmtree, fresh, ignore_errors=True)  # this process's only: gone with it
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = fresh
         where = f"left as it is (TORCHINDUCTOR_CACHE_DIR is the operator's); this process compiles into {fresh}"
     clear_caches()  # inductor's in-memory caches point into the old folder
