@@ -52,6 +52,14 @@ The last stdout line is one JSON object. What each figure measures:
       still running (1.0: every call was made under load); under_load_passes: reductions
       completed; under_load_fault: the error the reads raised, else null;
       under_load_checksum_ok: every reduction read the values decode wrote.
+  revoke_probe
+      CUDA only: harvest.memory.revoke_probe on one chunk's pages (2 x --num-layers)
+      mapped at two addresses, in a child process (its last step faults on purpose):
+      whether cuMemSetAccess accepts PROT_NONE on a read/write mapping, whether the other
+      mapping of the same pages keeps working, whether a kernel's write through the
+      revoked range faults (revoke_protects), and one revoke's and one grant's cost over
+      the chunk's run (revoke_us_median, grant_us_median). The answer the "shadow mapping"
+      (2P + 2 calls per lend and per reclaim, docs/design.md §1) waits on.
   small_alloc_free_ns_median, small_vs_malloc_ratio
       Timed in C++ (hvmm_bench_small_pool): one random sequence of 200,000 allocations
       and frees (sizes log-uniform in [512 B, 256 KiB], up to 256 live), replayed on the
@@ -284,6 +292,12 @@ def measure_lend_under_load(backend: str, num_layers: int = 4, rounds: int = 50)
     return result, creates
 
 
+def measure_revoke(num_layers: int) -> tuple[dict, int]:
+    from harvest.memory import revoke_probe
+
+    return {"revoke_probe": revoke_probe.probe_in_child(pages=2 * num_layers, repeats=20)}, 0
+
+
 def measure_small_pool(backend: str, seed: int) -> tuple[dict, int]:
     from harvest.memory import _lib
 
@@ -397,13 +411,16 @@ def main(argv=None) -> int:
             return 2
     result: dict = {"backend": args.backend, "complete": False}
     creates = 0
-    for name, measure in (
+    measurements = [
         ("lend/reclaim call counts", lambda: measure_lend(args.backend, args.num_layers)),
         ("lend/reclaim under decode kernels", lambda: measure_lend_under_load(args.backend, args.num_layers)),
         ("small pool vs malloc", lambda: measure_small_pool(args.backend, args.seed)),
         ("fragmentation trace", lambda: measure_fragmentation(args.backend, args.seed)),
         ("fuzz", lambda: measure_fuzz(args.backend, args.fuzz_ops, args.seed)),
-    ):
+    ]
+    if args.backend == "cuda":  # second: a few seconds, and the question nothing else answers
+        measurements.insert(1, ("cuMemSetAccess revoke probe", lambda: measure_revoke(args.num_layers)))
+    for name, measure in measurements:
         part, made = measure()
         creates += made
         result.update(part)

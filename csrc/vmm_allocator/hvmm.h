@@ -114,6 +114,39 @@ typedef struct hvmm_cuda_probe {
 
 HVMM_EXPORT int hvmm_cuda_probe(int device_ordinal, hvmm_cuda_probe_t* out);
 
+// Whether cuMemSetAccess can take access away from a mapped range, and its cost
+// (revoke_probe.cpp says why it matters). On one run of `pages` pages mapped at two
+// addresses: CUresult fields are the driver's result (0 = CUDA_SUCCESS, -1 = not reached);
+// the *_works / *_reads fields 1 when a kernel's write was read back, 0 when not, -1 not
+// reached; times in microseconds, -1 not measured. With `try_fault` a kernel writes through
+// the revoked alias last: a fault leaves the CUDA context unusable, so call it only in a
+// process that ends afterwards. Returns HVMM_OK when the questions were asked (whatever the
+// answers), HVMM_ERR_NO_DRIVER without a driver, HVMM_ERR_DRIVER when a set-up call failed.
+typedef struct hvmm_revoke_probe {
+  int32_t pages;
+  uint64_t page_bytes;
+  int32_t alias_reads_primary;          // the alias reads what a kernel wrote through the first mapping
+  int32_t revoke_result;                // cuMemSetAccess(PROT_NONE) over the alias run
+  double first_revoke_us;
+  int32_t primary_works_after_revoke;   // a kernel write through the first mapping reads back
+  int32_t regrant_result;               // cuMemSetAccess(READWRITE) over the alias again
+  int32_t alias_works_after_regrant;    // a kernel write through the alias reads back through the first
+  int32_t timed_repeats;
+  double revoke_us_median;              // one revoke of the whole run
+  double grant_us_median;               // one grant of the whole run
+  int32_t fault_tried;
+  int32_t write_after_revoke_result;    // cuCtxSynchronize after a kernel wrote through the revoked alias
+} hvmm_revoke_probe_t;
+
+HVMM_EXPORT int hvmm_cuda_probe_revoke(int device_ordinal, int pages, int repeats, int try_fault,
+                                       hvmm_revoke_probe_t* out);
+
+// The probe's kernel as PTX text (for offline checks with ptxas).
+HVMM_EXPORT const char* hvmm_poke_kernel_ptx(void);
+
+// The driver's name for a CUresult ("CUDA_ERROR_ILLEGAL_ADDRESS"), "unknown CUresult" without one.
+HVMM_EXPORT const char* hvmm_cu_error_name(int result);
+
 // ---------------------------------------------------------------- the allocator
 
 enum hvmm_backend_kind { HVMM_BACKEND_HOST = 0, HVMM_BACKEND_CUDA = 1 };
