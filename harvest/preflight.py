@@ -17,7 +17,6 @@ Rules: docs/sglang-integration.md, 'The pre-flight check (harvest/preflight.py)'
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import os
@@ -84,39 +83,12 @@ def check_profile(inputs: LaunchInputs) -> None:
                              "allow_profile_mismatch: true (predictions will be off)")
 
 
-@contextlib.contextmanager
-def generators_kept():
-    """Python's, NumPy's and torch's random generators as they were, after the block.
-
-    LlamaFactory's argument parsing seeds them all with the job's seed (transformers'
-    ``set_seed``). A check runs in processes that go on: SGLang's launcher, which draws its
-    internal ports with ``random`` (two servers started together, both seeded 0 by their
-    job check, picked the same port and one failed), and a scheduler, whose sampling
-    generators SGLang seeded with ``--random-seed``. A check must leave them as it found
-    them."""
-    import random
-
-    import numpy as np
-    import torch
-
-    # CUDA's generator only where CUDA is up (a scheduler), and only its own device's: asking
-    # elsewhere would start CUDA, and another device's would put a context on that GPU.
-    devices = [torch.cuda.current_device()] if torch.cuda.is_initialized() else []
-    python_state, numpy_state = random.getstate(), np.random.get_state()
-    with torch.random.fork_rng(devices=devices):
-        try:
-            yield
-        finally:
-            random.setstate(python_state)
-            np.random.set_state(numpy_state)
-
-
 def check_job_files(inputs: LaunchInputs) -> None:
     """Each job as `harvest train --check` checks it (harvest.train.plan.ready_job: what the
     build would refuse), with the server's caps and tensor-parallel degree, before the
     model loads. The process's random generators are left as they were."""
     from harvest.train.errors import CheckpointError, JobError
-    from harvest.train.job import load_job
+    from harvest.train.job import generators_kept, load_job
     from harvest.train.plan import check_job
 
     config = inputs.config

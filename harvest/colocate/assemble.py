@@ -290,6 +290,14 @@ def job_file_builder(allocator, device: str, budget=None, weight_source_for: Cal
     ``unit_target_ms`` is auto."""
 
     def build(job_path):
+        from harvest.train.job import generators_kept
+
+        # The job's seed initialises its LoRA weights as `harvest train` would; serving's
+        # generators (SGLang's sampling) come back as they were (generators_kept).
+        with generators_kept():
+            return build_with_the_jobs_seed(job_path)
+
+    def build_with_the_jobs_seed(job_path):
         from harvest.train.arena_window import ArenaWindowAllocator
         from harvest.train.build import build_trainer
         from harvest.train.errors import WeightSourceError

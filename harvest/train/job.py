@@ -13,6 +13,7 @@ Keys, paths and an example: docs/jobs.md (the top, 'Paths', 'Every key').
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -461,6 +462,36 @@ def _holds_no_samples(path: Path) -> bool:
     if path.suffix == ".json" and path.stat().st_size < 64:
         return path.read_text(errors="replace").strip() in ("[]", "{}", "")
     return False
+
+
+@contextlib.contextmanager
+def generators_kept():
+    """Python's, NumPy's and torch's random generators as they were, after the block.
+
+    LlamaFactory's argument parsing seeds them all with the job's seed (transformers'
+    ``set_seed``), which is what makes a job's LoRA initialisation the same wherever it is
+    built. The processes that parse a job and go on must get their own generators back:
+    SGLang's launcher, which draws its internal ports with ``random`` (two servers started
+    together, both seeded 0 by their job check, picked the same port and one failed), and
+    a scheduler, whose sampling generators SGLang seeded with ``--random-seed`` (left
+    reseeded, every server that built the same job sampled from the same sequence after
+    it). What is drawn inside the block comes from the job's seed; the process's own
+    sequence resumes where it was, nothing of it drawn twice."""
+    import random
+
+    import numpy as np
+    import torch
+
+    # CUDA's generator only where CUDA is up (a scheduler), and only its own device's: asking
+    # elsewhere would start CUDA, and another device's would put a context on that GPU.
+    devices = [torch.cuda.current_device()] if torch.cuda.is_initialized() else []
+    python_state, numpy_state = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=devices):
+        try:
+            yield
+        finally:
+            random.setstate(python_state)
+            np.random.set_state(numpy_state)
 
 
 def _parse_with_llamafactory(args: dict[str, Any]):

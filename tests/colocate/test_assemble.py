@@ -256,3 +256,51 @@ def test_a_damaged_memory_section_refuses_the_start_naming_the_file_and_field(ti
     with pytest.raises(ProfileError) as refused:
         _assemble_with_kv(tiny_llama_path, monkeypatch, _config(profile=profile))
     assert str(refused.value).startswith(f"{profile}: {message}")
+
+
+def test_a_job_built_in_the_server_starts_where_harvest_train_does_and_hands_decode_its_generators_back(
+        tiny_llama_path, tmp_path):
+    """LlamaFactory's parser seeds every generator with the job's seed. In a server those are
+    decode's (SGLang samples with them, seeded by --random-seed): left reseeded, every server
+    that built the same job sampled from one sequence. The job's LoRA weights still start
+    where `harvest train`'s do, as the job's seed says."""
+    import random
+
+    import numpy as np
+    import torch
+
+    from harvest.colocate.assemble import job_file_builder
+    from harvest.memory import UnifiedAllocator
+    from harvest.memory.lent_budget import LentMemoryBudget
+    from tests.train.trainer_helpers import build, job_dict, lora_params, max_abs_diff
+
+    def seed_every_generator(seed):
+        random.seed(seed)
+        np.random.seed(seed)
+        torch.manual_seed(seed)
+
+    def draws():
+        return random.random(), float(np.random.rand()), torch.rand(4).tolist()
+
+    alloc = UnifiedAllocator(num_layers=2, kv_heads=2, head_dim=16, dtype_bytes=4, max_tokens=32 * 128,
+                             page_bytes=16 * 1024)
+    alloc.lend(list(range(1, 32)))
+    budget = LentMemoryBudget()
+    budget.publish(lent_bytes=31 * alloc.geometry.chunk_bytes, wanted_back_bytes=0)
+    seed_every_generator(1234)
+    expected = draws()
+    seed_every_generator(1234)
+    served = job_file_builder(alloc, "cpu", budget, compile_layers="off")(job_dict(tiny_llama_path, tmp_path / "served"))
+    try:
+        after = draws()
+        standalone = build(tiny_llama_path, tmp_path / "standalone", compile_layers="off")
+        try:
+            served_lora, standalone_lora = lora_params(served.split.peft_model), lora_params(standalone.split.peft_model)
+        finally:
+            standalone.close()
+    finally:
+        served.close()
+    assert after == expected  # decode's sequence goes on where it was: not reseeded, nothing drawn twice
+    assert any(float(value.abs().max()) > 0 for value in served_lora.values())  # LoRA A is random ...
+    assert max_abs_diff(served_lora, standalone_lora) == 0  # ... drawn from the job's seed, as harvest train draws it
+    alloc.check_integrity()
