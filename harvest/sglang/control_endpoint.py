@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import logging
 import os
 import re
 import selectors
@@ -24,7 +23,9 @@ import tempfile
 import time
 from pathlib import Path
 
-logger = logging.getLogger(__name__)
+from harvest.logs import get_logger
+
+logger = get_logger(__name__)
 
 API_KEY_VAR = "HARVEST_CONTROL_API_KEY"
 ADMIN_API_KEY_VAR = "HARVEST_CONTROL_ADMIN_API_KEY"
