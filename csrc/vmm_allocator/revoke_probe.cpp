@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "cuda_driver.h"
+#include "errors.h"
 #include "hvmm.h"
 
 namespace {
@@ -61,13 +62,23 @@ class Probe {
   Probe(const DriverApi* cu, hvmm_revoke_probe_t* out) : cu_(cu), out_(out) {}
 
   ~Probe() {
-    // Reverse order of acquisition; failures ignored (after a fault they all fail).
-    for (auto it = mapped_.rbegin(); it != mapped_.rend(); ++it) cu_->cuMemUnmap(it->first, it->second);
-    for (auto it = pages_.rbegin(); it != pages_.rend(); ++it) cu_->cuMemRelease(*it);
-    for (auto it = ranges_.rbegin(); it != ranges_.rend(); ++it) cu_->cuMemAddressFree(it->first, it->second);
-    if (library_ != nullptr) cu_->cuLibraryUnload(library_);
-    if (switched_) cu_->cuCtxSetCurrent(previous_);
-    if (context_ != nullptr) cu_->cuDevicePrimaryCtxRelease(device_);
+    // Reverse order of acquisition. After the deliberate fault every call fails (the
+    // context is gone with the process about to end): only a failure without it is news.
+    const char* failed = nullptr;
+    auto note = [&failed](CUresult result, const char* call) {
+      if (result != CUDA_SUCCESS && failed == nullptr) failed = call;
+    };
+    for (auto it = mapped_.rbegin(); it != mapped_.rend(); ++it) note(cu_->cuMemUnmap(it->first, it->second), "cuMemUnmap");
+    for (auto it = pages_.rbegin(); it != pages_.rend(); ++it) note(cu_->cuMemRelease(*it), "cuMemRelease");
+    for (auto it = ranges_.rbegin(); it != ranges_.rend(); ++it)
+      note(cu_->cuMemAddressFree(it->first, it->second), "cuMemAddressFree");
+    if (library_ != nullptr) note(cu_->cuLibraryUnload(library_), "cuLibraryUnload");
+    if (switched_) note(cu_->cuCtxSetCurrent(previous_), "cuCtxSetCurrent");
+    if (context_ != nullptr) note(cu_->cuDevicePrimaryCtxRelease(device_), "cuDevicePrimaryCtxRelease");
+    if (failed != nullptr && !out_->fault_tried) {
+      harvest::vmm::log_warning(std::string("hvmm_cuda_probe_revoke: releasing the probe's resources: ") + failed +
+                                " failed");
+    }
   }
   Probe(const Probe&) = delete;
   Probe& operator=(const Probe&) = delete;
