@@ -10,7 +10,8 @@ import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-# "../shared" or an absolute ".../work/shared", spelled so that this file does not match itself.
+# The team's folder beside the checkout, by a relative or an absolute path; the pattern is split so that
+# this file does not name it either.
 OUTSIDE = re.compile(r"(\.\./|/work/)" + "shared" + r"\b")
 
 
