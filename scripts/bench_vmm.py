@@ -8,25 +8,20 @@ The last stdout line is one JSON object. What each figure measures:
   map_calls_per_lend, unmap_calls_per_lend, access_calls_per_lend
       Backend calls (counted inside the library, the same on the host and the CUDA
       backend) to lend ONE chunk (its first lend) of a Llama-like geometry (2 MiB pages,
-      8 pages per chunk). Per page: one unmap out of its KV range, one map of the dummy
-      page into that KV slot, one map into the general arena; then two access calls:
-      one over the KV side (a fully mapped span from the chunk's slice of the first KV
-      range to its slice of the last) and one over the chunk's arena run.
-      access_calls_per_lend_of_4 is the same for 4 adjacent chunks lent as one batch
-      (still two). --num-layers sets the layers of this geometry (default 4; 32 is
-      Llama-3-8B's full KV geometry: 64 pages per chunk).
+      8 pages per chunk): one map per page into the general arena, then one access call
+      over the chunk's arena run. The KV side makes none: a lent chunk's pages stay at
+      their KV slices (docs/design.md §1). access_calls_per_lend_of_4 is the same for 4
+      adjacent chunks lent as one batch (still one). --num-layers sets the layers of this
+      geometry (default 4; 32 is Llama-3-8B's full KV geometry: 64 pages per chunk).
   map_calls_per_reclaim, unmap_calls_per_reclaim, access_calls_per_reclaim
       The same for reclaiming that chunk: one unmap of its arena run, one map of the
-      arena's dummy run over it (one allocation of a chunk's pages), one access call;
-      per page one unmap of the dummy out of its KV slot and one map of the page back;
-      one access call over the KV side.
+      arena's dummy run over it (one allocation of a chunk's pages), one access call.
   driver_calls_per_lend, driver_calls_per_reclaim, driver_calls_per_lend_again
       Their sums (map + unmap + set-access; the fence calls, an event record and wait per
-      fenced stream, are not counted). _again: the chunk lent a second time, which first
-      unmaps the arena's dummy run from its arena slots (one call more). The floor with
-      one physical allocation per page: 3 calls per page for a lend (KV slice out, dummy
-      in, page into the arena: separate mappings, since cuMemMap maps an allocation from
-      offset 0 only) and 2 per page for a reclaim, plus the access calls.
+      fenced stream, are not counted): P + 1 and 3 for a chunk of P pages. _again: the
+      chunk lent a second time, which first unmaps the arena's dummy run from its arena
+      slots (one call more). A lend cannot make fewer than one map per page with one
+      physical allocation per page: cuMemMap maps an allocation from offset 0 only.
   create_calls_after_init
       cuMemCreate-equivalent calls after start-up, summed over every allocator this
       run made (all the work below included). Must be 0.
@@ -34,9 +29,8 @@ The last stdout line is one JSON object. What each figure measures:
       Wall time of one lend / reclaim of one chunk (median of 50).
   lend_us_median_large_pool, reclaim_us_median_large_pool, large_pool_chunks
       CUDA only (null on host, whose pages are RAM): the same with a pool of 96 chunks
-      (12 GiB with --num-layers 32) instead of 12 (median of 20). A lend's KV set-access
-      spans from the chunk's slice in the first KV range to its slice in the last, over
-      nearly the whole pool: this shows whether its cost grows with the pool.
+      (12 GiB with --num-layers 32) instead of 12 (median of 20): whether a move's cost
+      grows with the memory mapped around it (it touches only the chunk's arena run).
   under_load_*
       Lend/reclaim while decode-like kernels read the KV cache, as a serving engine does
       it: reductions over every layer's K and V slices of the chunks that stay with decode
@@ -52,14 +46,6 @@ The last stdout line is one JSON object. What each figure measures:
       still running (1.0: every call was made under load); under_load_passes: reductions
       completed; under_load_fault: the error the reads raised, else null;
       under_load_checksum_ok: every reduction read the values decode wrote.
-  revoke_probe
-      CUDA only: harvest.memory.revoke_probe on one chunk's pages (2 x --num-layers)
-      mapped at two addresses, in a child process (its last step faults on purpose):
-      whether cuMemSetAccess accepts PROT_NONE on a read/write mapping, whether the other
-      mapping of the same pages keeps working, whether a kernel's write through the
-      revoked range faults (revoke_protects), and one revoke's and one grant's cost over
-      the chunk's run (revoke_us_median, grant_us_median). The answer the "shadow mapping"
-      (2P + 2 calls per lend and per reclaim, docs/design.md §1) waits on.
   small_alloc_free_ns_median, small_vs_malloc_ratio
       Timed in C++ (hvmm_bench_small_pool): one random sequence of 200,000 allocations
       and frees (sizes log-uniform in [512 B, 256 KiB], up to 256 live), replayed on the
@@ -292,12 +278,6 @@ def measure_lend_under_load(backend: str, num_layers: int = 4, rounds: int = 50)
     return result, creates
 
 
-def measure_revoke(num_layers: int) -> tuple[dict, int]:
-    from harvest.memory import revoke_probe
-
-    return {"revoke_probe": revoke_probe.probe_in_child(pages=2 * num_layers, repeats=20, timeout_s=30.0)}, 0
-
-
 def measure_small_pool(backend: str, seed: int) -> tuple[dict, int]:
     from harvest.memory import _lib
 
@@ -418,8 +398,6 @@ def main(argv=None) -> int:
         ("fragmentation trace", lambda: measure_fragmentation(args.backend, args.seed)),
         ("fuzz", lambda: measure_fuzz(args.backend, args.fuzz_ops, args.seed)),
     ]
-    if args.backend == "cuda":  # last: a child process that faults on purpose must not cost the figures above
-        measurements.append(("cuMemSetAccess revoke probe", lambda: measure_revoke(args.num_layers)))
     for name, measure in measurements:
         part, made = measure()
         creates += made

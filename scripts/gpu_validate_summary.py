@@ -156,9 +156,7 @@ def lend_figures(vmm: dict, profile: dict | None) -> dict | None:
             "under_load_chunks_per_call": vmm.get("under_load_chunks_per_call"),
             "under_load_busy_fraction": vmm.get("under_load_busy_fraction"),
             "under_load_fault": vmm.get("under_load_fault"), "under_load_checksum_ok": vmm.get("under_load_checksum_ok"),
-            "fuzz_violations": vmm.get("fuzz_violations"), "create_calls_after_init": vmm.get("create_calls_after_init"),
-            # Whether a revoked mapping faults (the shadow mapping's premise), and its cost.
-            "revoke_probe": vmm.get("revoke_probe")}
+            "fuzz_violations": vmm.get("fuzz_violations"), "create_calls_after_init": vmm.get("create_calls_after_init")}
     memory = (profile or {}).get("memory")
     if memory:
         pages = memory.get("pages_per_chunk")

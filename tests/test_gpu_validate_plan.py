@@ -172,7 +172,7 @@ def _round_two_folder(out: Path, device: str) -> None:
     (out / "lend-costs.json").write_text(json.dumps({
         "backend": "cuda", "pages_per_chunk": 64, "lend_us_median": 1200.0, "reclaim_us_median": 1000.0,
         "under_load_lend_done_us_median": 4000.0, "under_load_reclaim_us_median": 4400.0,
-        "under_load_chunks_per_call": 4, "driver_calls_per_lend": 194, "driver_calls_per_reclaim": 132}))
+        "under_load_chunks_per_call": 4, "driver_calls_per_lend": 65, "driver_calls_per_reclaim": 3}))
     (out / "cuda-llama3-8b-transformers-paged.json").write_text(json.dumps({
         "ladder": {"levels": [{"decode_sms": 132}]}, "grid": {"batch_sizes": [1], "context_lengths": [80]},
         "samples": [{"stage": "solo", "level": 0, "batch_size": 1, "context_length": 80, "latency_s": 0.01}],

@@ -57,7 +57,6 @@ namespace harvest {
   X(cuStreamWaitEvent, 3020, true)                    \
   X(cuLibraryLoadData, 12000, true)                   \
   X(cuLibraryGetKernel, 12000, true)                  \
-  X(cuLibraryUnload, 12000, true)                     \
   X(cuLaunchKernel, 4000, true)                       \
   X(cuDeviceGetDevResource, 12040, false)             \
   X(cuDevSmResourceSplitByCount, 12040, false)        \

@@ -243,13 +243,9 @@ void Allocator::move_to_arena(const std::vector<ChunkRun>& runs, int32_t state_b
     set_states_locked(runs, HVMM_CHUNK_BUSY);
   }
   try {
-    kv_->converge_to_dummy(runs);
-    arena_->converge_attached(runs);
+    arena_->converge_attached(runs);  // the pages stay at their KV slices too
   } catch (const std::exception& error) {
-    roll_back(runs, error, state_before, [&] {
-      arena_->converge_detached(runs);
-      kv_->converge_to_pages(runs);
-    });
+    roll_back(runs, error, state_before, [&] { arena_->converge_detached(runs); });
   }
 }
 
@@ -263,7 +259,7 @@ bool Allocator::lend(const int64_t* chunks, int64_t count, bool wait) {
   }
   try {
     // The serving side no longer hands these slots out, but kernels queued before now
-    // may still read or write them: no KV page leaves before every KV stream is past here.
+    // may still write them: the trainer gets no page before every KV stream is past here.
     std::vector<FencePtr> fences = record_kv_fences();
     if (wait) {
       for (const FencePtr& fence : fences) backend_->wait_fence(fence->event);
@@ -274,7 +270,7 @@ bool Allocator::lend(const int64_t* chunks, int64_t count, bool wait) {
       return false;
     }
   } catch (const std::exception& error) {
-    // Nothing was unmapped yet: the chunks simply back their KV slots again.
+    // Nothing was mapped yet: the chunks simply back their KV slots alone again.
     std::lock_guard<std::mutex> lock(state_mu_);
     set_states_locked(runs, HVMM_CHUNK_MAPPED);
     throw Error(status_of(error),
@@ -343,7 +339,7 @@ void Allocator::cancel_lends(const int64_t* chunks, int64_t count) {
                     ", not being lent; only a lend still waiting for its fences can be cancelled");
     }
   }
-  // Their pages never left the KV slots: nothing to map back.
+  // Nothing was mapped into the arena yet: nothing to undo.
   const std::vector<int32_t> states_before = states_;
   set_states_locked(runs_of_sorted(sorted), HVMM_CHUNK_MAPPED);
   try {
@@ -388,22 +384,15 @@ void Allocator::reclaim(const int64_t* chunks, int64_t count) {
     }
   }
   try {
-    // Event waits (never a device-wide sync), before anything is unmapped: the streams
-    // that used these pages in the arena must be past the fences recorded at their free,
-    // and the KV streams past the work queued so far (a stray padded access to a lent
-    // chunk's slots reads the dummy page, which is about to leave them).
-    const std::vector<FencePtr> kv_fences = record_kv_fences();
+    // Event waits (never a device-wide sync), before the arena run is unmapped: the
+    // streams that used these pages in the arena must be past the fences recorded at
+    // their free. Decode's streams need no fence: its slices of these pages never left.
     for (const auto& [chunk, list] : fences) {
       for (const FencePtr& fence : list) backend_->wait_fence(fence->event);
     }
-    for (const FencePtr& fence : kv_fences) backend_->wait_fence(fence->event);
     arena_->converge_detached(runs);
-    kv_->converge_to_pages(runs);
   } catch (const std::exception& error) {
-    roll_back(runs, error, HVMM_CHUNK_LENT, [&] {
-      kv_->converge_to_dummy(runs);
-      arena_->converge_attached(runs);
-    });
+    roll_back(runs, error, HVMM_CHUNK_LENT, [&] { arena_->converge_attached(runs); });
   }
   std::lock_guard<std::mutex> lock(state_mu_);
   for (const auto& [chunk, list] : fences) arena_->drop_fences_locked(chunk, list);
@@ -565,13 +554,14 @@ void Allocator::check_integrity() {
   if (violation.empty() && small_) small_->check(violation);
   if (violation.empty()) {
     // Across the tables: every page is mapped exactly where its owner's state says, so
-    // no page is reachable from two owners and none has leaked.
-    // Slots of broken chunks hold whatever the failed move left; they are skipped.
+    // none has leaked and only a lent chunk's pages are reachable twice (at their KV
+    // slices and in the arena). The arena slots of broken chunks hold whatever the failed
+    // move left; those chunks' pages are skipped.
     auto broken = [&](chunk_id_t chunk) { return states_[chunk] == HVMM_CHUNK_BROKEN; };
     std::vector<uint32_t> seen(geometry_.total_pages(), 0);
     const MappingTable& kv_table = kv_->table();
     for (uint64_t s = 0; s < kv_table.num_slots(); ++s) {
-      if (kv_table.page_at(s) != kNoPage && !broken(s % geometry_.num_chunks)) ++seen[kv_table.page_at(s)];
+      if (kv_table.page_at(s) != kNoPage) ++seen[kv_table.page_at(s)];
     }
     const MappingTable& arena_table = arena_->table();
     uint64_t arena_dummies = 0;  // slots of the arena's dummy run (GeneralArena::check says which)
@@ -584,19 +574,17 @@ void Allocator::check_integrity() {
     if (small_) {
       for (uint64_t s = 0; s < small_->table().num_slots(); ++s) ++seen[small_->table().page_at(s)];
     }
-    uint64_t lent = 0;
-    for (chunk_id_t chunk = 0; chunk < geometry_.num_chunks; ++chunk) lent += states_[chunk] == HVMM_CHUNK_LENT;
     for (uint64_t page = 0; page < seen.size() && violation.empty(); ++page) {
       const bool is_kv = page < geometry_.num_kv_pages();
       if (is_kv && broken(page % geometry_.num_chunks)) continue;
-      // The dummy page: in every KV slice of the lent chunks and nowhere else. The arena's
+      // A KV page: at its slice, and in the arena while its chunk is lent. The arena's
       // dummy run: only in the arena, over the reclaimed chunks (GeneralArena::check).
-      const uint64_t want = page == geometry_.dummy_page()    ? lent * geometry_.pages_per_chunk
+      const uint64_t want = is_kv ? 1 + (states_[page % geometry_.num_chunks] == HVMM_CHUNK_LENT ? 1 : 0)
                             : page == geometry_.arena_dummy() ? arena_dummies
                                                               : 1;
       if (seen[page] != want) {
         violation = "page " + std::to_string(page) + " is mapped " + std::to_string(seen[page]) + " times, expected " +
-                    std::to_string(want) + (seen[page] > want ? " (owned twice)" : " (leaked)");
+                    std::to_string(want) + (seen[page] > want ? " (reachable where its owner's state says it is not)" : " (leaked)");
       }
     }
   }

@@ -1,21 +1,22 @@
 // allocator.h — the unified allocator: one page pool behind the KV arena, the general
-// arena and the small pool, and the lend/reclaim moves between the first two.
+// arena and the small pool, and the lend/reclaim of KV pages into and out of the arena.
 //
 // Locks (see hvmm.h): remap_mu_ serializes lend, reclaim and check_integrity; state_mu_
 // guards chunk states, slot liveness and arena bookkeeping and is never held across a
 // driver call. A lend/reclaim validates and marks its chunks busy under state_mu_, moves
 // the mappings with only remap_mu_ held (arena alloc/free and slot marking go on
 // meanwhile), then publishes the new state. On a driver failure the move is undone by
-// the opposite convergence; if that fails too the chunks are marked broken.
+// the opposite convergence of the arena; if that fails too the chunks are marked broken.
 //
-// KV fences: no move unmaps a KV slice before the work queued on every KV stream (the
-// streams set with set_fence_streams: decode's) at the time of the move has finished. A
-// lend records an event on each of them and either waits on the events (lend with wait)
-// or leaves the batch pending (state LENDING: its pages still back the KV slots, which
-// the serving side no longer hands out) for finish_lends to complete once every event has
-// passed, without blocking the caller; cancel_lends gives pending chunks back untouched.
-// A reclaim records and waits the same way before it unmaps the dummy page from the KV
-// slots (and on the arena fences before the arena slots change).
+// KV fences: a lend hands a chunk's pages to the arena only after the work queued on
+// every KV stream (the streams set with set_fence_streams: decode's) at the time of the
+// lend has finished, since that work may still write the chunk's slots. It records an
+// event on each of them and either waits on the events (lend with wait) or leaves the
+// batch pending (state LENDING: the serving side no longer hands out its slots, the arena
+// does not have its pages yet) for finish_lends to complete once every event has passed,
+// without blocking the caller; cancel_lends gives pending chunks back untouched. A
+// reclaim waits on the arena fences before the arena slots change. The KV ranges
+// themselves never change after start-up (hvmm.h says why that is safe).
 #pragma once
 
 #include <memory>

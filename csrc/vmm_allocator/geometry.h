@@ -4,10 +4,10 @@
 // page: tokens_per_chunk = page_bytes / bytes_per_token, which is why bytes_per_token
 // must divide page_bytes. Page ids (PagePool): the KV page of chunk c in KV range r is
 // r * num_chunks + c, so each KV range is one contiguous run of page ids (the host
-// backend's mappings then merge into one kernel VMA per range); the dummy page follows;
-// then the small pool's pages; last the arena's dummy run, one allocation of
-// pages_per_chunk pages behind every reclaimed chunk's arena slots (one map per chunk
-// instead of one per page, for one chunk's worth of memory).
+// backend's mappings then merge into one kernel VMA per range); the small pool's pages
+// follow; last the arena's dummy run, one allocation of pages_per_chunk pages behind
+// every reclaimed chunk's arena slots (one map per chunk instead of one per page, for one
+// chunk's worth of memory).
 #pragma once
 
 #include <cstdint>
@@ -43,12 +43,11 @@ struct Geometry {
   page_id_t kv_page(chunk_id_t chunk, uint64_t range) const {
     return static_cast<page_id_t>(range * num_chunks + chunk);
   }
-  page_id_t dummy_page() const { return static_cast<page_id_t>(num_kv_pages()); }
-  page_id_t small_page(uint64_t index) const { return static_cast<page_id_t>(num_kv_pages() + 1 + index); }
-  page_id_t arena_dummy() const { return static_cast<page_id_t>(num_kv_pages() + 1 + small_pages); }
-  // Physical allocations made at start-up (both dummies included); every one is a page,
-  // but the arena's dummy run, which is pages_per_chunk pages.
-  uint64_t total_pages() const { return num_kv_pages() + 2 + small_pages; }
+  page_id_t small_page(uint64_t index) const { return static_cast<page_id_t>(num_kv_pages() + index); }
+  page_id_t arena_dummy() const { return static_cast<page_id_t>(num_kv_pages() + small_pages); }
+  // Physical allocations made at start-up; every one is a page, but the arena's dummy
+  // run, which is pages_per_chunk pages.
+  uint64_t total_pages() const { return num_kv_pages() + 1 + small_pages; }
 };
 
 // Ascending, distinct chunk ids as runs of neighbours.

@@ -12,20 +12,23 @@
 // every physical page is created once at start-up, access is set once per fully mapped
 // span (not per page), unmaps cover contiguous runs, and no call holds the GIL.
 //
+// A lent chunk's pages stay mapped at their KV slices: lending maps them a second time,
+// into the trainer's arena, and reclaiming takes that second mapping away. The KV ranges
+// are mapped once, at start-up, and never change: no KV slot is ever unmapped, so no
+// decode kernel can fault on one, and no move waits to unmap one. What keeps decode off a
+// lent chunk is the slot bookkeeping: its slots leave the serving side's free list
+// (hvmm_mark_slots refuses them), and the padded rows of a batch write to the serving
+// side's padding slot 0, in chunk 0, which is never lent (SGLang zeroes the padded rows'
+// cache locations for exactly this reason; harvest.memory.lending keeps chunk 0). A
+// padded row may still read a lent slot: it reads trainer bytes whose result is
+// discarded.
+//
 // Driver calls per lend and reclaim of one chunk of P pages (P = 2 * num_layers; 64 for
-// Llama-3-8B). Lend: per KV range one unmap of the chunk's slice and one map of the dummy
-// page there (2P), one set-access over the KV side, P maps of the pages into the arena
-// and one set-access there: 3P + 2 (194), one more (an unmap of the arena's dummy run)
-// when the chunk was lent before. Reclaim: one unmap of the arena run, one map of the
-// arena's dummy run, one set-access; per KV range one unmap of the dummy and one map of
-// the page (2P); one set-access over the KV side: 2P + 4 (132). What cannot shrink with
-// one physical allocation per page: cuMemMap maps one allocation from offset 0 ("offset
-// currently must be zero"), so the P pages need P maps into the arena, and a chunk's
-// P slices lie in P different KV ranges with other chunks' live slices between them, so
-// each needs its own unmap and map. The one KV set-access spans from the chunk's slice in
-// the first range to its slice in the last; every KV slot in between holds its page or
-// the dummy, so the span is fully mapped (cuMemSetAccess's condition) and the mappings it
-// covers again keep the read/write they had.
+// Llama-3-8B). Lend: P maps of the pages into the arena and one set-access over the
+// chunk's arena run: P + 1 (65), one more (an unmap of the arena's dummy run) when the
+// chunk was lent before. Reclaim: one unmap of the arena run, one map of the arena's
+// dummy run, one set-access: 3. The P maps cannot shrink with one physical allocation per
+// page: cuMemMap maps one allocation from offset 0 only ("offset currently must be zero").
 //
 // Approach. Vocabulary used throughout csrc/vmm_allocator:
 //   page       one physical allocation of `page_bytes` (the driver's granularity,
@@ -35,13 +38,12 @@
 //   chunk      a run of `tokens_per_chunk` token slots whose slice of every KV range is
 //              exactly one page, so a chunk owns 2 * num_layers pages. Chunk c holds
 //              slots [c * tokens_per_chunk, (c + 1) * tokens_per_chunk).
-//   mapped     a chunk whose pages back its KV slices (SGLang may use its slots).
-//   lent       a chunk whose pages are mapped into the general arena instead; its KV
-//              slices show one shared dummy page (stray padding reads/writes never
-//              fault, they land in the dummy).
+//   mapped     a chunk whose pages back its KV slices only (SGLang may use its slots).
+//   lent       a chunk whose pages are also mapped into the general arena: the trainer
+//              uses them, and the serving side may not mark its slots live.
 //   lending    a chunk on its way to lent: the serving side no longer hands out its
-//              slots, but kernels queued before the lend may still touch its KV pages,
-//              so they stay mapped until the KV fences of the lend have passed.
+//              slots, but kernels queued before the lend may still write its KV pages,
+//              so the arena gets them only once the KV fences of the lend have passed.
 //   general arena  the trainer's virtual range; chunk c's pages appear at
 //              arena_base + c * chunk_bytes, so neighbouring lent chunks form one
 //              contiguous run and a tensor may span them. Allocations are whole pages.
@@ -49,15 +51,17 @@
 //              allocation of a chunk's pages, shared, mapped in one call), so a tensor
 //              view that outlives its allocation's free and the reclaim reads and writes
 //              the dummy: it never faults and never reaches the KV data.
+//              The arena's range is unmapped only where no chunk was ever lent.
 //   small pool a statically sized, always-mapped range with a buddy allocator at
 //              2 KiB granularity for allocations under one page.
 //   fence      an event recorded on a stream: "the work queued there so far". Recorded
 //              on the KV streams (hvmm_set_fence_streams: every stream decode may run
-//              on) before a lend or reclaim unmaps anything from the KV ranges (cuMemUnmap
-//              does not wait for queued kernels; one that touched an unmapped page would
-//              fault and poison the context), on the streams that used freed arena pages
-//              (reclaim waits for them), and on the streams that used a freed small-pool
-//              block (it is reused only after they pass). Fences are event waits or
+//              on) before a lend hands a chunk's pages to the arena (decode work queued
+//              before the lend may still write its slots), on the streams that used
+//              freed arena pages (a reclaim waits for them before it unmaps the arena run:
+//              cuMemUnmap does not wait for queued kernels, and one that touched an
+//              unmapped page would fault and poison the context), and on the streams that
+//              used a freed small-pool block (it is reused only after they pass). Fences are event waits or
 //              queries, never a device-wide sync.
 // Backends: `cuda` (driver VMM API through dlopen("libcuda.so.1")) and `host` (memfd
 // pages mapped with mmap(MAP_SHARED|MAP_FIXED) into a reserved PROT_NONE range, so one
@@ -114,39 +118,6 @@ typedef struct hvmm_cuda_probe {
 
 HVMM_EXPORT int hvmm_cuda_probe(int device_ordinal, hvmm_cuda_probe_t* out);
 
-// Whether cuMemSetAccess can take access away from a mapped range, and its cost
-// (revoke_probe.cpp says why it matters). On one run of `pages` pages mapped at two
-// addresses: CUresult fields are the driver's result (0 = CUDA_SUCCESS, -1 = not reached);
-// the *_works / *_reads fields 1 when a kernel's write was read back, 0 when not, -1 not
-// reached; times in microseconds, -1 not measured. With `try_fault` a kernel writes through
-// the revoked alias last: a fault leaves the CUDA context unusable, so call it only in a
-// process that ends afterwards. Returns HVMM_OK when the questions were asked (whatever the
-// answers), HVMM_ERR_NO_DRIVER without a driver, HVMM_ERR_DRIVER when a set-up call failed.
-typedef struct hvmm_revoke_probe {
-  int32_t pages;
-  uint64_t page_bytes;
-  int32_t alias_reads_primary;          // the alias reads what a kernel wrote through the first mapping
-  int32_t revoke_result;                // cuMemSetAccess(PROT_NONE) over the alias run
-  double first_revoke_us;
-  int32_t primary_works_after_revoke;   // a kernel write through the first mapping reads back
-  int32_t regrant_result;               // cuMemSetAccess(READWRITE) over the alias again
-  int32_t alias_works_after_regrant;    // a kernel write through the alias reads back through the first
-  int32_t timed_repeats;
-  double revoke_us_median;              // one revoke of the whole run
-  double grant_us_median;               // one grant of the whole run
-  int32_t fault_tried;
-  int32_t write_after_revoke_result;    // cuCtxSynchronize after a kernel wrote through the revoked alias
-} hvmm_revoke_probe_t;
-
-HVMM_EXPORT int hvmm_cuda_probe_revoke(int device_ordinal, int pages, int repeats, int try_fault,
-                                       hvmm_revoke_probe_t* out);
-
-// The probe's kernel as PTX text (for offline checks with ptxas).
-HVMM_EXPORT const char* hvmm_poke_kernel_ptx(void);
-
-// The driver's name for a CUresult ("CUDA_ERROR_ILLEGAL_ADDRESS"), "unknown CUresult" without one.
-HVMM_EXPORT const char* hvmm_cu_error_name(int result);
-
 // ---------------------------------------------------------------- the allocator
 
 enum hvmm_backend_kind { HVMM_BACKEND_HOST = 0, HVMM_BACKEND_CUDA = 1 };
@@ -182,8 +153,8 @@ typedef struct hvmm_geometry {
   uint64_t small_base;
   uint64_t small_bytes;
   uint64_t small_pages;
-  uint64_t total_pages;       // physical allocations created at start-up: the pages, the
-                              // dummy page and the arena's dummy run (pages_per_chunk pages)
+  uint64_t total_pages;       // physical allocations created at start-up: the KV pages, the
+                              // small pool's and the arena's dummy run (pages_per_chunk pages)
 } hvmm_geometry_t;
 
 enum hvmm_chunk_state {
@@ -191,7 +162,7 @@ enum hvmm_chunk_state {
   HVMM_CHUNK_LENT = 1,        // mapped into the general arena
   HVMM_CHUNK_BUSY = 2,        // a lend or reclaim is moving it right now
   HVMM_CHUNK_BROKEN = 3,      // a driver failure left it unusable (see the stats)
-  HVMM_CHUNK_LENDING = 4,     // lend started, its KV pages wait for the lend's fences
+  HVMM_CHUNK_LENDING = 4,     // lend started, its pages wait for the lend's KV fences
 };
 
 typedef struct hvmm_chunk_info {
@@ -210,7 +181,7 @@ typedef struct hvmm_stats {
   uint64_t chunks_busy;
   uint64_t chunks_broken;
   uint64_t live_slots;
-  uint64_t pages_kv_mapped;        // pages backing KV slots (mapped and lending chunks)
+  uint64_t pages_kv_mapped;        // pages serving the KV cache (mapped and lending chunks)
   uint64_t pages_lent;             // pages mapped into the general arena
   uint64_t pages_lent_used;        // ... inside live allocations
   uint64_t bytes_lent;
@@ -271,30 +242,31 @@ HVMM_EXPORT int hvmm_chunk_table(hvmm_allocator_t* allocator, hvmm_chunk_info_t*
 HVMM_EXPORT int hvmm_can_lend(hvmm_allocator_t* allocator, int64_t chunk, int32_t* ok);
 HVMM_EXPORT int hvmm_can_reclaim(hvmm_allocator_t* allocator, int64_t chunk, int32_t* ok);
 // The streams whose queued work may touch KV memory (CUstream values; 0 is the legacy
-// default stream): every stream decode may run on. Lend and reclaim record an event on
-// each before unmapping anything from the KV ranges. Replaces the previous set (duplicates
-// are dropped); count 0 fences nothing. Defaults: {0} on the cuda backend, none on host.
+// default stream): every stream decode may run on. A lend records an event on each and
+// hands the chunks' pages to the arena only once they have passed. Replaces the previous
+// set (duplicates are dropped); count 0 fences nothing. Defaults: {0} on the cuda backend,
+// none on host.
 HVMM_EXPORT int hvmm_set_fence_streams(hvmm_allocator_t* allocator, const uint64_t* streams, int64_t count);
 // The current set: *out_count streams, the first `capacity` of them copied to out.
 HVMM_EXPORT int hvmm_fence_streams(hvmm_allocator_t* allocator, uint64_t* out, int64_t capacity,
                                    int64_t* out_count);
 
 // Lend / reclaim a set of chunks as one batch (access is set once per contiguous run).
-// Either every chunk moves or none does. Both record a fence on every KV stream and wait
-// for it (an event wait) before unmapping anything from the KV ranges; reclaim also waits
-// for the fences of the chunks' arena frees.
+// Either every chunk moves or none does. A lend records a fence on every KV stream and
+// waits for it (an event wait) before it maps the pages into the arena; a reclaim waits
+// for the fences of the chunks' arena frees before it unmaps the arena run.
 HVMM_EXPORT int hvmm_lend(hvmm_allocator_t* allocator, const int64_t* chunks, int64_t count);
 HVMM_EXPORT int hvmm_reclaim(hvmm_allocator_t* allocator, const int64_t* chunks, int64_t count);
 // A lend that never blocks: records the KV fences and queries them; *lent_now is 1 when
-// they had all passed and the chunks are lent, 0 when the batch is left LENDING (its
-// pages still back its KV slots; the arena cannot hand them out) for hvmm_lend_finish.
+// they had all passed and the chunks are lent, 0 when the batch is left LENDING (the
+// arena cannot hand its pages out yet) for hvmm_lend_finish.
 HVMM_EXPORT int hvmm_lend_start(hvmm_allocator_t* allocator, const int64_t* chunks, int64_t count,
                                 int32_t* lent_now);
 // Completes, as one batch, every pending lend whose fences have all passed (one query per
 // fence, no wait). The chunks lent by this call, ascending: *out_count of them, the first
 // `capacity` copied to out (num_chunks always suffices). On a failure they stay LENDING.
 HVMM_EXPORT int hvmm_lend_finish(hvmm_allocator_t* allocator, int64_t* out, int64_t capacity, int64_t* out_count);
-// Gives LENDING chunks back to the KV cache (nothing was unmapped: no driver call).
+// Gives LENDING chunks back to the KV cache (nothing was mapped yet: no driver call).
 HVMM_EXPORT int hvmm_lend_cancel(hvmm_allocator_t* allocator, const int64_t* chunks, int64_t count);
 
 // General arena: whole pages, contiguous in virtual memory. HVMM_ERR_EXHAUSTED when no

@@ -40,8 +40,8 @@ void KvArena::mark_slots_locked(const int64_t* slots, int64_t count, bool live,
       if (live && chunk_states[chunk] != HVMM_CHUNK_MAPPED) {
         problem = "slot " + std::to_string(s) + " belongs to chunk " + std::to_string(chunk) + ", which is " +
                   chunk_state_name(chunk_states[chunk]) +
-                  ": its KV pages are not (or soon not) mapped, so KV written there would be lost; reclaim (or "
-                  "cancel the lend of) the chunk first";
+                  ": its pages are (or are about to be) the trainer's, so KV written there would be lost "
+                  "and would corrupt the trainer's tensors; reclaim (or cancel the lend of) the chunk first";
       } else if (live && slot_live_[s]) {
         problem = "slot " + std::to_string(s) + " is already live (allocated twice?)";
       } else if (!live && !slot_live_[s]) {
@@ -64,51 +64,7 @@ void KvArena::mark_slots_locked(const int64_t* slots, int64_t count, bool live,
   }
 }
 
-void KvArena::converge_to_dummy(const std::vector<ChunkRun>& runs) { converge(runs, true); }
-
-void KvArena::converge_to_pages(const std::vector<ChunkRun>& runs) { converge(runs, false); }
-
-void KvArena::converge(const std::vector<ChunkRun>& runs, bool to_dummy) {
-  if (runs.empty()) return;
-  const int64_t dummy = geometry_.dummy_page();
-  auto target = [&](uint64_t s) { return to_dummy ? dummy : static_cast<int64_t>(s); };
-  for (uint64_t range = 0; range < geometry_.num_ranges(); ++range) {
-    for (const ChunkRun& run : runs) {
-      const uint64_t first = slot(run.first, range);
-      const uint64_t end = first + run.count;
-      // 1. Unmap what is there but should not be (one call per sub-run; normally the run).
-      uint64_t s = first;
-      while (s < end) {
-        int64_t page = table_.page_at(s);
-        if (page == kNoPage || page == target(s)) {
-          ++s;
-          continue;
-        }
-        uint64_t sub_end = s;
-        while (sub_end < end && table_.page_at(sub_end) != kNoPage && table_.page_at(sub_end) != target(sub_end)) {
-          ++sub_end;
-        }
-        table_.unmap_run(s, sub_end - s);
-        s = sub_end;
-      }
-      // 2. Map the target page into every empty slot.
-      for (s = first; s < end; ++s) {
-        if (table_.page_at(s) == kNoPage) table_.map(s, static_cast<page_id_t>(target(s)));
-      }
-    }
-  }
-  // 3. Access for every new mapping, in one call from the runs' first slot in range 0 to
-  //    their last in the last range. Between them lie other chunks' slots, each mapped
-  //    (its page or the dummy: no KV slot is ever left empty outside a move), which makes
-  //    the span "a fully mapped address range" as cuMemSetAccess requires; covering their
-  //    mappings again grants the read/write they already have. Only an empty slot (a
-  //    broken chunk's leftover) splits the call.
-  const ChunkRun& last = runs.back();
-  table_.grant_access(slot(runs.front().first, 0), slot(last.first + last.count - 1, geometry_.num_ranges() - 1) + 1);
-}
-
 void KvArena::check(const std::vector<int32_t>& chunk_states, std::string& violation) const {
-  const int64_t dummy = geometry_.dummy_page();
   uint64_t total = 0;
   for (chunk_id_t chunk = 0; chunk < geometry_.num_chunks && violation.empty(); ++chunk) {
     const int32_t state = chunk_states[chunk];
@@ -121,25 +77,24 @@ void KvArena::check(const std::vector<int32_t>& chunk_states, std::string& viola
                   " but " + std::to_string(live) + " slots are live";
       return;
     }
-    if (state == HVMM_CHUNK_BROKEN) continue;
-    // A chunk being lent still backs its KV slots: its pages leave once its fences pass.
-    const bool backs_kv = state == HVMM_CHUNK_MAPPED || state == HVMM_CHUNK_LENDING;
-    if (!backs_kv && state != HVMM_CHUNK_LENT) {
-      violation = "chunk " + std::to_string(chunk) + " is " + chunk_state_name(state) + " while no lend/reclaim runs";
+    if (state == HVMM_CHUNK_BUSY) {  // check_integrity holds the remap mutex: no move runs
+      violation = "chunk " + std::to_string(chunk) + " is busy while no lend/reclaim runs";
       return;
     }
+    // Only a mapped chunk's slots may be live: a lending chunk's pages are about to be
+    // the trainer's, a lent, busy or broken chunk's are (or may be).
     if (state != HVMM_CHUNK_MAPPED && live != 0) {
       violation = std::string(chunk_state_name(state)) + " chunk " + std::to_string(chunk) + " has " +
                   std::to_string(live) + " live slots";
       return;
     }
+    // Whatever the chunk's state, its slices hold its own pages: the KV side never moves.
     for (uint64_t range = 0; range < geometry_.num_ranges(); ++range) {
       const uint64_t s = slot(chunk, range);
-      const int64_t want = backs_kv ? static_cast<int64_t>(s) : dummy;
-      if (table_.page_at(s) != want || !table_.accessible(s)) {
+      if (table_.page_at(s) != static_cast<int64_t>(s) || !table_.accessible(s)) {
         violation = "KV range " + std::to_string(range) + " at chunk " + std::to_string(chunk) + " (" +
                     chunk_state_name(state) + ") holds page " + std::to_string(table_.page_at(s)) +
-                    (table_.accessible(s) ? "" : " without access") + ", expected page " + std::to_string(want);
+                    (table_.accessible(s) ? "" : " without access") + ", expected page " + std::to_string(s);
         return;
       }
     }

@@ -4,10 +4,9 @@
 // PagePool: creating a page costs ~193 us on an A100 (cuMemCreate), so all pages exist
 // from start-up to teardown and nothing on the lend/reclaim path creates or releases one
 // (hvmm_counters_t.create stays at create_at_init). Page ids: KV pages first, then the
-// shared dummy page, then the small pool's pages, then the arena's dummy run (the
-// Allocator assigns the ranges). Every id is one physical allocation: one page, except
-// the arena's dummy run, one allocation of a chunk's pages, so it covers a reclaimed
-// chunk's arena slots in one map.
+// small pool's pages, then the arena's dummy run (the Allocator assigns the ranges).
+// Every id is one physical allocation: one page, except the arena's dummy run, one
+// allocation of a chunk's pages, so it covers a reclaimed chunk's arena slots in one map.
 //
 // MappingTable: a reserved virtual range cut into page-sized slots, recording the page
 // mapped in each slot (a mapping of a multi-page allocation covers several slots) and

@@ -3,10 +3,12 @@
 The Python face of libharvest_vmm (hvmm.h has the design note). Contract: every method is
 thread-safe and blocking calls release the GIL; transient exhaustion returns None, bad
 input raises VmmInvalidArgument and changes nothing; query first (``can_lend``,
-``can_reclaim``), mutate second. Invariants: no KV page is unmapped before the work queued
-on every fence stream has passed (a ``lend(c, wait=False)`` that must wait leaves the chunk
-LENDING); a reclaimed chunk's arena range shows a dummy, never a hole; the allocator is the
-authority on chunk state, the serving side (SGLang's free lists) on slot liveness.
+``can_reclaim``), mutate second. Invariants: the KV ranges are mapped once, at start-up,
+and never change (a lent chunk's pages are mapped in the arena as well); no page reaches
+the arena before the work queued on every fence stream has passed (a
+``lend(c, wait=False)`` that must wait leaves the chunk LENDING); a reclaimed chunk's arena
+range shows a dummy, never a hole; the allocator is the authority on chunk state, the
+serving side (SGLang's free lists) on slot liveness.
 
 Usage and rules: docs/design.md §1, 'The allocator's Python face'.
 """
@@ -257,8 +259,9 @@ class UnifiedAllocator:
         return [c.chunk for c in self.chunk_table() if c.state == ChunkState.LENDING]
 
     def lend(self, chunks: int | Iterable[int], wait: bool = True) -> bool:
-        """Move whole free chunks to the general arena, as one batch (all or none), once
-        the work queued so far on every fence stream has finished.
+        """Map whole free chunks into the general arena, as one batch (all or none), once
+        the work queued so far on every fence stream has finished. Their KV slices keep
+        their pages; nothing serves their slots until they are reclaimed.
 
         ``wait=True`` waits for it (event waits) and returns True. ``wait=False`` never
         blocks: True when the chunks are lent now, False when the fences have not all
@@ -282,12 +285,13 @@ class UnifiedAllocator:
         return list(out[: count.value])
 
     def cancel_lends(self, chunks: int | Iterable[int]) -> None:
-        """Give LENDING chunks back to the KV cache (their pages never left it)."""
+        """Give LENDING chunks back to the KV cache (nothing was mapped into the arena yet)."""
         self._move(self._lib.lend_cancel, chunks)
 
     def reclaim(self, chunks: int | Iterable[int]) -> None:
-        """Give unused lent chunks back to the KV cache (waits on their arena fences and on
-        the fence streams' queued work before unmapping)."""
+        """Give unused lent chunks back to the KV cache: waits on their arena fences (the
+        trainer's frees), then unmaps their arena run. Decode's streams are not waited
+        for: its mappings of the pages never left."""
         self._move(self._lib.reclaim, chunks)
 
     def _move(self, fn, chunks: int | Iterable[int]) -> None:
@@ -298,7 +302,7 @@ class UnifiedAllocator:
     def set_fence_streams(self, streams: Iterable[Any]) -> None:
         """The streams whose queued work may touch KV memory: every stream decode may run
         on. Each is a torch stream, a CUstream int, or None for the legacy default stream.
-        Lend and reclaim fence every one of them before unmapping KV pages. Empty: fence
+        A lend fences every one of them before it maps pages into the arena. Empty: fence
         nothing (CPU, where work is synchronous). Defaults: the legacy default stream on
         the cuda backend, nothing on host."""
         handles = _stream_array(streams)
@@ -307,7 +311,7 @@ class UnifiedAllocator:
 
     @property
     def fence_streams(self) -> tuple[int, ...]:
-        """The CUstream values lend and reclaim fence (0: the legacy default stream)."""
+        """The CUstream values a lend fences (0: the legacy default stream)."""
         count = ctypes.c_int64()
         _lib.check(self._lib.fence_streams(self._h(), None, 0, ctypes.byref(count)))
         out = (ctypes.c_uint64 * max(1, count.value))()

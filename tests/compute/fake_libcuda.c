@@ -8,16 +8,21 @@
 //
 // For libharvest_vmm's cuda backend it models the VMM calls (reserve, create, map,
 // set-access, unmap, release, free; 2 MiB granularity; no memory behind the addresses)
-// and events on streams: a test queues kernels on a stream (fake_queue_work) and lets
-// the GPU finish them (fake_finish_work); an event recorded on a stream passes once the
-// work queued there before it has finished (cuEventQuery says CUDA_ERROR_NOT_READY
-// until then; cuEventSynchronize is the host waiting for it, so the work finishes).
-// Conservatively, any unfinished kernel may touch any mapped page: cuMemUnmap while a
-// stream has unfinished work logs BAD, as does a map over a mapped page, a map at a
-// non-zero offset or longer than its allocation (allocations are whole multiples of the
-// granularity), an unmap of a page that is not mapped, a set-access over a range that is
-// not fully mapped (these also fail with CUDA_ERROR_INVALID_VALUE, as the driver does),
-// an event created without CU_EVENT_DISABLE_TIMING and the use of a destroyed event.
+// and events on streams: a test queues kernels on a stream and lets the GPU finish them
+// (fake_finish_work); an event recorded on a stream passes once the work queued there
+// before it has finished (cuEventQuery says CUDA_ERROR_NOT_READY until then;
+// cuEventSynchronize is the host waiting for it, so the work finishes). A kernel queued
+// with fake_queue_work may touch any address; one queued with fake_queue_work_in touches
+// only [va, va + bytes). Each stream keeps the bounds of the union of what its unfinished
+// kernels may touch (cleared once it has no unfinished kernel: fake_finish_work, or an
+// event sync that reached its last kernel). cuMemUnmap of a range that overlaps what some
+// stream's unfinished kernels may touch logs BAD (the fault that would poison a real
+// context); an unmap elsewhere is fine while other work runs. Also BAD: a map over a
+// mapped page, a map at a non-zero offset or longer than its allocation (allocations are
+// whole multiples of the granularity), an unmap of a page that is not mapped, a
+// set-access over a range that is not fully mapped (these also fail with
+// CUDA_ERROR_INVALID_VALUE, as the driver does), an event created without
+// CU_EVENT_DISABLE_TIMING and the use of a destroyed event.
 // Map, unmap, set-access and every event call are logged in order.
 //
 // Knobs (environment): FAKE_CUDA_VERSION (default 12080), FAKE_CUDA_SMS (132),
@@ -62,6 +67,10 @@ static struct {
   unsigned long long handle;
   long queued;    // kernels queued so far
   long finished;  // of which finished
+  // What the unfinished kernels may touch: anything, or the bounds [lo, hi) of the union
+  // of their ranges (empty when hi <= lo). Stale once finished == queued.
+  int touches_any;
+  unsigned long long lo, hi;
 } g_work[FAKE_MAX_STREAMS];
 static int g_work_streams = 0;
 static unsigned long long g_mapped[FAKE_MAX_MAPPED];  // page addresses currently mapped
@@ -314,22 +323,56 @@ static int work_index(unsigned long long handle) {
   if (g_work_streams == FAKE_MAX_STREAMS) return -1;
   g_work[g_work_streams].handle = handle;
   g_work[g_work_streams].queued = g_work[g_work_streams].finished = 0;
+  g_work[g_work_streams].touches_any = 0;
+  g_work[g_work_streams].lo = g_work[g_work_streams].hi = 0;
   return g_work_streams++;
 }
 
+// One more kernel on stream i; it may touch anything (any = 1) or [va, va + bytes).
+static void queue_kernel(int i, int any, unsigned long long va, unsigned long long bytes) {
+  if (g_work[i].finished >= g_work[i].queued) {  // nothing unfinished: start a new union
+    g_work[i].touches_any = 0;
+    g_work[i].lo = g_work[i].hi = 0;
+  }
+  g_work[i].queued++;
+  if (any) {
+    g_work[i].touches_any = 1;
+  } else if (bytes > 0) {
+    const int empty = g_work[i].hi <= g_work[i].lo;
+    if (empty || va < g_work[i].lo) g_work[i].lo = va;
+    if (empty || va + bytes > g_work[i].hi) g_work[i].hi = va + bytes;
+  }
+}
+
 // Test hooks, read through ctypes: a kernel is queued on the stream with this CUstream
-// value; the GPU finishes everything queued on it.
+// value that may touch any address (fake_queue_work) or only [va, va + bytes)
+// (fake_queue_work_in); the GPU finishes everything queued on it (fake_finish_work).
 void fake_queue_work(unsigned long long stream) {
   int i = work_index(stream);
   if (i < 0) return;
-  g_work[i].queued++;
+  queue_kernel(i, 1, 0, 0);
   log_line("work_queued stream=%llu queued=%ld", stream, g_work[i].queued);
+}
+void fake_queue_work_in(unsigned long long stream, unsigned long long va, unsigned long long bytes) {
+  int i = work_index(stream);
+  if (i < 0) return;
+  queue_kernel(i, 0, va, bytes);
+  log_line("work_queued stream=%llu queued=%ld va=%llu bytes=%llu", stream, g_work[i].queued, va, bytes);
 }
 void fake_finish_work(unsigned long long stream) {
   int i = work_index(stream);
   if (i < 0) return;
   g_work[i].finished = g_work[i].queued;
+  g_work[i].touches_any = 0;
+  g_work[i].lo = g_work[i].hi = 0;
   log_line("work_finished stream=%llu", stream);
+}
+
+// Whether stream i's unfinished kernels may touch some byte of [va, va + bytes).
+static int work_may_touch(int i, unsigned long long va, unsigned long long bytes) {
+  if (g_work[i].finished >= g_work[i].queued || bytes == 0) return 0;
+  if (g_work[i].touches_any) return 1;
+  return va < g_work[i].hi && g_work[i].lo < va + bytes;
 }
 
 static int mapped_index(unsigned long long page) {
@@ -396,9 +439,9 @@ static CUresult fake_cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmem
 }
 static CUresult fake_cuMemUnmap(CUdeviceptr ptr, size_t size) {
   for (int i = 0; i < g_work_streams; ++i) {
-    if (g_work[i].finished < g_work[i].queued) {
-      log_line("BAD mem_unmap va=%llu while stream %llu has %ld unfinished kernels that may touch it",
-               (unsigned long long)ptr, g_work[i].handle, g_work[i].queued - g_work[i].finished);
+    if (work_may_touch(i, (unsigned long long)ptr, (unsigned long long)size)) {
+      log_line("BAD mem_unmap va=%llu bytes=%zu while stream %llu has %ld unfinished kernels that may touch it",
+               (unsigned long long)ptr, size, g_work[i].handle, g_work[i].queued - g_work[i].finished);
     }
   }
   for (size_t at = 0; at < size; at += kFakeGranularity) {

@@ -43,7 +43,7 @@ def test_set_access_needs_a_fully_mapped_range(alloc):
 
 def test_set_access_may_span_many_adjacent_mappings(alloc):
     g = alloc.geometry
-    alloc.lend(4)  # chunk 4's KV slices now hold the dummy page: still every KV slot mapped
+    alloc.lend(4)  # chunk 4's KV slices keep their pages: every KV slot stays mapped
     before = alloc.counters()
     alloc.debug_backend_call("set_access", g.kv_base, g.pages_per_chunk * g.kv_range_bytes)  # every KV range
     assert alloc.counters().minus(before).set_access == 1

@@ -1,5 +1,8 @@
-"""KV fences: no lend or reclaim unmaps a KV page before the work queued on every
-registered fence stream has passed an event recorded for it (issue 18, defect 2).
+"""KV fences: no lend maps a chunk's pages into the trainer's arena before the work
+queued on every registered fence stream (decode's) has passed an event recorded for it,
+since that work may still write the chunk's KV slots (issue 18, defect 2). A reclaim
+waits for the fences of the trainer's frees in the arena, never for decode's: the KV
+slices of a lent chunk never lose their pages.
 
 On the host backend the call log records every backend call in order (the same code
 path the cuda backend runs: only do_record_fence / do_fence_passed / do_wait_fence differ),
@@ -27,11 +30,18 @@ class _TorchLikeStream:
         self.cuda_stream = handle
 
 
-def kv_unmaps(alloc, log):
-    """Indices of the unmap calls that hit the KV ranges."""
+def arena_maps(alloc, log):
+    """Indices of the map calls into the general arena (a lend handing pages to the trainer)."""
+    g = alloc.geometry
+    end = g.arena_base + g.chunk_bytes * g.num_chunks
+    return [i for i, call in enumerate(log) if call.kind == "map" and g.arena_base <= call.address < end]
+
+
+def kv_calls(alloc, log):
+    """The mapping calls that hit the KV ranges (none after start-up)."""
     g = alloc.geometry
     end = g.kv_base + g.kv_range_bytes * g.pages_per_chunk
-    return [i for i, call in enumerate(log) if call.kind == "unmap" and g.kv_base <= call.address < end]
+    return [call for call in log if call.kind in ("map", "unmap", "set_access") and g.kv_base <= call.address < end]
 
 
 def recorded_fences(log):
@@ -63,19 +73,20 @@ def test_fence_streams_take_torch_streams_ints_and_none_for_the_default_stream(a
         alloc.set_fence_streams(["decode"])
 
 
-def test_a_lend_unmaps_kv_pages_only_after_every_fence_stream_passed_its_event(alloc):
+def test_a_lend_maps_pages_into_the_arena_only_after_every_fence_stream_passed_its_event(alloc):
     alloc.set_fence_streams(STREAMS)
     alloc.record_calls()
     alloc.lend([3, 4])
     log = alloc.call_log()
     fences = recorded_fences(log)
     assert set(fences) == set(STREAMS)
-    unmaps = kv_unmaps(alloc, log)
-    assert len(unmaps) == alloc.geometry.pages_per_chunk  # one per KV range (3-4 is one run)
+    maps = arena_maps(alloc, log)
+    assert len(maps) == 2 * alloc.geometry.pages_per_chunk  # one per page of chunks 3 and 4
     for stream, event in fences.items():
         passed = first_pass(log, event)
-        assert passed is not None and passed < unmaps[0], f"stream {stream}'s fence passed after a KV unmap"
-    assert all(log.index(call) < unmaps[0] for call in log if call.kind == "fence_record")
+        assert passed is not None and passed < maps[0], f"stream {stream}'s fence passed after an arena map"
+    assert all(log.index(call) < maps[0] for call in log if call.kind == "fence_record")
+    assert not kv_calls(alloc, log)  # the KV slices keep their pages
 
 
 def test_a_lend_never_blocks_a_busy_stream_and_is_finished_by_a_later_call(alloc):
@@ -90,27 +101,27 @@ def test_a_lend_never_blocks_a_busy_stream_and_is_finished_by_a_later_call(alloc
     assert alloc.chunk_info(5).fence_pending
     stats = alloc.stats()
     assert stats.chunks_lending == 1 and stats.chunks_lent == 0 and stats.fences_pending == len(STREAMS)
-    # Not in the arena yet: the trainer cannot be handed the chunk before its unmap.
+    # Not in the arena yet: the trainer cannot be handed the chunk before its fences pass.
     assert alloc.arena_allocate(1) is None
-    # Its pages still back the KV slots: a kernel queued before the lend writes real KV.
+    # A kernel queued before the lend still writes the chunk's KV slots.
     kv.view(-1, g.bytes_per_token // 4)[slots.start] = 42.0
     assert alloc.finish_lends() == []  # queried, still busy: nothing moves, nothing waits
     alloc.check_integrity()
     log = alloc.call_log()
-    assert not kv_unmaps(alloc, log) and not any(call.kind == "fence_wait" for call in log)
+    assert not arena_maps(alloc, log) and not any(call.kind == "fence_wait" for call in log)
     assert any(call.kind == "fence_query" and not call.passed for call in log)
 
     alloc.hold_fences(False)  # decode got past the events
     assert alloc.finish_lends() == [5]
     assert state(alloc, 5) == ChunkState.LENT and alloc.stats().fences_pending == 0
     log = alloc.call_log()
-    unmaps = kv_unmaps(alloc, log)
-    assert unmaps
+    maps = arena_maps(alloc, log)
+    assert maps and not kv_calls(alloc, log)
     for event in recorded_fences(log).values():
-        assert first_pass(log, event, ("fence_query",)) < unmaps[0]
+        assert first_pass(log, event, ("fence_query",)) < maps[0]
     block = alloc.arena_allocate(g.chunk_bytes)
     assert block is not None
-    # Nothing written before the unmap was lost: the arena shows the chunk's KV page.
+    # The arena shows the chunk's KV pages, with what the kernel wrote before the lend.
     arena = block.tensor(torch.float32).view(g.pages_per_chunk, g.tokens_per_chunk, -1)
     assert arena[g.kv_range_index(0, "k"), 0, 0].item() == 42.0
     del arena
@@ -119,7 +130,7 @@ def test_a_lend_never_blocks_a_busy_stream_and_is_finished_by_a_later_call(alloc
     alloc.reclaim(5)
 
 
-def test_a_blocking_lend_waits_for_the_fences_before_it_unmaps(alloc):
+def test_a_blocking_lend_waits_for_the_fences_before_it_maps_into_the_arena(alloc):
     alloc.set_fence_streams(STREAMS)
     alloc.hold_fences()
     alloc.record_calls()
@@ -142,7 +153,7 @@ def test_a_blocking_lend_waits_for_the_fences_before_it_unmaps(alloc):
         assert lender.is_alive()  # blocked on the first event
         assert not any(call.kind == "fence_wait" for call in alloc.call_log())
         assert state(alloc, 2) == ChunkState.LENDING
-        assert not kv_unmaps(alloc, alloc.call_log())
+        assert not arena_maps(alloc, alloc.call_log())
     finally:
         alloc.hold_fences(False)
         lender.join(timeout=10)
@@ -151,20 +162,23 @@ def test_a_blocking_lend_waits_for_the_fences_before_it_unmaps(alloc):
     log = alloc.call_log()
     waits = {call.event: i for i, call in enumerate(log) if call.kind == "fence_wait"}
     assert set(waits) == set(recorded_fences(log).values())
-    assert max(waits.values()) < kv_unmaps(alloc, log)[0]
+    assert max(waits.values()) < arena_maps(alloc, log)[0]
     alloc.reclaim(2)
 
 
-def test_a_reclaim_waits_for_the_kv_fences_before_it_unmaps_the_dummy_page(alloc):
+def test_a_reclaim_waits_for_the_trainers_frees_before_it_unmaps_the_arena_and_never_for_decode(alloc):
     alloc.set_fence_streams([7])
     alloc.lend(1)
+    block = alloc.arena_allocate(alloc.geometry.page_bytes)
+    block.free(streams=[9])  # the trainer's stream used it: a fence at the free
     alloc.record_calls()
     alloc.reclaim(1)
     log = alloc.call_log()
-    event = recorded_fences(log)[7]
+    assert 7 not in recorded_fences(log)  # decode's stream: nothing recorded, nothing waited for
+    waits = [i for i, call in enumerate(log) if call.kind == "fence_wait"]
     unmaps = [i for i, call in enumerate(log) if call.kind == "unmap"]
-    assert unmaps and first_pass(log, event) < unmaps[0]
-    assert kv_unmaps(alloc, log)  # the dummy left the KV slices
+    assert len(waits) == 1 and unmaps and waits[0] < unmaps[0]  # the free's fence, then the arena run
+    assert not kv_calls(alloc, log)
 
 
 def test_cancelling_a_pending_lend_gives_the_chunks_back_untouched(alloc):
@@ -220,8 +234,9 @@ def test_pending_lends_finish_together_in_one_batch(alloc):
     before = alloc.counters()
     assert alloc.finish_lends() == [5, 6]
     moved = alloc.counters().minus(before)
-    assert moved.unmap == g.pages_per_chunk  # 5 and 6 are neighbours: one unmap per KV range
-    block = alloc.arena_allocate(2 * g.chunk_bytes)  # and one contiguous arena run
+    # 5 and 6 are neighbours: one arena run, one access call over it.
+    assert moved.map == 2 * g.pages_per_chunk and moved.set_access == 1 and moved.unmap == 0
+    block = alloc.arena_allocate(2 * g.chunk_bytes)
     assert block is not None
     block.free()
     alloc.reclaim([5, 6])
@@ -257,10 +272,14 @@ def test_a_failed_fence_call_rolls_the_lend_back(alloc, call):
     alloc.reclaim(6)
 
 
-def test_holding_fences_also_holds_a_reclaim_until_they_pass(alloc):
+def test_holding_fences_holds_a_reclaim_until_the_trainers_frees_pass_and_not_for_decode(alloc):
     alloc.set_fence_streams([3])
-    alloc.lend(7)
-    alloc.hold_fences()
+    alloc.lend([6, 7])
+    alloc.hold_fences()  # every stream busy, decode's and the trainer's
+    alloc.reclaim(6)  # no arena free fenced: decode's busy stream does not hold it
+    assert state(alloc, 6) == ChunkState.MAPPED
+    block = alloc.arena_allocate(alloc.geometry.page_bytes)
+    block.free(streams=[9])
     done = threading.Event()
     reclaimer = threading.Thread(target=lambda: (alloc.reclaim(7), done.set()))
     reclaimer.start()
@@ -269,7 +288,7 @@ def test_holding_fences_also_holds_a_reclaim_until_they_pass(alloc):
         while alloc.chunk_table()[7].state != ChunkState.BUSY:  # the reclaimer got as far as the fence
             assert time.monotonic() < deadline and not done.is_set(), alloc.chunk_table()[7].state
             time.sleep(0.01)
-        assert not done.wait(0.2)  # decode's queued work has not passed the reclaim's event
+        assert not done.wait(0.2)  # the trainer's queued work has not passed its free's event
         assert alloc.chunk_table()[7].state == ChunkState.BUSY
     finally:
         alloc.hold_fences(False)
@@ -282,9 +301,9 @@ def test_a_finish_whose_rollback_fails_too_leaves_the_chunk_broken_and_no_longer
     alloc.hold_fences()
     assert alloc.lend(6, wait=False) is False
     alloc.hold_fences(False)
-    # The third map (KV range 2) fails; undoing then unmaps range 0's dummy: the 4th unmap fails.
+    # The third map into the arena fails; undoing then unmaps the two pages mapped so far.
     alloc.inject_failure("map", 2)
-    alloc.inject_failure("unmap", 3)
+    alloc.inject_failure("unmap", 0)
     with pytest.raises(VmmOsError, match="undoing the move also failed .* chunks 6 are now broken"):
         alloc.finish_lends()
     assert state(alloc, 6) == ChunkState.BROKEN and alloc.lending_chunks() == []

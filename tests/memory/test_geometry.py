@@ -20,8 +20,8 @@ def test_tiny_model_geometry(alloc):
     assert g.kv_range_bytes == 8 * PAGE_BYTES
     assert g.kv_bytes_per_token == 128 * 4
     assert g.small_pages == 4 and g.small_bytes == 4 * PAGE_BYTES
-    # KV pages, the dummy, the small pool, the arena's dummy run (one allocation of 4 pages)
-    assert g.total_pages == 8 * 4 + 1 + 4 + 1
+    # KV pages, the small pool, the arena's dummy run (one allocation of 4 pages)
+    assert g.total_pages == 8 * 4 + 4 + 1
     assert alloc.counters().create == g.total_pages
 
 

@@ -3,9 +3,10 @@ backend, where one memfd page really appears at two virtual addresses."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from harvest.memory import ChunkState
+from harvest.memory import ChunkState, VmmInvalidArgument
 
 
 def kv_views(alloc):
@@ -50,12 +51,11 @@ def test_kv_of_chunks_never_lent_is_untouched_by_lend_reclaim_cycles(alloc):
     cycled = [2, 3, 6]
     for round_ in range(20):
         alloc.lend(cycled if round_ % 2 else cycled[::-1])
-        block = alloc.arena_allocate(2 * g.chunk_bytes)  # spans chunks 2 and 3
-        block.tensor(torch.float32).fill_(float(round_))
-        for chunk in cycled:  # stray writes into lent chunks' KV land in the dummy page
-            for view in kv.values():
-                view[g.chunk_slots(chunk).start] = 1e9
-        block.free()
+        # Every lent page written: chunks 2 and 3 (one contiguous arena run), then 6.
+        blocks = [alloc.arena_allocate(2 * g.chunk_bytes), alloc.arena_allocate(g.chunk_bytes)]
+        for block in blocks:
+            block.tensor(torch.float32).fill_(float(round_))
+            block.free()
         alloc.reclaim(cycled)
         alloc.check_integrity()
     untouched = [c for c in range(g.num_chunks) if c not in cycled]
@@ -65,58 +65,72 @@ def test_kv_of_chunks_never_lent_is_untouched_by_lend_reclaim_cycles(alloc):
             assert torch.equal(view[s.start:s.stop], reference[key][s.start:s.stop]), (key, chunk)
 
 
-def test_lent_chunk_shows_the_dummy_page_and_stray_writes_do_not_reach_the_trainer(alloc):
+def test_a_lent_chunk_is_the_same_memory_at_its_kv_slots_and_in_the_arena(alloc):
+    # The KV side never changes: a lent chunk's pages are mapped in the arena as well, so
+    # what the trainer writes shows at the chunk's KV slots (nothing serves them: their
+    # slots left the free list, and the padded rows of a batch write to slot 0, in chunk
+    # 0, which is never lent), and a write at those slots reaches the trainer's tensor.
     g = alloc.geometry
     kv = kv_views(alloc)
     alloc.lend([1, 4])
-    block = alloc.arena_allocate(g.page_bytes)
-    trainer = block.tensor(torch.uint8)
-    trainer.fill_(7)
-    k0 = kv[(0, "k")]
-    k0[g.chunk_slots(1).start] = 123.0  # a padded batch writing into a lent chunk
-    # Every lent slice is the one dummy page: the write shows in the other lent chunk too.
-    assert k0[g.chunk_slots(4).start, 0, 0].item() == 123.0
-    assert torch.all(trainer == 7)
+    block = alloc.arena_allocate(g.page_bytes)  # the first page of the lowest lent chunk
+    assert block.address == g.arena_base + 1 * g.chunk_bytes
+    trainer = block.tensor(torch.float32)
+    trainer.fill_(7.0)
+    k0 = kv[(0, "k")]  # range 0's page is the chunk's first arena page
+    assert torch.all(k0[g.chunk_slots(1)] == 7.0)
+    assert torch.all(k0[g.chunk_slots(4)] != 7.0)  # each lent chunk has pages of its own
+    k0[g.chunk_slots(1).start] = 123.0
+    assert trainer[0].item() == 123.0
     block.free()
+    alloc.check_integrity()
 
 
-def test_lend_costs_one_unmap_per_kv_range_one_map_per_page_and_two_access_calls(alloc):
+def test_a_lent_chunks_slots_cannot_be_handed_to_decode(alloc):
     g = alloc.geometry
+    alloc.lend(3)
+    with pytest.raises(VmmInvalidArgument, match="chunk 3, which is lent: its pages are .* the trainer's"):
+        alloc.mark_slots_live([g.chunk_slots(3).start])
+    alloc.reclaim(3)
+    alloc.mark_slots_live([g.chunk_slots(3).start])
+    alloc.check_integrity()
+
+
+def test_lend_maps_the_pages_into_the_arena_once_and_reclaim_puts_the_dummy_run_there(alloc):
+    g = alloc.geometry
+    pages = g.pages_per_chunk
     before = alloc.counters()
     alloc.lend(3)
     one = alloc.counters().minus(before)
-    pages = g.pages_per_chunk
-    assert one.unmap == pages  # each KV range's page: one contiguous run
-    assert one.map == 2 * pages  # the dummy into the KV slot, the page into the arena
-    # One over the KV side (a fully mapped span across the ranges), one for the arena run.
-    assert one.set_access == 2
-    assert one.mapping_calls == 3 * pages + 2
+    assert one.unmap == 0  # the KV slices keep their pages
+    assert one.map == pages  # the chunk's pages into its arena run
+    assert one.set_access == 1  # over that run
+    assert one.mapping_calls == pages + 1
     assert one.create == one.release == one.reserve == 0
-    # Adjacent chunks batch: still one unmap per KV range and two access calls.
+    # Adjacent chunks batch: still one access call over their joint arena run.
     before = alloc.counters()
     alloc.lend([5, 6, 7])
     three = alloc.counters().minus(before)
-    assert three.unmap == pages and three.set_access == 2 and three.map == 3 * 2 * pages
+    assert three.unmap == 0 and three.set_access == 1 and three.map == 3 * pages
     before = alloc.counters()
     alloc.reclaim([5, 6, 7])
     back = alloc.counters().minus(before)
-    assert back.unmap == 1 + pages  # the arena run, then the dummy out of each KV range
-    # The pages into the KV ranges; the arena's dummy run once per chunk (one mapping over
-    # each chunk's slots); one access call each side.
-    assert back.map == 3 * pages + 3 and back.set_access == 2
+    # The arena run out in one unmap; the arena's dummy run once per chunk (one mapping
+    # over each chunk's slots); one access call. Nothing on the KV side.
+    assert back.unmap == 1 and back.map == 3 and back.set_access == 1
     # Lent again: the arena run's dummy runs go out in one unmap before the pages come in.
     before = alloc.counters()
     alloc.lend([5, 6, 7])
     again = alloc.counters().minus(before)
-    assert again.unmap == pages + 1 and again.map == 3 * 2 * pages and again.set_access == 2
+    assert again.unmap == 1 and again.map == 3 * pages and again.set_access == 1
     alloc.reclaim([5, 6, 7])
     assert alloc.counters().create_calls_after_init == 0
 
 
 def test_a_lend_and_a_reclaim_of_one_llama_8b_chunk_stay_within_their_call_budget(make_allocator):
-    # 32 layers: 64 pages per chunk. A lend can make no fewer than 3 calls per page (the
-    # KV slice out, the dummy in, the page into the arena: each a separate mapping) plus
-    # access; a reclaim no fewer than 2 per page plus the arena's unmap, dummy and access.
+    # 32 layers: 64 pages per chunk. A lend maps each page into the arena (one physical
+    # allocation per page, and cuMemMap maps an allocation from offset 0 only) plus one
+    # access call; a reclaim is the arena's unmap, its dummy run and one access call.
     alloc = make_allocator(num_layers=32, max_tokens=4 * 128, small_pool_bytes=0)
     pages = alloc.geometry.pages_per_chunk
     assert pages == 64
@@ -127,7 +141,7 @@ def test_a_lend_and_a_reclaim_of_one_llama_8b_chunk_stay_within_their_call_budge
         costs.append(alloc.counters().minus(before).mapping_calls)
         alloc.check_integrity()
     # First lend; reclaim; lend again (the arena's dummy run goes out first); reclaim.
-    assert costs == [3 * pages + 2, 2 * pages + 4, 3 * pages + 3, 2 * pages + 4] == [194, 132, 195, 132]
+    assert costs == [pages + 1, 3, pages + 2, 3] == [65, 3, 66, 3]
 
 
 def test_states_queries_and_slot_ranges(alloc):

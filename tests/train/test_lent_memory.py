@@ -2,8 +2,8 @@
 backend) follows the lending budget: it shrinks at its own unit boundaries, gives memory
 back while parked at its gate, and releases everything when it leaves its loop. The
 memory side only publishes; nothing here calls into the trainer from outside. A view of
-a window buffer kept past its release and the reclaim of its chunks reads the dummy page,
-never the KV cache (issue 18, defect 3)."""
+a window buffer kept past its release and the reclaim of its chunks reads the arena's
+dummy run, never the KV cache (issue 18, defect 3)."""
 
 from __future__ import annotations
 
