@@ -138,8 +138,8 @@ def _assemble(config, engine: EngineAdapter, partitioner, jobs: tuple):
             lending.reserve = demand_reserve(config, policy, engine.kv, costs)
         if metrics is not None:
             metrics.set_reserve(policy.reserve_tokens)
-        # Lend and reclaim unmap KV pages only after the kernels queued on these streams
-        # have passed them (cuMemUnmap does not wait for queued work).
+        # A lend hands a chunk's pages to the trainer only after the kernels queued on
+        # these streams have passed (they may still write the chunk's slots).
         engine.kv.allocator.set_fence_streams(kv_fence_streams(partitioner.ladder, engine.device,
                                                               engine.kv.engine_streams))
     trainer_host = None

@@ -5,7 +5,8 @@ and V as two halves (``fused[0]``, ``fused[1]``) so that paged kernels can reach
 K's base. With harvest enabled, the same shapes are views over the KV arena of a
 :class:`~harvest.memory.UnifiedAllocator`: its ranges are laid out ``L0.K, L0.V, L1.K,
 ...`` with equal sizes, so a view over a layer's two ranges *is* the fused layout, and
-whole chunks of token slots can later be unmapped and lent to the trainer.
+whole chunks of token slots can later be lent to the trainer (their pages mapped a second
+time, into its arena).
 
 Supported: the plain NHD layout of an unquantized MHA pool with equal K/V head dims (every
 Llama/Qwen2-style model). Anything else refuses at start-up, naming what it found.

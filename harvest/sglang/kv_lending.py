@@ -446,15 +446,15 @@ class KvLendingController:
         publish the rest as wanted back (0 withdraws an earlier request). Returns the
         chunks whose slots rejoined the free lists by this call.
 
-        Pending lends go first: cancelled, their pages never left the KV cache. Lent
+        Pending lends go first: cancelled, their pages never reached the trainer. Lent
         chunks the trainer's window still uses come back only after it shrinks, at its
         next unit boundary. ``wait=True`` (an allocation would fail otherwise) publishes
         the request and waits for the trainer's acknowledgement, at most
         ``urgent_wait_s``; ``wait=False`` never waits for the trainer (a later call takes
         the chunks) nor, with the lending thread, for the driver: its results are applied
         at a later call (and while it still runs a job, nothing new is asked). (The
-        allocator's reclaim itself waits on its fences: the trainer's frees and decode's
-        queued work, before it unmaps.)"""
+        allocator's reclaim itself waits on the fences of the trainer's frees before it
+        unmaps the arena run; never on decode's queued work.)"""
         if self.ranks is not None:
             return self._reclaim_agreed(count, wait)
         if not wait:

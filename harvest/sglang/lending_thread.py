@@ -36,7 +36,7 @@ from harvest.memory.errors import VmmInvalidArgument
 logger = get_logger(__name__)
 
 LENT = "lent"  # the allocator lent these chunks (their lend finished)
-CANCELLED = "cancelled"  # pending lends given back: their pages never left the KV ranges
+CANCELLED = "cancelled"  # pending lends given back: their pages never reached the trainer
 RECLAIMED = "reclaimed"  # lent chunks mapped back into the KV ranges
 UNLENT = "unlent"  # a lend that failed: nothing moved, the slots are SGLang's again
 DONE = "done"  # a job finished (its ticket, what it asked for, how many chunks came back)

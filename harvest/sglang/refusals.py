@@ -23,7 +23,7 @@ class UnsupportedServer(RuntimeError):
 
 # A KV tier beyond the device pool copies KV between device slots and host memory or
 # storage on streams of its own, which harvest's lends do not fence: a chunk could be
-# unmapped under a copy still running. (HiCache's and the decode offload's host pools
+# handed to the trainer while a copy of its slots still runs. (HiCache's and the decode offload's host pools
 # need CUDA: they cannot be tried on CPU either.)
 _KV_TIER = ("copies KV between the device pool and host memory or storage on streams of its own, which harvest's "
             "lends do not wait for (not checked with lent chunks)")

@@ -211,8 +211,8 @@ def sglang_engine(scheduler, config):
 
     engine_streams = ()
     if device.startswith("cuda"):
-        # SGLang's overlap scheduler prepares and consumes a step on these; a lend or
-        # reclaim unmaps only after what they have queued.
+        # SGLang's overlap scheduler prepares and consumes a step on these; a lend hands
+        # pages to the trainer only after what they have queued.
         engine_streams = (scheduler.tp_worker.model_runner.forward_stream, scheduler.schedule_stream)
     kv = KvPool(allocator=allocator, num_tokens=token_allocator.size,
                 max_batch_size=int(scheduler.max_running_requests), lending_controller=lending_controller,
