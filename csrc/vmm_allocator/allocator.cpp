@@ -584,7 +584,8 @@ void Allocator::check_integrity() {
                                                               : 1;
       if (seen[page] != want) {
         violation = "page " + std::to_string(page) + " is mapped " + std::to_string(seen[page]) + " times, expected " +
-                    std::to_string(want) + (seen[page] > want ? " (reachable where its owner's state says it is not)" : " (leaked)");
+                    std::to_string(want) +
+                    (seen[page] > want ? " (reachable where its owner's state says it is not)" : " (leaked)");
       }
     }
   }
