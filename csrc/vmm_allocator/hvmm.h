@@ -16,12 +16,12 @@
 // into the trainer's arena, and reclaiming takes that second mapping away. The KV ranges
 // are mapped once, at start-up, and never change: no KV slot is ever unmapped, so no
 // decode kernel can fault on one, and no move waits to unmap one. What keeps decode off a
-// lent chunk is the slot bookkeeping: its slots leave the serving side's free list
-// (hvmm_mark_slots refuses them), and the padded rows of a batch write to the serving
-// side's padding slot 0, in chunk 0, which is never lent (SGLang zeroes the padded rows'
-// cache locations for exactly this reason; harvest.memory.lending keeps chunk 0). A
-// padded row may still read a lent slot: it reads trainer bytes whose result is
-// discarded.
+// lent chunk is the slot bookkeeping: its slots leave the serving side's free list (and
+// hvmm_mark_slots, where the serving side feeds it, refuses them), and the padded rows of
+// a batch write to the serving side's padding slot 0, in chunk 0, which is never lent
+// (SGLang zeroes the padded rows' cache locations for exactly this reason;
+// harvest.memory.lending keeps chunk 0). A padded row may still read a lent slot: it
+// reads trainer bytes whose result is discarded.
 //
 // Driver calls per lend and reclaim of one chunk of P pages (P = 2 * num_layers; 64 for
 // Llama-3-8B). Lend: P maps of the pages into the arena and one set-access over the
