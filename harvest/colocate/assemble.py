@@ -13,6 +13,7 @@ Anything wrong raises here, at start-up (a serving engine then refuses to start)
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
 from typing import Any, Callable
 
@@ -118,9 +119,13 @@ def _assemble(config, engine: EngineAdapter, partitioner, jobs: tuple):
 
     model_name = engine.model_name or Path(engine.model_path.rstrip("/")).name or engine.model_path
     metrics = _metrics(config, engine, model_name)
-    refiner = None
+    refiner = corun_check = None
     if config.profile is not None and engine.tp_rank == 0:  # rank 0 decides for every rank
-        refiner = _refiner(config, engine, partitioner)
+        from harvest.predict.compat import corun_units_mismatch
+
+        refiner, profile = _refiner(config, engine, partitioner)
+        # The jobs' units against those the profile's co-run stage ran beside decode.
+        corun_check = functools.partial(corun_units_mismatch, profile)
     qos = QoSController(config.qos, partitioner.ladder)
     lending, budget = NoKvLending(), None
     if engine.kv is not None:
@@ -169,7 +174,8 @@ def _assemble(config, engine: EngineAdapter, partitioner, jobs: tuple):
         trainer_host = TrainerHost(job_specs(jobs) if engine.jobs is None else list(jobs), build=build,
                                    cpu_threads=config.trainer.cpu_threads, nice=config.trainer.nice,
                                    tp_rank=engine.tp_rank, max_running=max_running,
-                                   quantum_s=config.queue.quantum_s, starvation_s=config.queue.starvation_s)
+                                   quantum_s=config.queue.quantum_s, starvation_s=config.queue.starvation_s,
+                                   corun_check=corun_check)
     step_controller = StepController(partitioner=partitioner, qos=qos, trainer_host=trainer_host,
                              predictor=None if refiner is None else refiner.predictor, refiner=refiner,
                              metrics=metrics, target_tpot_ms=config.qos.target_tpot_ms)
@@ -212,12 +218,13 @@ def running_identity(engine: EngineAdapter, ladder):
 
 
 def _refiner(config, engine: EngineAdapter, partitioner):
+    """The online refiner of the profile, and the profile."""
     from harvest.predict.compat import load_for
     from harvest.predict.online import OnlineRefiner
 
     identity = running_identity(engine, partitioner.ladder)
     profile = load_for(config.profile, identity, allow_mismatch=config.allow_profile_mismatch)
-    return OnlineRefiner.from_profile(profile, config.online)
+    return OnlineRefiner.from_profile(profile, config.online), profile
 
 
 def kv_fence_streams(ladder, device: str, engine_streams=()) -> list:

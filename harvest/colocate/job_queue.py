@@ -61,6 +61,10 @@ class JobRun:
         self.cancelled = False
         self.baseline = (0, 0, 0)  # (tokens, samples, steps) when built: a resume starts counting from there
         self.adapter: dict | None = None  # its served adapter: {"name", "state", "error"} (the runtime sets it)
+        # Its units against the profile's co-run workload, checked once after its first
+        # step (TrainerHost's corun_check): the problem in words, or None.
+        self.corun_checked = False
+        self.corun_mismatch: str | None = None
 
     @property
     def ended(self) -> bool:

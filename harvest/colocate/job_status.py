@@ -60,6 +60,7 @@ def job_line(run, *, active: bool, host_paused: bool, starved: bool, share: floa
         "trainer_s": round(run.trainer_s, 6), "share": share, "deficit_s": deficit_s,
         "submitted_at": run.submitted_at, "started_at": run.started_at, "ended_at": run.ended_at,
         "adapter": dict(run.adapter) if run.adapter is not None else None, "error": run.error,
+        "corun_mismatch": run.corun_mismatch,
         "fleet": fleet,
     }
 

@@ -42,17 +42,24 @@ class TrainerHost:
                  on_unit: Callable[[object], None] | None = None, switch_interval_s: float = CO_LOCATED_SWITCH_INTERVAL_S,
                  cpu_threads: int = DEFAULT_TRAINER_CPU_THREADS, nice: int = DEFAULT_TRAINER_NICE,
                  tp_rank: int = 0, max_running: int = DEFAULT_MAX_RUNNING, quantum_s: float = DEFAULT_QUANTUM_S,
-                 starvation_s: float = DEFAULT_STARVATION_S, on_job_end: Callable[[JobRun], None] | None = None):
+                 starvation_s: float = DEFAULT_STARVATION_S, on_job_end: Callable[[JobRun], None] | None = None,
+                 corun_check: Callable[[float, str], str | None] | None = None):
         """``jobs``: :class:`JobSpec` (or job paths, named after the file). ``build(job_path)
         -> LayerSplitTrainer`` runs on the job's thread (loading a model and dataset takes
         seconds; neither the server nor the other jobs wait for it). ``on_unit(record)``
         runs on the trainer's thread after every unit: background work (the predictor's
         refit) belongs there, not on the decode thread. ``on_job_end(run)`` runs on the
-        job's thread when it ends (finished, stopped, cancelled, failed)."""
+        job's thread when it ends (finished, stopped, cancelled, failed).
+        ``corun_check(micro_batch_tokens, job) -> problem or None``: once a job has
+        completed its first step here, whether its micro-batches are the size the
+        profile's co-run stage measured decode beside
+        (harvest.predict.compat.corun_units_mismatch); a problem is logged as a warning
+        and shown in the job's status line (``corun_mismatch``)."""
         self._build = build
         self.on_fault = on_fault
         self.on_unit = on_unit
         self.on_job_end = on_job_end
+        self.corun_check = corun_check
         self._switch_interval_s = switch_interval_s
         self.cpu_threads = cpu_threads
         self.nice = nice
@@ -238,6 +245,8 @@ class TrainerHost:
     def _unit_done(self, run: JobRun, seconds: float) -> None:
         """The active job's thread, after each unit: charge it; at the end of its slice,
         hand the trainer to the job the fair-share rule picks."""
+        if not run.corun_checked and self.corun_check is not None:
+            self._check_corun_units(run)
         with self._lock:
             handover = self.queue.unit_done(run, seconds, time.monotonic())
             if handover is None:
@@ -247,6 +256,22 @@ class TrainerHost:
         # lent memory goes now, for the next job's window.
         if getattr(run.trainer, "holds_lent_window", False):
             run.trainer.release_window()
+
+    def _check_corun_units(self, run: JobRun) -> None:
+        """Once the job has completed a step here: its mean non-padding tokens per
+        micro-batch against the profile's co-run workload's (``corun_check``)."""
+        trainer = run.trainer
+        if trainer is None or trainer.global_step <= run.baseline[2]:
+            return
+        stats = trainer.stats()
+        tokens, samples = stats.tokens_seen - run.baseline[0], stats.samples_seen - run.baseline[1]
+        problem = None
+        if tokens > 0 and samples > 0:
+            problem = self.corun_check(tokens / samples * stats.micro_batch_size, f"job {run.name}")
+        with self._lock:
+            run.corun_checked, run.corun_mismatch = True, problem
+        if problem is not None:
+            logger.warning("profile: %s", problem)
 
     def _hand_over_locked(self, handover: Handover | None) -> None:
         """Carry out the queue's handover on the gates: the previous job parks, the target

@@ -6,6 +6,9 @@ without any error. So loading for use checks the running identity and refuses on
 mismatch, naming each differing field; ``allow_mismatch=True`` (the operator's explicit
 override) turns the refusal into a warning.
 
+It also says when a running job's units differ from those the profile's co-run stage ran
+beside decode (:func:`corun_units_mismatch`): a server warns and shows it, never refuses.
+
 The model is identified by a hash of the config fields that decide a decode step's cost
 (:data:`LATENCY_CONFIG_KEYS`), not by path or weights: the same architecture with other
 weights runs at the same speed, a checkpoint moved elsewhere is still the same model.
@@ -137,3 +140,28 @@ def load_for(path: str | Path, running: RuntimeIdentity, allow_mismatch: bool = 
     profile = Profile.load(path)
     check_compatible(profile, running, allow_mismatch, source=f"profile {path}")
     return profile
+
+
+# How far a job's micro-batches may differ in size from the co-run workload's before the
+# server says the profile's co-run slow-down may not hold for it: a unit of twice the
+# tokens runs kernels twice as long beside decode (the H200 run of 2026-11-26 measured
+# 0.78 % steps over target with 4x the tokens; docs/gpu-validation.md).
+CORUN_UNITS_TOLERANCE = 2.0
+
+
+def corun_units_mismatch(profile: Profile, job_micro_batch_tokens: float, job: str = "the job") -> str | None:
+    """How the job's micro-batches differ from those the profile's co-run stage ran
+    beside decode (by mean non-padding tokens), when by more than
+    :data:`CORUN_UNITS_TOLERANCE` times either way; None when they agree, or when the
+    profile does not record its co-run micro-batches (written before it did)."""
+    finetune = profile.provenance.finetune
+    measured = finetune.micro_batch_tokens
+    if measured is None or not job_micro_batch_tokens > 0:
+        return None
+    ratio = job_micro_batch_tokens / measured
+    if 1 / CORUN_UNITS_TOLERANCE <= ratio <= CORUN_UNITS_TOLERANCE:
+        return None
+    return (f"{job}'s micro-batches carry {job_micro_batch_tokens:.0f} tokens, {ratio:.2g}x the {measured:.0f} the "
+            f"profile's co-run stage ran beside decode ({finetune.workload}): the co-run slow-down the scheduler "
+            f"predicts was measured with other units (larger ones press on decode harder: steps over target); "
+            f"`harvest profile --finetune-job <this job file>` measures it with this job's units")

@@ -55,6 +55,16 @@ class FinetuneIdentity:
     base_model: str
     description: str  # the job in words (rank, targets, micro-batch, sequence length)
     config_hash: str | None  # of the finetune base model's config, as ModelIdentity.config_hash
+    # Mean non-padding tokens per micro-batch of that workload: the size of the units the
+    # co-run slow-down was measured beside (a server compares its jobs' with it,
+    # harvest.predict.compat.corun_units_mismatch). Optional in every version: None (absent)
+    # in a profile written before it was recorded.
+    micro_batch_tokens: float | None = None
+
+    def __post_init__(self) -> None:
+        tokens = self.micro_batch_tokens
+        if tokens is not None and not (math.isfinite(tokens) and tokens > 0):
+            raise ValueError(f"provenance.finetune.micro_batch_tokens={tokens!r}: must be a finite number > 0")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -410,6 +420,10 @@ def _as_written_in_version(data: dict, version: int) -> dict:
         del data["trainer"]
     if version < FIRST_VERSION_WITH_TP_SIZE:
         data["provenance"] = {k: v for k, v in data["provenance"].items() if k != "tp_size"}
+    finetune = data["provenance"].get("finetune")
+    if isinstance(finetune, dict) and finetune.get("micro_batch_tokens", 0) is None:
+        data["provenance"] = {**data["provenance"], "finetune": {k: v for k, v in finetune.items()
+                                                                 if k != "micro_batch_tokens"}}  # optional
     if data.get("memory", 0) is None:
         del data["memory"]  # optional: absent when not measured (module doc)
     elif data.get("memory") is not None and data["memory"].get("pages_per_chunk", 0) is None:
@@ -443,6 +457,10 @@ def _readable(data) -> dict:
                 f"(a version-{FIRST_VERSION_WITH_TP_SIZE} profile with the wrong version?)"
             )
         data = {**data, "provenance": {**provenance, "tp_size": 1}}  # measured on one rank: --tp came later
+    provenance = data.get("provenance")
+    if isinstance(provenance, dict) and isinstance(provenance.get("finetune"), dict) \
+            and "micro_batch_tokens" not in provenance["finetune"]:  # optional in every version (FinetuneIdentity)
+        data = {**data, "provenance": {**provenance, "finetune": {**provenance["finetune"], "micro_batch_tokens": None}}}
     if "memory" not in data:
         data = {**data, "memory": None}  # optional in every version (module doc)
     elif isinstance(data["memory"], dict) and "pages_per_chunk" not in data["memory"]:

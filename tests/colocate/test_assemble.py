@@ -68,6 +68,25 @@ def test_every_section_reaches_the_part_it_configures(tiny_llama_path):
         assert host.on_unit == colocation._after_trainer_unit and host.on_fault == colocation._on_trainer_fault
         assert isinstance(colocation.lending, NoKvLending)  # this engine lends no KV cache
         assert not [t for t in threading.enumerate() if "refit" in t.name]  # refits run between units and when idle
+        # The committed profile predates the co-run workload's micro-batch size: it checks nothing.
+        assert host.corun_check(10**9, "job x") is None
+    finally:
+        colocation.close(trainer_timeout_s=5.0)
+        colocation.partitioner.close()
+
+
+def test_the_jobs_units_are_checked_against_the_co_run_workload_the_profile_records(tiny_llama_path, tmp_path):
+    data = json.loads(CPU_PROFILE.read_text())
+    data["provenance"]["finetune"]["micro_batch_tokens"] = 256.0
+    profile = tmp_path / "recorded.json"
+    profile.write_text(json.dumps(data))
+    engine = EngineAdapter(device="cpu", model_path=str(tiny_llama_path), model_dtype="float32",
+                           build_trainer=lambda job: _Trainer(), jobs=("job",))
+    colocation = assemble(_config(profile=profile), engine)
+    try:
+        check = colocation.trainer_host.corun_check
+        assert check(300.0, "job j") is None
+        assert check(2048.0, "job j").startswith("job j's micro-batches carry 2048 tokens, 8x the 256")
     finally:
         colocation.close(trainer_timeout_s=5.0)
         colocation.partitioner.close()

@@ -32,12 +32,16 @@ class FakeTrainer:
     """Runs ``total_steps`` units of ``unit_s`` (busy-waiting, as compute does) through
     its gate; reports progress like LayerSplitTrainer."""
 
-    def __init__(self, units: Units, total_steps: int = 10**9, unit_s: float = 0.002, resumed_tokens: int = 0):
+    def __init__(self, units: Units, total_steps: int = 10**9, unit_s: float = 0.002, resumed_tokens: int = 0,
+                 tokens_per_step: int = 10, micro_batch_size: int = 0):
         self.units = units
         self.total_steps = total_steps
         self.unit_s = unit_s
         self.global_step = 0
         self.tokens = resumed_tokens
+        self.tokens_per_step = tokens_per_step
+        self.micro_batch_size = micro_batch_size  # 0: reports no samples (one micro-batch of 1 per step otherwise)
+        self.samples = 0
         self.checkpointed = False
         self.output_dir = None
 
@@ -47,6 +51,7 @@ class FakeTrainer:
         fields = {**{f: 0 for f in TrainerStats.__dataclass_fields__}, "fleet": None}
         return TrainerStats(**{**fields, "state": "running", "loss": 1.0, "global_step": self.global_step,
                                "total_steps": self.total_steps, "tokens_seen": self.tokens,
+                               "samples_seen": self.samples, "micro_batch_size": self.micro_batch_size,
                                "learning_rate": None})
 
     def peek_next_unit_ready(self):
@@ -70,7 +75,8 @@ class FakeTrainer:
             with self.units.lock:
                 self.units.running -= 1
             self.global_step += 1
-            self.tokens += 10
+            self.tokens += self.tokens_per_step
+            self.samples += self.micro_batch_size
             gate.unit_done(None)
             if on_unit is not None:
                 on_unit(None)
@@ -286,3 +292,36 @@ def test_a_periodic_fleet_jobs_line_counts_this_servers_steps_and_the_fleets_eta
     run.trainer = types.SimpleNamespace(stats=lambda: solo)
     line = job_line(run, active=True, host_paused=False, starved=False, share=1.0, deficit_s=0.0)
     assert line["steps_trained"] == 40 and line["eta_s"] == pytest.approx(1.5, rel=0.5) and line["fleet"] is None
+
+
+def test_each_job_is_checked_once_against_the_profiles_co_run_units_and_a_mismatch_is_in_its_line():
+    units = Units()
+    trainers = {"big": FakeTrainer(units, total_steps=40, tokens_per_step=4 * 512, micro_batch_size=4),
+                "same": FakeTrainer(units, total_steps=40, tokens_per_step=2 * 512, micro_batch_size=2)}
+    checked = []
+
+    def corun_check(micro_batch_tokens, job):
+        checked.append((job, micro_batch_tokens))
+        return f"{job}: {micro_batch_tokens:.0f} tokens" if micro_batch_tokens > 1024 else None
+
+    host = started_host(trainers, [spec("big"), spec("same")], quantum_s=0.01, corun_check=corun_check)
+    try:
+        assert wait_for(lambda: all(j["state"] == "finished" for j in host.status().jobs))
+    finally:
+        host.shutdown()
+    # Once per job, after its first step, with its mean tokens per micro-batch.
+    assert sorted(checked) == [("job big", 2048.0), ("job same", 1024.0)]
+    big, same = jobs(host, "big", "same")
+    assert big["corun_mismatch"] == "job big: 2048 tokens" and same["corun_mismatch"] is None
+
+
+def test_a_job_that_reports_no_samples_is_not_called_a_mismatch():
+    units = Units()
+    calls = []
+    host = started_host({"a": FakeTrainer(units, total_steps=5)}, [spec("a")],
+                        corun_check=lambda tokens, job: calls.append(job) or "never")
+    try:
+        assert wait_for(lambda: job(host, "a")["state"] == "finished")
+    finally:
+        host.shutdown()
+    assert calls == [] and job(host, "a")["corun_mismatch"] is None

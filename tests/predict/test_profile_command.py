@@ -39,6 +39,7 @@ def _check_profile(out, engine: str) -> Profile:
     assert [(r.level, r.phase) for r in trainer.alone] == [(0, "forward"), (0, "backward")]
     assert all(r.units > 0 and r.seconds >= 0.3 for r in trainer.alone)
     assert trainer.tokens_per_unit == 2 * 128 / 2  # default micro-batch 2 x 128 tokens over a forward + a backward unit
+    assert prov.finetune.micro_batch_tokens == 2 * 128  # what the server compares its jobs' micro-batches with
     assert profile.profiled_range.min_batch_size == 1 and profile.profiled_range.max_batch_size == 4
     report = out.with_suffix(".png")
     assert report.read_bytes()[:8] == PNG_MAGIC and report.stat().st_size > 10_000
@@ -246,3 +247,5 @@ def test_co_run_with_harvest_layer_split_trainer(tmp_path, tiny_llama_path):
     assert [r.phase for r in profile.trainer.alone] == ["mixed"] and profile.trainer.alone[0].units > 0
     # Units are stages of a micro-batch (forward and backward) and optimizer updates: far fewer tokens than a micro-batch each.
     assert 0 < profile.trainer.tokens_per_unit < 2 * 64
+    # Measured from the micro-batches it ran: more tokens than any one unit carries.
+    assert profile.trainer.tokens_per_unit < finetune.micro_batch_tokens

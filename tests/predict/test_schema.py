@@ -389,3 +389,43 @@ def test_profile_files_with_a_byte_order_mark_load_and_bad_bytes_are_placed(prof
         Profile.load(latin)
     with pytest.raises(ProfileError, match=rf"cannot read profile {tmp_path}: Is a directory"):
         Profile.load(tmp_path)
+
+
+def _with_corun_tokens(profile: Profile, tokens) -> Profile:
+    finetune = dataclasses.replace(profile.provenance.finetune, micro_batch_tokens=tokens)
+    return dataclasses.replace(profile, provenance=dataclasses.replace(profile.provenance, finetune=finetune))
+
+
+def test_the_co_run_micro_batch_tokens_round_trip_and_a_profile_without_them_reads_none(profile, tmp_path):
+    recorded = _with_corun_tokens(profile, 1024.0)
+    path = tmp_path / "p.json"
+    recorded.save(path)
+    assert Profile.load(path) == recorded and _data(recorded)["provenance"]["finetune"]["micro_batch_tokens"] == 1024.0
+    # Written before it was recorded: absent, read as None, written back without it.
+    assert profile.provenance.finetune.micro_batch_tokens is None
+    assert "micro_batch_tokens" not in _data(profile)["provenance"]["finetune"]
+    assert Profile.from_json(profile.to_json()) == profile
+
+
+@pytest.mark.parametrize("value", [0, -5.0])
+def test_co_run_micro_batch_tokens_must_be_positive(profile, value):
+    data = _data(profile)
+    data["provenance"]["finetune"]["micro_batch_tokens"] = value
+    with pytest.raises(ProfileError, match=r"micro_batch_tokens=.*must be a finite number > 0"):
+        Profile.from_dict(data)
+
+
+@pytest.mark.parametrize("job_tokens, named", [(1024.0, False), (2048.0, False), (512.0, False), (4096.0, True),
+                                               (256.0, True)])
+def test_a_job_is_named_when_its_micro_batches_differ_from_the_co_run_workloads_more_than_twice(profile, job_tokens,
+                                                                                             named):
+    problem = compat.corun_units_mismatch(_with_corun_tokens(profile, 1024.0), job_tokens, "job big")
+    assert (problem is not None) == named
+    if named:
+        assert problem.startswith(f"job big's micro-batches carry {job_tokens:.0f} tokens")
+        assert "the 1024 the profile's co-run stage ran beside decode (peft-lora)" in problem
+        assert "harvest profile --finetune-job" in problem
+
+
+def test_a_profile_that_does_not_record_its_co_run_units_names_no_job(profile):
+    assert compat.corun_units_mismatch(profile, 10**6, "job big") is None

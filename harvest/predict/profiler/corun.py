@@ -38,6 +38,9 @@ class BaseCoRunWorkload(abc.ABC):
     - ``units_done`` counts finished units since construction (read from any thread).
     - ``tokens_per_unit``: mean training tokens per unit (a micro-batch's tokens over the
       units that train on it), to turn a unit rate into tokens/s.
+    - ``micro_batch_tokens``: mean non-padding tokens per micro-batch, the size of the
+      units decode was measured beside (the profile records it; a server compares its
+      jobs' with it); None before any micro-batch ran.
     - ``stop()`` returns after the unit in flight ends; it re-raises the background
       thread's failure as CoRunError. ``close()`` frees the model.
     - ``cpu_threads`` and ``nice``: torch CPU threads and nice increment of the workload's
@@ -60,6 +63,10 @@ class BaseCoRunWorkload(abc.ABC):
     @property
     @abc.abstractmethod
     def tokens_per_unit(self) -> float: ...
+
+    @property
+    def micro_batch_tokens(self) -> float | None:
+        return None
 
     @abc.abstractmethod
     def start(self, phase: str, stream: Any = None) -> None: ...

@@ -65,6 +65,10 @@ class PeftLoraWorkload(UnitLoopWorkload):
         self._micro_batch_tokens = micro_batch_size * sequence_length
 
     @property
+    def micro_batch_tokens(self) -> float:
+        return float(self._micro_batch_tokens)
+
+    @property
     def tokens_per_unit(self) -> float:
         # A training step on one micro-batch is one forward and one backward unit.
         return self._micro_batch_tokens / len(self.phases)

@@ -296,6 +296,7 @@ def _measure(args, engine_name, model_path, device, dtype, measure, grid, ladder
             base_model=workload.base_model,
             description=f"{workload.description}; its thread on {args.trainer_cpu_threads} torch CPU thread(s), nice +{args.trainer_nice}",
             config_hash=_config_hash_or_none(workload.base_model),
+            micro_batch_tokens=workload.micro_batch_tokens,
         )
         return records, BatchSizeBuckets(engine.batch_size_buckets), finetune, trainer
     except (EngineError, CoRunError, MeasurementError) as exc:

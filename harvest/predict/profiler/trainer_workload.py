@@ -79,6 +79,12 @@ class HarvestTrainerWorkload(UnitLoopWorkload):
         )
         self._stream = None
         self._micro_batch_tokens = 0  # tokens of the micro-batches whose first stage ran forward
+        self._micro_batches = 0  # how many those were
+
+    @property
+    def micro_batch_tokens(self) -> float | None:
+        """Measured: non-padding tokens of the micro-batches started, per micro-batch."""
+        return self._micro_batch_tokens / self._micro_batches if self._micro_batches else None
 
     @property
     def tokens_per_unit(self) -> float:
@@ -97,6 +103,7 @@ class HarvestTrainerWorkload(UnitLoopWorkload):
             raise CoRunError("the finetune job finished during profiling")
         if record.kind.value == "forward" and record.stage == 0:
             self._micro_batch_tokens += record.num_tokens
+            self._micro_batches += 1
         if self.trainer.device.type == "cuda":
             import torch
 
