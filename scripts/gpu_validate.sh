@@ -23,13 +23,15 @@
 #   --budget-s N   start no step that would not end within N seconds of the start
 #                  (default: the plan's part_budget_s per part); skipped steps are recorded
 #   --archive FILE after every step, write OUT_DIR as a .tar.gz to FILE
+#   HARVEST_GV_COLOCATE_PROFILE=FILE  part 4's co-location uses this profile instead of
+#                  the committed one of the card (e.g. one co-run beside 8 x 512 units)
 #
 # Needs: python3 with torch, transformers, peft, scikit-learn, numpy, matplotlib, pytest;
 # cmake and a C++ compiler; the CUDA headers. Not sglang, not LlamaFactory, no network.
 # Re-runnable: steps overwrite their own files; the native build is incremental.
 set -u -o pipefail
 
-usage() { sed -n '2,28p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { sed -n '2,30p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 
 [[ $# -ge 1 && $1 != -* ]] || usage
 OUT_DIR=$1
@@ -134,14 +136,18 @@ if [[ $DEVICE == cuda ]]; then
   PROFILE=$OUT_DIR/cuda-llama3-8b-transformers.json
   PAGED_PROFILE=$OUT_DIR/cuda-llama3-8b-transformers-paged.json
   # Part 4's co-location measures no profile of its own (no time for one): the committed
-  # profile of this card (round one's, static KV, co-run beside 2 x 512 PEFT units), else
-  # the H100's with the mismatch allowed and recorded.
+  # profile of this card, the H200's co-run beside 8 x 512 PEFT units as colocate-compiled
+  # trains (2026-11-27), the H100's beside 2 x 512 (round one's); another card gets the
+  # H100's with the mismatch allowed and recorded.
   GPU_NAME=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1)
   case $GPU_NAME in
-    *H200*) COLOCATE_PROFILE=(--profile profiles/h200-llama3-8b-transformers.json) ;;
+    *H200*) COLOCATE_PROFILE=(--profile profiles/h200-llama3-8b-transformers-mb8.json) ;;
     *H100*) COLOCATE_PROFILE=(--profile profiles/h100-llama3-8b-transformers.json) ;;
     *) COLOCATE_PROFILE=(--profile profiles/h100-llama3-8b-transformers.json --allow-profile-mismatch) ;;
   esac
+  # A profile measured on this machine (e.g. its co-run stage beside the units the trainer
+  # will run) replaces the committed one when given.
+  [[ -z ${HARVEST_GV_COLOCATE_PROFILE:-} ]] || COLOCATE_PROFILE=(--profile "$HARVEST_GV_COLOCATE_PROFILE")
 else # the CPU rehearsal: harvest's tiny Llama (built once into harvest's cache)
   MODEL_DIR=$("$PYTHON" -c 'from harvest.tiny_model import TINY_LLAMA, ensure_tiny_model; print(ensure_tiny_model(TINY_LLAMA))' 2>/dev/null | tail -n 1)
   MODEL_ARGS=(--model-path "${MODEL_DIR:-tiny-llama-unavailable}")
