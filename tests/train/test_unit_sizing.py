@@ -8,6 +8,9 @@
   (``harvest train``) auto is the stand-alone default.
 - ``/harvest/status`` (the trainer's stats) says what the micro-batch was sized for, the
   measured unit and why; a bad ``trainer.unit_step_fraction`` is refused naming the key.
+- The size: at most three probes; a unit's cost that is a fixed part plus a part per
+  sequence (a small unit is mostly the host issuing kernels) gets the largest size within
+  the target, not the size a line through the origin stops at.
 """
 
 from __future__ import annotations
@@ -85,7 +88,8 @@ def test_the_sizing_times_micro_batches_of_the_jobs_own_form(tiny_llama_path, tm
     from harvest.train.build import build_trainer
 
     probes = []
-    monkeypatch.setattr(microbatch, "longest_unit_ms", lambda trainer, probe, stream=None: probes.append(probe) or 1.0)
+    monkeypatch.setattr(microbatch, "longest_unit_ms",
+                        lambda trainer, probe, stream=None: probes.append(probe) or float(probe.input_ids.shape[0]))
     job = job_dict(tiny_llama_path, tmp_path, harvest={"micro_batch_size": "auto"}, **data_keys)
     trainer = build_trainer(load_job(job), unit_sizing=UnitSizing(2.0, None, "two probe units"))
     assert trainer.micro_batch_size == 2 and [p.input_ids.shape[0] for p in probes] == [1, 2]
@@ -138,3 +142,60 @@ def test_a_bad_unit_step_fraction_is_refused_naming_the_key(tmp_path, value):
     path.write_text(f"trainer: {{unit_step_fraction: {value}}}\n")
     with pytest.raises(ConfigError, match=r"trainer\.unit_step_fraction"):
         load(path)
+
+
+class _CostModel:
+    """A unit's time as a function of its micro-batch size, counting the probes."""
+
+    def __init__(self, cost):
+        self.cost, self.probes = cost, []
+
+    def __call__(self, trainer, probe, stream=None):
+        self.probes.append(probe)
+        return self.cost(probe)
+
+
+def _choose(monkeypatch, cost, target_ms, max_size):
+    import types
+
+    import torch
+
+    from harvest.train import microbatch
+
+    model = _CostModel(cost)
+    monkeypatch.setattr(microbatch, "longest_unit_ms", model)
+    trainer = types.SimpleNamespace(device=torch.device("cpu"),
+                                    optimizer=types.SimpleNamespace(zero_grad=lambda set_to_none: None))
+    chosen = microbatch.choose_micro_batch_size(trainer, target_ms, lambda n: n, max_size)
+    return chosen, model.probes
+
+
+@pytest.mark.parametrize("cost, target_ms, max_size, chosen, probes", [
+    (lambda n: 3 + 0.5 * n, 10.0, 64, (14, 10.0), [1, 2, 14]),  # host-bound: the origin's line said 2
+    (lambda n: 6 + 0.5 * n, 10.0, 64, (8, 10.0), [1, 2, 8]),  # the origin's line says 1: still probes 2
+    (lambda n: 3 + 0.5 * n, 10.0, 8, (8, 7.0), [1, 2, 8]),  # the job's batch caps it
+    (lambda n: 1.0 * n, 4.0, 64, (4, 4.0), [1, 4]),  # proportional: the first line was right
+    (lambda n: 12.0, 10.0, 64, (1, 12.0), [1]),  # one sequence is over the target already
+    (lambda n: 1.0, 10.0, 64, (64, 1.0), [1, 10, 64]),  # a cost that does not grow: the whole batch
+    (lambda n: 3 + 0.05 * n * n, 10.0, 64, (3, 3.45), [1, 3, 35]),  # curved: the largest measured within target
+    (lambda n: 5.0, 5.0, 64, (1, 5.0), [1]),
+])
+def test_the_size_is_the_largest_a_fixed_plus_per_sequence_line_puts_within_the_target(monkeypatch, cost, target_ms,
+                                                                                      max_size, chosen, probes):
+    got, probed = _choose(monkeypatch, cost, target_ms, max_size)
+    assert probed == probes and len(probed) <= 3
+    assert got[0] == chosen[0] and got[1] == pytest.approx(chosen[1])
+
+
+def test_for_any_linear_cost_the_size_is_the_largest_within_the_target(monkeypatch):
+    import math
+    import random
+
+    rng = random.Random(7)
+    for _ in range(300):
+        fixed, per_sequence = rng.uniform(0, 8), rng.uniform(0.01, 3)
+        target_ms, max_size = rng.uniform(1, 20), rng.randint(1, 64)
+        (size, unit_ms), probes = _choose(monkeypatch, lambda n: fixed + per_sequence * n, target_ms, max_size)
+        best = max(1, min(max_size, math.floor((target_ms - fixed) / per_sequence)))
+        assert size == best, (fixed, per_sequence, target_ms, max_size, probes)
+        assert len(probes) <= 3 and unit_ms == pytest.approx(fixed + per_sequence * size)
