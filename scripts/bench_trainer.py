@@ -17,6 +17,8 @@ CPU with harvest.train.eager_numerics' backend, its training units calling the c
 graphs as an explicit pair, harvest.train.compiled_pair), eager with a one-stage window (W = 1):
 
   tokens_per_s_peft / _eager / _compiled   non-padding tokens / median step time (W = all)
+  compiled_vs_peft     tokens_per_s_compiled / tokens_per_s_peft (the GPU path; issue 35's
+                       target >= 1.0 in `targets` there)
   step_ratio_vs_peft   median step time, layer-split W=all eager / plain PEFT  (target <= 1.10)
   step_ratio_swapping  median step time, W=1 / W=all (eager)
   grad_max_abs_diff    LoRA gradients of step 1, layer-split eager (W=all and W=1) vs PEFT
@@ -58,8 +60,13 @@ W = all compiled and W = 2 eager, one learner after the other (each needs the mo
 the median unit device time (CUDA events), the copy/compute overlap (1 - exposed / copy,
 exposed = step device time - sum of unit compute times), and the keys above for eager vs
 compiled (the gradient difference in bf16: its 1e-5 target is not applied, `targets`
-holds null). No plain PEFT there (`peft_skipped` says why). `--model small-synthetic`:
-the same path with a small shape (also on CPU, where copies are synchronous: overlap 0).
+holds null). Plain PEFT first, as a user runs it: the same weights (same seed) on the
+device, the whole step's batch in one forward and backward under bf16 autocast, fused
+AdamW (`details.peft`; halved into accumulated micro-batches only if the device runs out
+of memory, `details.peft.micro_batch_size` says so), its weights freed before the
+trainers'; `compiled_vs_peft` and `targets.compiled_ge_1.0x_peft` compare the compiled
+trainer with it. `--model small-synthetic`: the same path with a small shape (also on
+CPU, where copies are synchronous: overlap 0).
 """
 
 from __future__ import annotations
@@ -173,7 +180,7 @@ def bench_vs_peft(args, model_name: str) -> dict:
     split_compiled = _build(work / "compiled", window="all", compile_layers="on", **common)
     split_one = _build(work / "one", window=1, compile_layers="off", **common)
     trainers = {"all": split_all, "compiled": split_compiled, "one": split_one}
-    _randomize_lora_b(split_all)
+    _randomize_lora_b(split_all.split.peft_model)
     _copy_lora(split_all, split_one)
     _copy_lora(split_all, split_compiled)
     peft, optimizer = _reference(split_all, work / "ref", **common)
@@ -437,12 +444,12 @@ def _lora(model):
     return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
 
 
-def _randomize_lora_b(trainer) -> None:
+def _randomize_lora_b(model) -> None:
     import torch
 
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
-        for name, param in _lora(trainer.split.peft_model):
+        for name, param in _lora(model):
             if "lora_B" in name:
                 param.copy_(torch.randn(param.shape, generator=generator) * 0.02)
 
@@ -480,9 +487,9 @@ def bench_synthetic(args, shape_name: str) -> dict:
     learners = {"all": ("all", "off"), "compiled": ("all", "on"), 2: (2, "off")}
     results, grads, ops, layer_unit_ms = {}, {}, {}, {}
     compile_status, compiles_in_timed = None, 0
+    results["peft"] = _bench_plain_peft(shape, device, dtype, batch, seq_len, timed_from, args.rounds)
     for key, (window, compile_layers) in learners.items():
         trainer = _synthetic_trainer(shape, window, device, dtype, batch, seq_len, steps, compile_layers)
-        _randomize_lora_b(trainer)  # the same LoRA weights in every learner (B is zero at init)
         trainer.window.record_copy_timing = True
         _run_until_optimizer(trainer)
         if key in ("all", "compiled"):
@@ -516,15 +523,16 @@ def bench_synthetic(args, shape_name: str) -> dict:
         if cuda:
             torch.cuda.empty_cache()
     compiled_diff = _max_abs_diff(grads["compiled"], grads["all"])
+    keys = _compiled_keys(ops, layer_unit_ms, compiled_diff, compiles_in_timed, compile_status,
+                          apply_grad_target=dtype == torch.float32)
+    compiled_vs_peft = results["compiled"]["tokens_per_s"] / results["peft"]["tokens_per_s"]
+    keys["targets"]["compiled_ge_1.0x_peft"] = compiled_vs_peft >= 1.0
     return dict(
-        tokens_per_s_peft=None,
-        peft_skipped="plain PEFT is not run on this path: it would need the model's weights a second time "
-                     "(16 GB for llama3-8b, beside the trainer's host copy) and the whole batch's activations "
-                     "at once; the CPU models compare against it",
+        tokens_per_s_peft=results["peft"]["tokens_per_s"],
         tokens_per_s_eager=results["all"]["tokens_per_s"],
         tokens_per_s_compiled=results["compiled"]["tokens_per_s"],
-        **_compiled_keys(ops, layer_unit_ms, compiled_diff, compiles_in_timed, compile_status,
-                         apply_grad_target=dtype == torch.float32),
+        compiled_vs_peft=compiled_vs_peft,
+        **keys,
         compiled_grad_max_rel_diff=_max_rel_diff(grads["compiled"], grads["all"]),
         lora_grad_max_abs=max(float(g.abs().max()) for g in grads["all"].values()),
         tokens_per_s_w_all=results["all"]["tokens_per_s"], tokens_per_s_w2=results[2]["tokens_per_s"],
@@ -536,24 +544,24 @@ def bench_synthetic(args, shape_name: str) -> dict:
     )
 
 
-def _synthetic_trainer(shape, window, device, dtype, batch, seq_len, steps, compile_layers):
+def _synthetic_peft_model(shape, seq_len, dtype, device, home):
+    """The shape's Llama with random weights at ``dtype`` in ``home`` memory (the trainers:
+    the host, which they copy from; plain PEFT: the device), LoRA r=16 on every linear
+    layer in fp32 (as LlamaFactory keeps it), the same values on every call."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
-
-    from harvest.train.build import TrainerSettings, assemble_trainer
-    from harvest.train.job import HarvestOptions
 
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
     config = LlamaConfig(**shape, max_position_embeddings=max(8192, seq_len), tie_word_embeddings=False)
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
-    # Random weights in host memory at the final dtype (16 GB for the 8B shape, no fp32
-    # detour and no checkpoint on disk), drawn on the benchmark's device.
-    model = model.to(dtype).to_empty(device="cpu")
+    # Random weights at the final dtype (16 GB for the 8B shape, no fp32 detour and no
+    # checkpoint on disk), drawn on the benchmark's device.
+    model = model.to(dtype).to_empty(device=home)
     _fill_normal(model, device, std=0.02, seed=0)
-    model.model.rotary_emb = LlamaRotaryEmbedding(config)  # to_empty left its inv_freq buffer uninitialised
+    model.model.rotary_emb = LlamaRotaryEmbedding(config).to(home)  # to_empty left its inv_freq buffer uninitialised
     model.requires_grad_(False)
     lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, task_type="CAUSAL_LM",
                       target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
@@ -561,7 +569,70 @@ def _synthetic_trainer(shape, window, device, dtype, batch, seq_len, steps, comp
     peft_model = get_peft_model(model, lora)
     for param in peft_model.parameters():
         if param.requires_grad:
-            param.data = param.data.float()  # LoRA weights in fp32, as LlamaFactory keeps them
+            param.data = param.data.float()
+    _randomize_lora_b(peft_model)  # B is zero at init: gradients would reach only B
+    return peft_model
+
+
+def _bench_plain_peft(shape, device, dtype, batch, seq_len, warmup_steps, rounds) -> dict:
+    """Plain PEFT on the device, as a user trains with it: one forward and backward of the
+    step's batch under autocast, gradient clipping, fused AdamW. Halves the micro-batch
+    (accumulating gradients) only when the device runs out of memory."""
+    import torch
+
+    cuda = device.type == "cuda"
+    model = _synthetic_peft_model(shape, seq_len, dtype, device, home=device)
+    params = [p for _, p in _lora(model)]
+    optimizer = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.0, fused=cuda)
+    generator = torch.Generator().manual_seed(2)
+    micro_batch = batch
+
+    def step() -> float:
+        ids = torch.randint(0, shape["vocab_size"], (batch, seq_len), generator=generator).to(device)
+        if cuda:
+            torch.cuda.synchronize(device)
+        started = time.perf_counter()
+        for part in ids.split(micro_batch):
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+                loss = model(input_ids=part, labels=part).loss
+            (loss * part.shape[0] / batch).backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - started
+
+    times = []
+    try:
+        while len(times) < warmup_steps + rounds:
+            try:
+                times.append(step())
+                continue
+            except torch.OutOfMemoryError:
+                if micro_batch == 1:
+                    raise
+            # Outside the handler: the failed step's tensors went with its traceback.
+            optimizer.zero_grad(set_to_none=True)
+            micro_batch, times = micro_batch // 2, []
+            gc.collect()
+            torch.cuda.empty_cache()
+    finally:
+        del model, optimizer, params
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+    step_s = statistics.median(times[warmup_steps:])
+    return dict(tokens_per_s=batch * seq_len / step_s, step_ms_median=step_s * 1e3, micro_batch_size=micro_batch)
+
+
+def _synthetic_trainer(shape, window, device, dtype, batch, seq_len, steps, compile_layers):
+    import torch
+
+    from harvest.train.build import TrainerSettings, assemble_trainer
+    from harvest.train.job import HarvestOptions
+
+    peft_model = _synthetic_peft_model(shape, seq_len, dtype, device, home="cpu")
     token_generator = torch.Generator().manual_seed(1)
     dataset = [{"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
                for ids in torch.randint(0, shape["vocab_size"], (batch * steps, seq_len), generator=token_generator)]

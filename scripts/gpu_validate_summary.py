@@ -42,6 +42,7 @@ NO_BURST_STEP = ("no step of the plan measures it: scripts/colocate_gpu.py has n
 # Issue 39's goals for round two: (name, claim, what, comparison, target).
 GOALS = (
     ("trainer_alone_tokens_per_s", "i", "the compiled trainer alone, tokens/s", ">=", 12000),
+    ("compiled_vs_peft", "h", "the compiled trainer's tokens/s over plain PEFT's, same run", ">=", 1.0),
     ("harvest_vs_static_trainer", "i", "harvest's trainer tokens/s over StaticMode's", ">=", 1.5),
     ("harvest_violation_rate_40ms", "i", "harvest's TPOT violations at 40 ms", "<=", 0.0),
     ("lend_reclaim_ms_per_chunk", "j", "the slower of a lend and a reclaim of one chunk, ms (every figure found)", "<=", 1.5),
@@ -197,7 +198,8 @@ def paged_figures(profile: dict | None, predictor: dict, replay: dict, fleet: di
 
 
 def goals(result: dict, summary: dict, on_gpu: bool, rehearsal: str) -> dict:
-    """Issue 39's goals against the figures of claims (i), (j), (k)."""
+    """Issue 39's goals against the figures of claims (i), (j), (k), and issue 35's
+    compiled trainer against plain PEFT (claim h)."""
     colocate = summary.get("colocate_compiled") or {}
     modes = colocate.get("modes") or {}
     j = (result["j"].get("figures") or {})
@@ -208,6 +210,8 @@ def goals(result: dict, summary: dict, on_gpu: bool, rehearsal: str) -> dict:
                 if v is not None and "_alone" in k]
     chunk_ms += [v for k, v in (j.get("profile_memory_section") or {}).items() if k.endswith("ms_per_chunk") and v is not None]
     values = {
+        "compiled_vs_peft": ((summary.get("bench_trainer") or {}).get("compiled_vs_peft"),
+                             "bench-trainer.json: compiled_vs_peft"),
         "trainer_alone_tokens_per_s": (_get(modes, "trainer-alone", "trainer_tokens_per_s"),
                                        "colocate-compiled.json: modes.trainer-alone.trainer_tokens_per_s"),
         "harvest_vs_static_trainer": (colocate.get("harvest_trainer_vs_static"),
@@ -311,7 +315,7 @@ def claims(out: Path, run: dict, steps: dict, summary: dict) -> dict:
     if "tokens_per_s_eager" in trainer:
         trainer_figures = {k: trainer.get(k) for k in (
             "model", "device_name", "num_layers", "samples_per_step", "seq_len", "dtype", "tokens_per_s_eager",
-            "tokens_per_s_compiled", "tokens_per_s_w2", "tokens_per_s_peft", "peft_skipped",
+            "tokens_per_s_compiled", "tokens_per_s_w2", "tokens_per_s_peft", "compiled_vs_peft", "peft_skipped",
             "host_us_per_layer_unit_eager", "host_us_per_layer_unit_compiled", "ops_per_layer_eager",
             "ops_per_layer_compiled", "unit_ms_median_w_all", "unit_ms_median_compiled", "unit_ms_median_w2",
             "copy_compute_overlap_w2", "compile_s", "compiles_in_timed_steps", "compiled_grad_max_rel_diff", "compile")}
