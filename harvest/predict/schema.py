@@ -14,6 +14,7 @@ Fields, versions and rules: profiles/README.md, 'Schema (version 3)'.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import os
@@ -148,6 +149,10 @@ class GridPointRecord:
     step_latencies_s: tuple[float, ...]
     step_sum_contexts: tuple[float, ...]
     trainer_units: int | None  # trainer units completed during the timed steps (co-run)
+    # Wall seconds over which trainer_units were counted (the timed steps and the host work
+    # between them). Optional in every version: None (absent) in profiles written before it
+    # was recorded, where the replay falls back to the steps' summed latencies.
+    trainer_window_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.stage not in STAGES:
@@ -169,6 +174,8 @@ class GridPointRecord:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= {low}")
         if self.trainer_units is not None and self.trainer_units < 0:
             raise ValueError(f"trainer_units={self.trainer_units}: must be >= 0")
+        if self.trainer_window_s is not None and not (math.isfinite(self.trainer_window_s) and self.trainer_window_s > 0):
+            raise ValueError(f"trainer_window_s={self.trainer_window_s}: must be a finite number of seconds > 0")
 
     def as_sample(self) -> LatencySample:
         return LatencySample(self.level, self.batch_size, self.sum_context, self.latency_s, self.phase)
@@ -413,6 +420,30 @@ def _parse(text: str):
         raise ProfileError("profile is not valid JSON: nested too deeply") from exc
 
 
+# Fields optional in every version, as paths ("*": every item of a list): absent reads as
+# None, and None is written back absent, so a profile that lacks them saves as it was read.
+OPTIONAL_FIELDS = (
+    ("memory",),  # not measured (module doc)
+    ("memory", "pages_per_chunk"),  # a section written before it was recorded (MemorySection)
+    ("provenance", "finetune", "micro_batch_tokens"),  # FinetuneIdentity
+    ("samples", "*", "trainer_window_s"),  # GridPointRecord
+)
+
+
+def _holders(node, path: tuple[str, ...]):
+    """The objects (dicts) that hold the last key of ``path`` in ``node``."""
+    if len(path) == 1:
+        if isinstance(node, dict):
+            yield node
+        return
+    head, rest = path[0], path[1:]
+    if head == "*":
+        for item in node if isinstance(node, list) else ():
+            yield from _holders(item, rest)
+    elif isinstance(node, dict) and head in node:
+        yield from _holders(node[head], rest)
+
+
 def _as_written_in_version(data: dict, version: int) -> dict:
     """``data`` without the fields schema ``version`` does not have: a profile read from
     an older version is written back as read."""
@@ -420,21 +451,17 @@ def _as_written_in_version(data: dict, version: int) -> dict:
         del data["trainer"]
     if version < FIRST_VERSION_WITH_TP_SIZE:
         data["provenance"] = {k: v for k, v in data["provenance"].items() if k != "tp_size"}
-    finetune = data["provenance"].get("finetune")
-    if isinstance(finetune, dict) and finetune.get("micro_batch_tokens", 0) is None:
-        data["provenance"] = {**data["provenance"], "finetune": {k: v for k, v in finetune.items()
-                                                                 if k != "micro_batch_tokens"}}  # optional
-    if data.get("memory", 0) is None:
-        del data["memory"]  # optional: absent when not measured (module doc)
-    elif data.get("memory") is not None and data["memory"].get("pages_per_chunk", 0) is None:
-        del data["memory"]["pages_per_chunk"]  # a section written before it was recorded, written back as read
+    for path in reversed(OPTIONAL_FIELDS):  # deepest first: a None parent holds nothing
+        for holder in _holders(data, path):
+            if path[-1] in holder and holder[path[-1]] is None:
+                del holder[path[-1]]
     return data
 
 
 def _readable(data) -> dict:
     """``data`` if it is a profile of a schema version this harvest reads (a version-1
     profile given its ``trainer`` None, a version-1 or -2 profile its ``provenance.tp_size``
-    1), else a ProfileError."""
+    1, every absent optional field None), else a ProfileError. ``data`` is not changed."""
     if not isinstance(data, dict):
         raise ProfileError(f"profile: expected a JSON object, got {type(data).__name__}")
     if data.get("schema") != SCHEMA_NAME:
@@ -445,10 +472,11 @@ def _readable(data) -> dict:
             f"profile.schema_version={version!r}: this harvest reads versions {', '.join(map(str, READABLE_VERSIONS))}; "
             f"re-run `harvest profile` to produce a compatible profile"
         )
+    data = copy.deepcopy(data)
     if version == 1:
         if "trainer" in data:
             raise ProfileError("profile.trainer: not a field of schema version 1 (a version-2 profile with the wrong version?)")
-        data = {**data, "trainer": None}
+        data["trainer"] = None
     provenance = data.get("provenance")
     if version < FIRST_VERSION_WITH_TP_SIZE and isinstance(provenance, dict):  # not an object: strict_json says so
         if "tp_size" in provenance:
@@ -456,15 +484,10 @@ def _readable(data) -> dict:
                 f"profile.provenance.tp_size: not a field of schema version {version} "
                 f"(a version-{FIRST_VERSION_WITH_TP_SIZE} profile with the wrong version?)"
             )
-        data = {**data, "provenance": {**provenance, "tp_size": 1}}  # measured on one rank: --tp came later
-    provenance = data.get("provenance")
-    if isinstance(provenance, dict) and isinstance(provenance.get("finetune"), dict) \
-            and "micro_batch_tokens" not in provenance["finetune"]:  # optional in every version (FinetuneIdentity)
-        data = {**data, "provenance": {**provenance, "finetune": {**provenance["finetune"], "micro_batch_tokens": None}}}
-    if "memory" not in data:
-        data = {**data, "memory": None}  # optional in every version (module doc)
-    elif isinstance(data["memory"], dict) and "pages_per_chunk" not in data["memory"]:
-        data = {**data, "memory": {**data["memory"], "pages_per_chunk": None}}  # optional (MemorySection)
+        provenance["tp_size"] = 1  # measured on one rank: --tp came later
+    for path in OPTIONAL_FIELDS:  # shallowest first: a filled-in None parent holds nothing
+        for holder in _holders(data, path):
+            holder.setdefault(path[-1], None)
     return data
 
 

@@ -97,14 +97,26 @@ def _measured(profile: ReplayProfile, tokens_override: float | None) -> TrainerM
     section, levels = profile.trainer_alone, profile.ladder.levels
     whole = alternating_rate([r.units_per_s for r in section.records(section.whole_device_level)])
     corun = {r.level: alternating_rate([p.units_per_s for p in r.phases]) for r in profile.trainer_records}
-    colo, idle = [], []
+    colo, idle, capped = [], [], []
     for index, level in enumerate(levels):
         if level.trainer_sms == 0:
             colo.append(0.0)
             idle.append(0.0)
             continue
-        colo.append(corun[index] / whole if index in corun else math.nan)
-        idle.append(alternating_rate([r.units_per_s for r in section.records(index)]) / whole)
+        # A trainer cannot outrun itself alone on every SM, nor beside decode itself alone
+        # on the same SMs: a measured share above either bound is noise of short windows
+        # (or, in older profiles, a co-run window that left out the host's time between
+        # steps), and counting it would credit harvest with work no GPU did.
+        alone = alternating_rate([r.units_per_s for r in section.records(index)]) / whole
+        if alone > 1.0:
+            capped.append(f"level {index} alone {alone:.3g} to 1")
+            alone = 1.0
+        beside = corun[index] / whole if index in corun else math.nan
+        if beside > alone:
+            capped.append(f"level {index} beside decode {beside:.3g} to its alone {alone:.3g}")
+            beside = alone
+        colo.append(beside)
+        idle.append(alone)
     measured_tokens = whole * section.tokens_per_unit
     where = "the whole device" if section.whole_device_level is None else f"level {section.whole_device_level} (every SM)"
     if tokens_override is None:
@@ -121,6 +133,9 @@ def _measured(profile: ReplayProfile, tokens_override: float | None) -> TrainerM
         f"level {r.level}: {corun.get(r.level, 0.0):.4g} units/s beside decode over {r.num_points} points"
         for r in profile.trainer_records
     ) + f"; alone on {where}: {whole:.4g} units/s"
+    if capped:
+        note += "; shares capped (a trainer beside decode at most as fast as alone on the same SMs, alone at most as " \
+                "fast as on every SM): " + ", ".join(capped)
     return TrainerModel(tuple(colo), tuple(idle), tokens, source, note, MEASURED_MODEL)
 
 

@@ -175,6 +175,10 @@ def test_grid_is_measured_trimmed_and_fits():
         assert record.sum_context == pytest.approx(record.batch_size * (record.context_length + 3 + 2.5), rel=0.2)
         if record.stage == "corun":
             assert record.trainer_units is not None and record.trainer_units >= 1  # ran concurrently
+            # the units' wall window: the timed steps and the host's work between them
+            assert record.trainer_window_s is not None and record.trainer_window_s > 0
+        else:
+            assert record.trainer_window_s is None
     profile = build_profile(provenance(LADDER), LADDER, BatchSizeBuckets(), GRID, result)
     assert profile.stage1[1].quality.mape < 0.05
 

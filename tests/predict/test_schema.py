@@ -415,6 +415,45 @@ def test_co_run_micro_batch_tokens_must_be_positive(profile, value):
         Profile.from_dict(data)
 
 
+def test_a_co_run_points_trainer_window_round_trips_and_a_profile_without_it_reads_none(profile, tmp_path):
+    corun = next(i for i, r in enumerate(profile.samples) if r.stage == "corun")
+    samples = list(profile.samples)
+    samples[corun] = dataclasses.replace(samples[corun], trainer_window_s=0.25)
+    recorded = dataclasses.replace(profile, samples=tuple(samples))
+    path = tmp_path / "p.json"
+    recorded.save(path)
+    assert Profile.load(path) == recorded and _data(recorded)["samples"][corun]["trainer_window_s"] == 0.25
+    # Written before it was recorded: absent, read as None, written back without it.
+    assert all(r.trainer_window_s is None for r in profile.samples)
+    assert all("trainer_window_s" not in sample for sample in _data(profile)["samples"])
+    assert Profile.from_json(profile.to_json()) == profile
+
+
+@pytest.mark.parametrize("value", [0, -0.5])
+def test_a_co_run_points_trainer_window_must_be_positive(profile, value):
+    data = _data(profile)
+    data["samples"][0]["trainer_window_s"] = value
+    with pytest.raises(ProfileError, match=r"trainer_window_s=.*must be a finite number of seconds > 0"):
+        Profile.from_dict(data)
+
+
+def test_every_optional_field_reads_absent_as_none_and_writes_none_back_absent(profile):
+    """harvest.predict.schema.OPTIONAL_FIELDS: one rule for every optional field, at any
+    depth; reading does not change the caller's dict."""
+    from harvest.predict import schema
+
+    data = _data(profile)
+    for path in schema.OPTIONAL_FIELDS:
+        for holder in schema._holders(data, path):
+            holder.pop(path[-1], None)
+    before = json.dumps(data, sort_keys=True)
+    loaded = Profile.from_dict(data)
+    assert json.dumps(data, sort_keys=True) == before
+    assert loaded.memory is None and loaded.provenance.finetune.micro_batch_tokens is None
+    assert all(r.trainer_window_s is None for r in loaded.samples)
+    assert json.dumps(loaded.to_dict(), sort_keys=True) == before
+
+
 @pytest.mark.parametrize("job_tokens, named", [(1024.0, False), (2048.0, False), (512.0, False), (4096.0, True),
                                                (256.0, True)])
 def test_a_job_is_named_when_its_micro_batches_differ_from_the_co_run_workloads_more_than_twice(profile, job_tokens,

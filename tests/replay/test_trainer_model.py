@@ -102,3 +102,52 @@ def make_profile_dict() -> dict:
     from harvest.replay import synthetic
 
     return synthetic.harli_a100_llama3_8b().to_dict()
+
+
+def test_a_share_above_what_the_same_sms_do_alone_is_capped_and_said():
+    """Beside decode the trainer cannot outrun itself alone on the same SMs, nor alone on a
+    level outrun the whole device: short measurement windows (and, before profiles
+    recorded trainer_window_s, co-run windows that left out the host's time between steps)
+    read above both. The committed H100/H200 profiles do (up to 1.30 of the whole GPU on
+    24 decode SMs); the replay would credit harvest with that much more training."""
+    fast_beside = (
+        LevelTrainerRecord(0, 4, 180, 2.0, (PhaseUnits("backward", 60, 1.0), PhaseUnits("forward", 120, 1.0))),
+        LevelTrainerRecord(1, 4, 30, 2.0, (PhaseUnits("backward", 10, 1.0), PhaseUnits("forward", 20, 1.0))),
+    )
+    fast_alone = dataclasses.replace(ALONE, alone=(
+        TrainerAloneRecord(0, "forward", 240, 2.0), TrainerAloneRecord(0, "backward", 120, 2.0), *ALONE.alone[2:]))
+    profile = dataclasses.replace(make_profile(), trainer_alone=fast_alone, trainer_records=fast_beside)
+    model = trainer_model.build(profile)
+    # level 0: 120 units/s alone is 1.2 of the whole device's 100 -> 1; beside decode 80 -> 1.2 -> 1
+    assert model.idle_share == pytest.approx((1.0, 0.4, 0.0))
+    assert model.colo_share == pytest.approx((1.0, 0.2, 0.0))
+    assert "level 0 alone 1.2 to 1" in model.profile_note and "level 0 beside decode 1.2 to its alone 1" in model.profile_note
+    assert "capped" not in trainer_model.build(measured_profile()).profile_note  # nothing to cap: nothing said
+
+
+def test_committed_gpu_profiles_give_no_share_above_its_bounds():
+    from pathlib import Path
+
+    for path in sorted((Path(__file__).resolve().parents[2] / "profiles").glob("*.json")):
+        loaded = profile_source.load(path)
+        if loaded.trainer_alone is None:
+            continue
+        model = trainer_model.build(loaded)
+        for colo, idle in zip(model.colo_share, model.idle_share):
+            assert colo <= idle <= 1.0, (path.name, model.colo_share, model.idle_share)
+
+
+def test_a_co_run_points_units_are_a_rate_over_the_wall_window_it_counted_them_in(tmp_path):
+    """A profile that records trainer_window_s (the timed steps and the host's work between
+    them) gives the trainer's rate over it; one that does not, over the steps' summed
+    latencies (older profiles)."""
+    from harvest.predict.schema import GridPointRecord
+
+    def point(window_s):
+        return GridPointRecord(level=0, stage="corun", phase="forward", batch_size=1, context_length=8,
+                               sum_context=9.0, latency_s=0.01, step_latencies_s=(0.01,) * 8,
+                               step_sum_contexts=(9.0,) * 8, trainer_units=10, trainer_window_s=window_s)
+
+    recorded, older = profile_source._trainer_records((point(0.1),)), profile_source._trainer_records((point(None),))
+    assert recorded[0].units_per_s == pytest.approx(100.0) and recorded[0].phases[0].units_per_s == pytest.approx(100.0)
+    assert older[0].units_per_s == pytest.approx(125.0)  # 10 units over 8 x 10 ms

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import time
 from typing import Any, Callable, Sequence
 
 from harvest.ladder import Ladder
@@ -61,11 +62,15 @@ def measure_point(engine: BaseDecodeEngine, timer, point: PointSpec, measure: Me
             engine.begin_step()
             engine.step()
         units_before = units_done() if units_done else None
+        window_started = time.perf_counter()
         latencies, sums = [], []
         for _ in range(measure.timed_steps):
             sums.append(engine.begin_step())
             latencies.append(check_latency(timer.time(engine.step), where))
         units = units_done() - units_before if units_done else None
+        # The units were counted over this wall span, the host's work between the steps
+        # included: over the steps' summed latencies alone their rate reads high.
+        window_s = time.perf_counter() - window_started if units_done else None
     finally:
         engine.release()
     kept = kept_indices(latencies, measure.trim_fraction)
@@ -80,6 +85,7 @@ def measure_point(engine: BaseDecodeEngine, timer, point: PointSpec, measure: Me
         step_latencies_s=tuple(latencies),
         step_sum_contexts=tuple(sums),
         trainer_units=units,
+        trainer_window_s=window_s,
     )
 
 
