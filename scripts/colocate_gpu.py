@@ -36,8 +36,10 @@ The engine is harvest.engines.transformers: requests and TPOT/ITL (serving), --g
 replayed on the chosen level (static_batch, graph_step, captured_graphs), --graphs off
 the ragged eager batch (ragged_batch); --kv paged the paged batch (paged_batch: a step's
 attention reads only each request's KV pages). The trainer is harvest's LayerSplitTrainer
-on the served model's own weights (shared_trainer), hosted by harvest.colocate.TrainerHost.
-On a CPU the ladder is one shared level: the same code paths run (tests/test_gpu_scripts.py,
+on the served model's own weights (shared_trainer), hosted by harvest.colocate.TrainerHost;
+its units hold --trainer-micro-batch sequences, or with `auto` as many as fit
+--unit-step-fraction of --target-tpot-ms on the trainer's smallest partition, as a server
+sizes a job's (the summary's trainer.unit_sizing says what was chosen and why). On a CPU the ladder is one shared level: the same code paths run (tests/test_gpu_scripts.py,
 the tiny model). Nothing here imports sglang or llamafactory.
 """
 
@@ -45,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -63,6 +66,7 @@ if str(ROOT) not in sys.path:  # a source checkout on PYTHONPATH-less runs
 from harvest.engines.transformers.experiment_modes import PROFILE_MODES, harvest_config, run_mode, set_up_engine  # noqa: E402
 from harvest.engines.transformers.page_table import check_page_size  # noqa: E402
 from harvest.engines.transformers.step_policies import static_level_index  # noqa: E402
+from harvest.train.trainer_cpu import DEFAULT_UNIT_STEP_FRACTION  # noqa: E402
 
 MODES = ("decode-alone", "harvest", "static", "trainer-alone", "harvest-tight", "level-graphs")
 DEFAULT_MODES = ("decode-alone", "harvest", "static", "trainer-alone")
@@ -113,6 +117,29 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
+def _micro_batch(text: str) -> int | None:
+    """``auto`` (None: sized to the decode step, as a server sizes a job's units) or an integer >= 1."""
+    if text == "auto":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: 'auto' or an integer >= 1")
+    return value
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"{text!r}: a number in (0, 1]")
+    return value
+
+
 def _raise_interrupt(signum, frame):
     raise KeyboardInterrupt
 
@@ -143,7 +170,12 @@ def main(argv=None) -> int:
     parser.add_argument("--lora-rank", type=int, default=16)
     parser.add_argument("--trainer-seq-len", type=int, default=512)
     parser.add_argument("--trainer-batch", type=int, default=4, help="samples per optimizer step")
-    parser.add_argument("--trainer-micro-batch", type=int, default=2)
+    parser.add_argument("--trainer-micro-batch", type=_micro_batch, default=2,
+                        help="sequences per unit, or auto: sized as a server sizes a job's units, --unit-step-fraction "
+                             "of --target-tpot-ms on the trainer's smallest partition (default 2)")
+    parser.add_argument("--unit-step-fraction", type=_fraction, default=DEFAULT_UNIT_STEP_FRACTION,
+                        help="--trainer-micro-batch auto: a unit's share of the decode step's target "
+                             f"(harvest.yaml trainer.unit_step_fraction, default {DEFAULT_UNIT_STEP_FRACTION:g})")
     parser.add_argument("--trainer-compile", choices=["auto", "on", "off"], default="auto",
                         help="the trainer's decoder layers compiled (harvest.yaml trainer.compile); auto: on with CUDA")
     parser.add_argument("--graphs", choices=["auto", "on", "off"], default="auto",
@@ -295,7 +327,7 @@ def make_summary(args, ctx, results: dict, complete: bool, interrupted: bool, wa
     if trainer is not None:
         summary["trainer"] = {"lora_rank": args.lora_rank, "seq_len": args.trainer_seq_len,
                               "samples_per_step": args.trainer_batch, "micro_batch": trainer.micro_batch_size,
-                              "weights": "shared with the decode model"}
+                              "unit_sizing": trainer.unit_sizing, "weights": "shared with the decode model"}
     rate = {mode: result.get("trainer_tokens_per_s") for mode, result in results.items()}
     for mode, baseline, name in (("harvest", "trainer-alone", "alone"), ("static", "trainer-alone", "alone"),
                                  ("harvest", "static", "static"), ("harvest-tight", "trainer-alone", "alone")):

@@ -234,6 +234,7 @@ def set_up_engine(args, ctx, modes) -> None:
     from harvest.engines.transformers.serving import load_requests
     from harvest.engines.transformers.shared_trainer import build_shared_trainer
     from harvest.engines.transformers.static_batch import SlotDecodeBatch
+    from harvest.train.microbatch import decode_step_sizing
 
     device, device_type, dtype, partitioner = ctx["device"], ctx["device_type"], ctx["dtype"], ctx["partitioner"]
     if any(m in SERVING_MODES or m in TRAINER_MODES for m in modes):
@@ -251,10 +252,13 @@ def set_up_engine(args, ctx, modes) -> None:
     else:
         ctx["batch"] = RaggedDecodeBatch(model, device, seed=args.seed)
     if any(m in TRAINER_MODES for m in modes):
+        sizing = None
+        if args.trainer_micro_batch is None:  # auto: as a server sizes a job's units (harvest.colocate.assemble)
+            sizing = decode_step_sizing(args.unit_step_fraction, args.target_tpot_ms, partitioner.ladder)
         ctx["trainer"] = build_shared_trainer(model, device, lora_rank=args.lora_rank, seq_len=args.trainer_seq_len,
                                               samples_per_step=args.trainer_batch,
                                               micro_batch=args.trainer_micro_batch, seed=args.seed,
-                                              compile_layers=args.trainer_compile)
+                                              compile_layers=args.trainer_compile, unit_sizing=sizing)
     if any(m != "level-graphs" for m in modes):
         warm_up(ctx["batch"], ctx["trainer"], partitioner, device_type == "cuda")
     if graphs_on and serving:
