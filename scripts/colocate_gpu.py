@@ -66,6 +66,7 @@ if str(ROOT) not in sys.path:  # a source checkout on PYTHONPATH-less runs
 from harvest.engines.transformers.experiment_modes import PROFILE_MODES, harvest_config, run_mode, set_up_engine  # noqa: E402
 from harvest.engines.transformers.page_table import check_page_size  # noqa: E402
 from harvest.engines.transformers.step_policies import static_level_index  # noqa: E402
+from harvest.compute.ladder_planning import parse_levels  # noqa: E402
 from harvest.train.trainer_cpu import DEFAULT_UNIT_STEP_FRACTION  # noqa: E402
 
 MODES = ("decode-alone", "harvest", "static", "trainer-alone", "harvest-tight", "level-graphs")
@@ -117,6 +118,13 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
+def _levels(text: str):
+    try:
+        return parse_levels(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _micro_batch(text: str) -> int | None:
     """``auto`` (None: sized to the decode step, as a server sizes a job's units) or an integer >= 1."""
     if text == "auto":
@@ -152,7 +160,9 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto", help="auto: bfloat16 on GPU, float32 on CPU")
     parser.add_argument("--profile", type=Path, default=None, help="latency profile (`harvest profile`) for the harvest modes")
     parser.add_argument("--allow-profile-mismatch", action="store_true", help="use a profile of another device/model/ladder (warns)")
-    parser.add_argument("--levels", type=int, default=5, help="SM ladder levels (must match the profile's; default 5)")
+    parser.add_argument("--levels", type=_levels, default=5,
+                        help="SM ladder levels, or the ladder's decode SM counts comma-separated, as `harvest profile "
+                             "--levels` takes them (must match the profile's; default 5)")
     parser.add_argument("--modes", default=",".join(DEFAULT_MODES), help=f"comma-separated, from {', '.join(MODES)}")
     parser.add_argument("--target-tpot-ms", type=float, default=40.0)
     parser.add_argument("--tight-target-tpot-ms", type=float, default=None,

@@ -233,8 +233,9 @@ def test_colocate_sizes_the_trainers_units_to_the_decode_step_when_asked(tiny_ll
 
 
 @pytest.mark.parametrize("flag, value", [("--trainer-micro-batch", "0"), ("--trainer-micro-batch", "some"),
-                                         ("--unit-step-fraction", "0"), ("--unit-step-fraction", "1.5")])
-def test_colocate_refuses_a_bad_unit_size_naming_the_flag(flag, value):
+                                         ("--unit-step-fraction", "0"), ("--unit-step-fraction", "1.5"),
+                                         ("--levels", "1"), ("--levels", "24,24")])
+def test_colocate_refuses_a_bad_unit_size_or_ladder_naming_the_flag(flag, value):
     result = subprocess.run([sys.executable, str(ROOT / "scripts" / "colocate_gpu.py"), "--model-path", "x", flag, value],
                             capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert result.returncode == 2 and f"argument {flag}: {value!r}" in result.stderr, result.stderr[-2000:]

@@ -29,6 +29,26 @@ _ARCH_RULES: dict[int, tuple[int, int]] = {6: (1, 1), 7: (2, 2), 8: (4, 2)}
 _HOPPER_AND_NEWER = (8, 8)
 
 
+def parse_levels(text: str) -> int | tuple[int, ...]:
+    """A command line's ``--levels``: a number of levels (2..MAX_LEVELS, the whole device
+    included) or the ladder's decode SM counts, comma-separated (harvest.yaml's ``ladder``;
+    the whole device's count may be left out). ValueError says what is wrong."""
+    parts = [part.strip() for part in text.split(",")]
+    try:
+        numbers = [int(part) for part in parts]
+    except ValueError:
+        raise ValueError(f"{text!r}: a number of levels, or decode SM counts such as 24,40,56") from None
+    if len(numbers) == 1:
+        if not 2 <= numbers[0] <= MAX_LEVELS:
+            raise ValueError(f"{text!r}: ask for 2 to {MAX_LEVELS} levels (one is always the whole device)")
+        return numbers[0]
+    if min(numbers) < 1 or len(set(numbers)) != len(numbers):
+        raise ValueError(f"{text!r}: decode SM counts are distinct integers >= 1")
+    if len(numbers) > MAX_LEVELS:
+        raise ValueError(f"{text!r}: at most {MAX_LEVELS} levels, the whole device's included")
+    return tuple(sorted(numbers, reverse=True))
+
+
 def _parse_compute_capability(compute_capability) -> tuple[int, int]:
     if isinstance(compute_capability, str):
         parts = compute_capability.split(".")

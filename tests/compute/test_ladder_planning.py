@@ -20,6 +20,7 @@ from harvest.compute.ladder_planning import (
     arch_constraints,
     check_driver_version,
     device_constraints,
+    parse_levels,
     plan_ladder,
     realisable_decode_counts,
 )
@@ -277,3 +278,24 @@ def test_planning_imports_and_runs_with_torch_unimportable():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "132/0" in out.stdout
+
+
+@pytest.mark.parametrize("text, levels", [("5", 5), ("2", 2), ("8", 8), ("24,40,56", (56, 40, 24)),
+                                          (" 132, 96,64 ,32", (132, 96, 64, 32)), ("24,32,40,48,56,80,104,132",
+                                                                                   (132, 104, 80, 56, 48, 40, 32, 24))])
+def test_levels_on_a_command_line_are_a_count_or_decode_sm_counts(text, levels):
+    parsed = parse_levels(text)
+    assert parsed == levels
+    if isinstance(parsed, tuple):  # what the planner takes, as harvest.yaml's `ladder` gives it
+        assert [lv.decode_sms for lv in plan_ladder(132, (9, 0), levels=list(parsed)).levels] == \
+            sorted(set(parsed) | {132})
+
+
+@pytest.mark.parametrize("text, message", [("1", "ask for 2 to 8 levels"), ("9", "ask for 2 to 8 levels"),
+                                           ("", "a number of levels, or decode SM counts"),
+                                           ("24,,40", "a number of levels, or decode SM counts"),
+                                           ("24,24", "distinct integers >= 1"), ("-8,16", "distinct integers >= 1"),
+                                           ("8,16,24,32,40,48,56,64,72", "at most 8 levels")])
+def test_bad_levels_on_a_command_line_say_what_is_wrong(text, message):
+    with pytest.raises(ValueError, match=message):
+        parse_levels(text)

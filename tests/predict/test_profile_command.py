@@ -121,11 +121,14 @@ def test_partial_run_with_other_settings_is_refused_before_loading_models(tmp_pa
         (["--kv", "paged", "--engine", "transformers", "--kv-page-size", "12"], "--kv-page-size: page_size=12: a power of two"),
         (["--tp", "2", "--engine", "transformers"],
          "--tp 2: the transformers engine decodes in one process and cannot shard the model; use --engine sglang"),
-        (["--levels", "0"], "harvest profile: --levels=0: ask for 2 to 8 levels (one is always the whole device)\n"),
-        (["--levels", "1"], "--levels=1: ask for 2 to 8 levels"),
-        (["--levels", "9"], "--levels=9: ask for 2 to 8 levels"),
-        (["--levels", "-3"], "--levels=-3: ask for 2 to 8 levels"),
-        (["--levels", "many"], "argument --levels: invalid int value: 'many'"),
+        (["--levels", "0"], "argument --levels: '0': ask for 2 to 8 levels (one is always the whole device)\n"),
+        (["--levels", "1"], "argument --levels: '1': ask for 2 to 8 levels"),
+        (["--levels", "9"], "argument --levels: '9': ask for 2 to 8 levels"),
+        (["--levels", "-3"], "argument --levels: '-3': ask for 2 to 8 levels"),
+        (["--levels", "many"], "argument --levels: 'many': a number of levels, or decode SM counts such as 24,40,56"),
+        (["--levels", "24,40,24"], "argument --levels: '24,40,24': decode SM counts are distinct integers >= 1"),
+        (["--levels", "24,0"], "argument --levels: '24,0': decode SM counts are distinct integers >= 1"),
+        (["--levels", "8,16,24,32,40,48,56,64,72"], "'8,16,24,32,40,48,56,64,72': at most 8 levels"),
     ],
 )
 def test_bad_arguments_are_refused_with_the_flag_named(argv, message, capsys, tmp_path):
@@ -153,6 +156,10 @@ def test_levels_the_device_cannot_have_are_said_plainly():
     assert small.num_levels == 3
     assert levels_note(8, small).startswith("--levels 8: this device realises 3 distinct levels (green-context ladder")
     assert levels_note(3, small) is None
+    # decode SM counts, as harvest.yaml's `ladder` gives them (the whole device's may be left out)
+    assert levels_note((6, 4), small) is None and levels_note((10, 6, 4), small) is None
+    assert levels_note((6,), small) == f"--levels 6: this device realises other levels ({small.describe()})"
+    assert levels_note((24, 40), cpu).startswith("--levels 24,40 does not apply to this device: no SM partitioning")
 
 
 def test_more_ranks_than_cpu_cores_are_refused_before_any_model_loads(tmp_path, tiny_llama_path, capsys, monkeypatch):

@@ -12,7 +12,7 @@ import math
 import sys
 from pathlib import Path
 
-from harvest.compute.ladder_planning import DEFAULT_NUM_LEVELS, MAX_LEVELS
+from harvest.compute.ladder_planning import DEFAULT_NUM_LEVELS, MAX_LEVELS, parse_levels
 from harvest.settings import argument
 from harvest.train.trainer_cpu import TrainerConfig
 
@@ -41,6 +41,15 @@ def _int_list(text: str) -> tuple[int, ...]:
     return tuple(sorted(values))
 
 
+def _levels(text: str):
+    import argparse
+
+    try:
+        return parse_levels(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def add_arguments(parser) -> None:
     parser.add_argument("--model-path", required=True, help=f"served model directory (or {' / '.join(TINY_MODELS)}: harvest's tiny local models)")
     parser.add_argument("--engine", choices=["auto", "sglang", "transformers"], default="auto", help="decode engine (auto: sglang when installed)")
@@ -60,7 +69,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--warmup", type=int, default=3, help="untimed decode steps per grid point (default 3)")
     parser.add_argument("--repeats", type=int, default=10, help="timed decode steps per grid point (default 10)")
     parser.add_argument("--trim", type=float, default=0.2, help="fraction of slowest and of fastest steps dropped per grid point (default 0.2)")
-    parser.add_argument("--levels", type=int, default=None, help=f"SM ladder levels to ask the partitioner for, 2 to {MAX_LEVELS}, the whole-device level included (default {DEFAULT_NUM_LEVELS}); a device without SM partitioning (CPU, no green contexts) has one level whatever this says")
+    parser.add_argument("--levels", type=_levels, default=None, help=f"SM ladder levels to ask the partitioner for, 2 to {MAX_LEVELS}, the whole-device level included (default {DEFAULT_NUM_LEVELS}), or the ladder's decode SM counts, comma-separated, as harvest.yaml's `ladder` gives them (e.g. 24,40,56,80,104); a device without SM partitioning (CPU, no green contexts) has one level whatever this says")
     parser.add_argument("--finetune-model", default=None, help="base model of the finetune job (default: the served model)")
     parser.add_argument("--finetune-job", default=None, help="harvest trainer job YAML: co-run with harvest's layer-split trainer instead of plain PEFT")
     parser.add_argument("--lora-rank", type=int, default=8, help="PEFT co-run workload: LoRA rank (default 8)")
@@ -104,8 +113,6 @@ def run(args) -> int:
         return _fail(f"--trainer-alone-s={args.trainer_alone_s}: must be a finite number of seconds > 0")
     if args.torch_threads is not None and args.torch_threads <= 0:
         return _fail(f"--torch-threads={args.torch_threads}: must be > 0")
-    if args.levels is not None and not 2 <= args.levels <= MAX_LEVELS:
-        return _fail(f"--levels={args.levels}: ask for 2 to {MAX_LEVELS} levels (one is always the whole device)")
     from harvest.predict.profiler import session
     from harvest.predict.profiler.tp_layout import TensorParallelError, check_engine
 

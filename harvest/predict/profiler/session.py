@@ -55,16 +55,26 @@ def resolve_dtype(requested: str, device: str) -> str:
     return "float32" if device == "cpu" else "bfloat16"
 
 
-def levels_note(requested: int | None, ladder) -> str | None:
-    """Why ``ladder`` does not have the ``--levels`` asked for; None when it does or none
-    were asked for. The run goes on: a device without SM partitioning still profiles."""
-    if requested is None or ladder.num_levels == requested:
+def levels_note(requested: int | tuple[int, ...] | None, ladder) -> str | None:
+    """Why ``ladder`` does not have the ``--levels`` asked for (a number of levels, or
+    decode SM counts); None when it does or none were asked for. The run goes on: a device
+    without SM partitioning still profiles."""
+    if requested is None:
         return None
+    if isinstance(requested, int):
+        if ladder.num_levels == requested:
+            return None
+        asked, realised = str(requested), f"{ladder.num_levels} distinct levels"
+    else:
+        partial = {level.decode_sms for level in ladder.levels if level.trainer_sms > 0}
+        if ladder.spatial and partial == set(requested) - {ladder.total_sms}:
+            return None
+        asked, realised = ",".join(map(str, requested)), "other levels"
     if not ladder.spatial:
         why = f" ({ladder.note})" if ladder.note else ""
-        return (f"--levels {requested} does not apply to this device: no SM partitioning{why}; the profile has one "
+        return (f"--levels {asked} does not apply to this device: no SM partitioning{why}; the profile has one "
                 "level, decode and the trainer sharing the whole device")
-    return f"--levels {requested}: this device realises {ladder.num_levels} distinct levels ({ladder.describe()})"
+    return f"--levels {asked}: this device realises {realised} ({ladder.describe()})"
 
 
 def _workload_identity(args, finetune_model: str) -> dict:
