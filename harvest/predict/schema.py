@@ -444,6 +444,19 @@ def _holders(node, path: tuple[str, ...]):
         yield from _holders(node[head], rest)
 
 
+def grid_point_from_dict(value, path: str) -> GridPointRecord:
+    """One grid point (a profile's sample, or a line of an interrupted run's file written
+    by any version), its absent optional fields read as None; StrictJsonError names the
+    field at ``path``."""
+    if isinstance(value, dict):
+        value = dict(value)
+        for field_path in OPTIONAL_FIELDS:
+            if field_path[:2] == ("samples", "*"):
+                for holder in _holders(value, field_path[2:]):
+                    holder.setdefault(field_path[-1], None)
+    return strict_json.dataclass_from_dict(GridPointRecord, value, path)
+
+
 def _as_written_in_version(data: dict, version: int) -> dict:
     """``data`` without the fields schema ``version`` does not have: a profile read from
     an older version is written back as read."""

@@ -3,6 +3,7 @@ trimming, resumability after an interruption, and failures that must stop the ru
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import threading
@@ -247,6 +248,27 @@ def test_interrupted_run_resumes_without_remeasuring(tmp_path):
     assert result[:6] == done
     resumed.finish()
     assert not path.exists()
+
+
+def test_an_interrupted_run_written_before_an_optional_field_resumes(tmp_path):
+    """A partial file of an older harvest (its co-run lines without trainer_window_s) is
+    resumed, the field read as not recorded, not refused."""
+    path = tmp_path / "p.partial.jsonl"
+    run = PartialRun(path, {"k": 1})
+    run.open()
+    workload = ScriptedWorkload()
+    engine = ScriptedEngine(workload)
+    result, _ = _run(engine, workload, ScriptedTimer(engine))
+    corun = [r for r in result if r.stage == "corun"][:2]
+    for record in corun:
+        run.append(record)
+    run.close()
+    lines = path.read_text().splitlines()
+    older = [lines[0]] + [json.dumps({k: v for k, v in json.loads(line).items() if k != "trainer_window_s"})
+                          for line in lines[1:]]
+    path.write_text("\n".join(older) + "\n")
+    done = PartialRun(path, {"k": 1}).open()
+    assert [dataclasses.replace(r, trainer_window_s=None) for r in corun] == done
 
 
 def test_partial_file_from_other_settings_is_refused_naming_them(tmp_path):

@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 
 from harvest.predict import strict_json
-from harvest.predict.schema import GridPointRecord
+from harvest.predict.schema import GridPointRecord, grid_point_from_dict
 
 
 class PartialRunError(RuntimeError):
@@ -70,7 +70,7 @@ class PartialRun:
         records = []
         for number, line in enumerate(lines[1:], start=2):
             try:
-                records.append(strict_json.dataclass_from_dict(GridPointRecord, strict_json.loads(line), "record"))
+                records.append(grid_point_from_dict(strict_json.loads(line), "record"))
             except ValueError as exc:
                 if number == len(lines):  # cut short by a kill mid-write: drop it, re-measure that point
                     self._truncate_last_line(len(lines) - 1)
