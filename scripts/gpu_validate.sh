@@ -211,7 +211,7 @@ command_for() {
     tp-fault) CMD=("$PYTHON" -m tests.train.tp_parity --tp 2 --device "$DEVICE" --builder peft --fault-rank 1 --json) ;;
     # Round two (issue 39). Item 1: the layer-split trainer on the 8B shape, W = all eager,
     # W = all compiled and W = 2, 8 x 512 tokens a step (the units the co-location below
-    # trains); no plain PEFT on bench_trainer.py's CUDA path (its JSON says why). The
+    # trains), after plain PEFT on the device (compiled_vs_peft, since 2026-11-27). The
     # rehearsal: the small synthetic shape, 2 layers, one timed step.
     bench-trainer)
       local size=(--model llama3-8b --batch 8 --seq-len 512 --rounds 4 --warmup 1)
