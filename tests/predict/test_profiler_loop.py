@@ -216,6 +216,15 @@ def _grid():
     return _run(engine, workload, ScriptedTimer(engine))[0]
 
 
+def _write_partial(path, identity, records) -> None:
+    """An interrupted run's file holding ``records``."""
+    run = PartialRun(path, identity)
+    run.open()
+    for record in records:
+        run.append(record)
+    run.close()
+
+
 @pytest.mark.timeout(60)
 def test_interrupted_run_resumes_without_remeasuring(tmp_path):
     path = partial_path(tmp_path / "p.json")
@@ -254,15 +263,8 @@ def test_an_interrupted_run_written_before_an_optional_field_resumes(tmp_path):
     """A partial file of an older harvest (its co-run lines without trainer_window_s) is
     resumed, the field read as not recorded, not refused."""
     path = tmp_path / "p.partial.jsonl"
-    run = PartialRun(path, {"k": 1})
-    run.open()
-    workload = ScriptedWorkload()
-    engine = ScriptedEngine(workload)
-    result, _ = _run(engine, workload, ScriptedTimer(engine))
-    corun = [r for r in result if r.stage == "corun"][:2]
-    for record in corun:
-        run.append(record)
-    run.close()
+    corun = [r for r in _grid() if r.stage == "corun"][:2]
+    _write_partial(path, {"k": 1}, corun)
     lines = path.read_text().splitlines()
     older = [lines[0]] + [json.dumps({k: v for k, v in json.loads(line).items() if k != "trainer_window_s"})
                           for line in lines[1:]]
@@ -281,14 +283,7 @@ def test_partial_file_from_other_settings_is_refused_naming_them(tmp_path):
 
 def test_partial_file_tolerates_only_a_torn_last_line(tmp_path):
     path = tmp_path / "p.partial.jsonl"
-    run = PartialRun(path, {"k": 1})
-    run.open()
-    workload = ScriptedWorkload()
-    engine = ScriptedEngine(workload)
-    result, _ = _run(engine, workload, ScriptedTimer(engine))
-    for record in result[:3]:
-        run.append(record)
-    run.close()
+    _write_partial(path, {"k": 1}, _grid()[:3])
     text = path.read_text()
     path.write_text(text + text.splitlines()[1][:40])  # a kill in the middle of a write
     assert len(PartialRun(path, {"k": 1}).open()) == 3
