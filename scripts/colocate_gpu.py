@@ -39,15 +39,15 @@ attention reads only each request's KV pages). The trainer is harvest's LayerSpl
 on the served model's own weights (shared_trainer), hosted by harvest.colocate.TrainerHost;
 its units hold --trainer-micro-batch sequences, or with `auto` as many as fit
 --unit-step-fraction of --target-tpot-ms on the trainer's smallest partition, as a server
-sizes a job's (the summary's trainer.unit_sizing says what was chosen and why). On a CPU the ladder is one shared level: the same code paths run (tests/test_gpu_scripts.py,
-the tiny model). Nothing here imports sglang or llamafactory.
+sizes a job's (the summary's trainer.unit_sizing says what was chosen and why). On a CPU
+the ladder is one shared level: the same code paths run (tests/test_gpu_scripts.py, the
+tiny model). Nothing here imports sglang or llamafactory.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
@@ -66,8 +66,9 @@ if str(ROOT) not in sys.path:  # a source checkout on PYTHONPATH-less runs
 from harvest.engines.transformers.experiment_modes import PROFILE_MODES, harvest_config, run_mode, set_up_engine  # noqa: E402
 from harvest.engines.transformers.page_table import check_page_size  # noqa: E402
 from harvest.engines.transformers.step_policies import static_level_index  # noqa: E402
-from harvest.compute.ladder_planning import parse_levels  # noqa: E402
-from harvest.train.trainer_cpu import DEFAULT_UNIT_STEP_FRACTION  # noqa: E402
+from harvest.compute.ladder_planning import levels_argument  # noqa: E402
+from harvest.settings import argument  # noqa: E402
+from harvest.train.trainer_cpu import TrainerConfig  # noqa: E402
 
 MODES = ("decode-alone", "harvest", "static", "trainer-alone", "harvest-tight", "level-graphs")
 DEFAULT_MODES = ("decode-alone", "harvest", "static", "trainer-alone")
@@ -118,13 +119,6 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
-def _levels(text: str):
-    try:
-        return parse_levels(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
 def _micro_batch(text: str) -> int | None:
     """``auto`` (None: sized to the decode step, as a server sizes a job's units) or an integer >= 1."""
     if text == "auto":
@@ -135,16 +129,6 @@ def _micro_batch(text: str) -> int | None:
         value = 0
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: 'auto' or an integer >= 1")
-    return value
-
-
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not 0.0 < value <= 1.0:
-        raise argparse.ArgumentTypeError(f"{text!r}: a number in (0, 1]")
     return value
 
 
@@ -160,7 +144,7 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto", help="auto: bfloat16 on GPU, float32 on CPU")
     parser.add_argument("--profile", type=Path, default=None, help="latency profile (`harvest profile`) for the harvest modes")
     parser.add_argument("--allow-profile-mismatch", action="store_true", help="use a profile of another device/model/ladder (warns)")
-    parser.add_argument("--levels", type=_levels, default=5,
+    parser.add_argument("--levels", type=levels_argument, default=5,
                         help="SM ladder levels, or the ladder's decode SM counts comma-separated, as `harvest profile "
                              "--levels` takes them (must match the profile's; default 5)")
     parser.add_argument("--modes", default=",".join(DEFAULT_MODES), help=f"comma-separated, from {', '.join(MODES)}")
@@ -183,9 +167,8 @@ def main(argv=None) -> int:
     parser.add_argument("--trainer-micro-batch", type=_micro_batch, default=2,
                         help="sequences per unit, or auto: sized as a server sizes a job's units, --unit-step-fraction "
                              "of --target-tpot-ms on the trainer's smallest partition (default 2)")
-    parser.add_argument("--unit-step-fraction", type=_fraction, default=DEFAULT_UNIT_STEP_FRACTION,
-                        help="--trainer-micro-batch auto: a unit's share of the decode step's target "
-                             f"(harvest.yaml trainer.unit_step_fraction, default {DEFAULT_UNIT_STEP_FRACTION:g})")
+    parser.add_argument("--unit-step-fraction",  # --trainer-micro-batch auto's target, as a server's
+                        **argument(TrainerConfig, "unit_step_fraction", yaml_path="trainer.unit_step_fraction"))
     parser.add_argument("--trainer-compile", choices=["auto", "on", "off"], default="auto",
                         help="the trainer's decoder layers compiled (harvest.yaml trainer.compile); auto: on with CUDA")
     parser.add_argument("--graphs", choices=["auto", "on", "off"], default="auto",

@@ -49,6 +49,16 @@ def parse_levels(text: str) -> int | tuple[int, ...]:
     return tuple(sorted(numbers, reverse=True))
 
 
+def levels_argument(text: str) -> int | tuple[int, ...]:
+    """:func:`parse_levels` as an argparse ``type``: its message, named after the flag."""
+    import argparse
+
+    try:
+        return parse_levels(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _parse_compute_capability(compute_capability) -> tuple[int, int]:
     if isinstance(compute_capability, str):
         parts = compute_capability.split(".")

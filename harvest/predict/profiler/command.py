@@ -12,7 +12,7 @@ import math
 import sys
 from pathlib import Path
 
-from harvest.compute.ladder_planning import DEFAULT_NUM_LEVELS, MAX_LEVELS, parse_levels
+from harvest.compute.ladder_planning import DEFAULT_NUM_LEVELS, MAX_LEVELS, levels_argument
 from harvest.settings import argument
 from harvest.train.trainer_cpu import TrainerConfig
 
@@ -41,15 +41,6 @@ def _int_list(text: str) -> tuple[int, ...]:
     return tuple(sorted(values))
 
 
-def _levels(text: str):
-    import argparse
-
-    try:
-        return parse_levels(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
 def add_arguments(parser) -> None:
     parser.add_argument("--model-path", required=True, help=f"served model directory (or {' / '.join(TINY_MODELS)}: harvest's tiny local models)")
     parser.add_argument("--engine", choices=["auto", "sglang", "transformers"], default="auto", help="decode engine (auto: sglang when installed)")
@@ -69,7 +60,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--warmup", type=int, default=3, help="untimed decode steps per grid point (default 3)")
     parser.add_argument("--repeats", type=int, default=10, help="timed decode steps per grid point (default 10)")
     parser.add_argument("--trim", type=float, default=0.2, help="fraction of slowest and of fastest steps dropped per grid point (default 0.2)")
-    parser.add_argument("--levels", type=_levels, default=None, help=f"SM ladder levels to ask the partitioner for, 2 to {MAX_LEVELS}, the whole-device level included (default {DEFAULT_NUM_LEVELS}), or the ladder's decode SM counts, comma-separated, as harvest.yaml's `ladder` gives them (e.g. 24,40,56,80,104); a device without SM partitioning (CPU, no green contexts) has one level whatever this says")
+    parser.add_argument("--levels", type=levels_argument, default=None, help=f"SM ladder levels to ask the partitioner for, 2 to {MAX_LEVELS}, the whole-device level included (default {DEFAULT_NUM_LEVELS}), or the ladder's decode SM counts, comma-separated, as harvest.yaml's `ladder` gives them (e.g. 24,40,56,80,104); a device without SM partitioning (CPU, no green contexts) has one level whatever this says")
     parser.add_argument("--finetune-model", default=None, help="base model of the finetune job (default: the served model)")
     parser.add_argument("--finetune-job", default=None, help="harvest trainer job YAML: co-run with harvest's layer-split trainer instead of plain PEFT")
     parser.add_argument("--lora-rank", type=int, default=8, help="PEFT co-run workload: LoRA rank (default 8)")
