@@ -29,12 +29,17 @@ demo: venv
 test-tools:
 	@bash scripts/ensure_test_tools.sh
 
+# Two pytest-xdist workers: one runs the SGLang server tests one after another (their lane,
+# tests/conftest.py), the other everything else beside it. TEST_WORKERS=0 runs in one process.
+TEST_WORKERS ?= 2
+PYTEST_WORKERS = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup)
+
 test: venv test-tools
-	$(PYTHON) -m pytest -q -ra tests
+	$(PYTHON) -m pytest -q -ra $(PYTEST_WORKERS) tests
 
 # Policy and mechanism tests only (no SGLang server start-ups): seconds, for iteration.
 test-fast: venv
-	$(PYTHON) -m pytest -q -ra -m "not sglang and not slow" tests
+	$(PYTHON) -m pytest -q -ra $(PYTEST_WORKERS) -m "not sglang and not slow" tests
 
 # The trainer tests again with every trainer's decoder layers compiled (trainer.compile
 # auto means off on a CPU; tests/train/conftest.py turns it on): tens of minutes.

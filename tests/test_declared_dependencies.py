@@ -27,7 +27,7 @@ DISTRIBUTION = {
     "prometheus_client": "prometheus-client",
 }
 # Declared for tooling, not imported by harvest/.
-NOT_IMPORTED = {"test": {"pytest", "pytest-timeout"}}
+NOT_IMPORTED = {"test": {"pytest", "pytest-timeout", "pytest-xdist"}}
 
 
 def _canonical(name: str) -> str:
