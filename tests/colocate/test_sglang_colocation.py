@@ -40,13 +40,33 @@ def _prompts():
     return light, burst
 
 
+MAX_NEW_TOKENS = 12
+SAMPLING = {"max_new_tokens": MAX_NEW_TOKENS, "temperature": 0, "ignore_eos": True}
+POOL_TOKENS = 16384  # _args' --max-total-tokens
+
+
 def _generate_all(srv, prompts, workers):
     def one(ids):
-        out = srv.post("/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}})
-        return out["output_ids"]
+        return srv.post("/generate", {"input_ids": ids, "sampling_params": SAMPLING})["output_ids"]
 
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
         return list(pool.map(one, prompts))
+
+
+def _generate_at_once(srv, prompts):
+    """Every prompt in one /generate request. SGLang's tokenizer manager sends a batch of
+    token ids to the scheduler as one message, so the whole batch is in its queue at one
+    admission round. Concurrent requests instead arrive as fast as the machine lets them:
+    on a loaded machine they trickle in, and a lending thread that keeps up with them
+    leaves no admission held and, with few chunks lent, may take nothing back at all."""
+    return [out["output_ids"] for out in srv.post("/generate", {"input_ids": prompts, "sampling_params": SAMPLING})]
+
+
+def _burst_needs_lent_memory(status, burst) -> bool:
+    """The chunks lent now hold more than the pool can spare beside the burst: sent at once,
+    it is not admitted until some of them come back."""
+    kv = status["kv"]
+    return POOL_TOKENS - kv["chunks_lent"] * kv["tokens_per_chunk"] < sum(len(ids) + MAX_NEW_TOKENS for ids in burst)
 
 
 def _status(port):
@@ -100,7 +120,7 @@ def _wait_for(predicate, timeout_s=60.0, interval_s=0.5):
 def _args(model_path, *extra):
     # No radix cache, as on a decode instance: cached prefixes hold slots that are evictable
     # but not free, and harvest lends only free chunks (it never evicts SGLang's cache).
-    args = server.cpu_server_args(model_path, max_total_tokens=16384) + ["--disable-radix-cache"]
+    args = server.cpu_server_args(model_path, max_total_tokens=POOL_TOKENS) + ["--disable-radix-cache"]
     return args + list(extra)
 
 
@@ -130,8 +150,9 @@ def test_outputs_identical_reclaim_progress_and_metrics(tiny_llama_path, tmp_pat
         light_out = _generate_all(srv, light, 8)
         step_between = _wait_for(lambda: (s := _status(port))["trainer"]["stats"]["global_step"] > status["trainer"]["stats"]["global_step"] and s)
         assert step_between, "the trainer made no progress between bursts"
-        lent_before_burst = _wait_for(lambda: (n := _status(port)["kv"]["chunks_lent"]) >= lent_before and n)
-        burst_out = _generate_all(srv, burst, BURST)
+        lent_before_burst = _wait_for(lambda: (s := _status(port))["kv"]["chunks_lent"] >= lent_before
+                                      and _burst_needs_lent_memory(s, burst) and s)
+        burst_out = _generate_at_once(srv, burst)
         after = _status_since(port, time.time())  # metrics come from the same (or a later) snapshot
         samples, types = _metrics(port)
         # /flush_cache clears SGLang's pool (every slot free again) while chunks are lent:

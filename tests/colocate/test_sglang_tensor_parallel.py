@@ -20,8 +20,9 @@ import pytest
 
 from harvest import colocation_config
 from harvest.sglang import server
-from tests.colocate.test_sglang_colocation import (BURST, RETRACTION, _generate_all, _metrics, _operator, _prompts,
-                                                   _status, _status_since, _wait_for)
+from tests.colocate.test_sglang_colocation import (BURST, POOL_TOKENS, RETRACTION, _burst_needs_lent_memory, _generate_all,
+                                                   _generate_at_once, _metrics, _operator, _prompts, _status,
+                                                   _status_since, _wait_for)
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow, pytest.mark.timeout(1200)]
 
@@ -41,7 +42,7 @@ def _env(**extra):
 
 
 def _args(model_path, *extra):
-    args = server.cpu_server_args(model_path, max_total_tokens=16384) + ["--disable-radix-cache", "--tp", str(TP)]
+    args = server.cpu_server_args(model_path, max_total_tokens=POOL_TOKENS) + ["--disable-radix-cache", "--tp", str(TP)]
     return args + list(extra)
 
 
@@ -70,8 +71,8 @@ def test_outputs_identical_and_both_ranks_lend_and_reclaim_the_same_chunks(tiny_
                            and (s["trainer"]["stats"] or {}).get("global_step", 0) > 0 and s, timeout_s=240)
         assert status, _status(port)
         light_out = _generate_all(srv, light, 8)
-        relent = _wait_for(lambda: (s := _status(port))["kv"]["chunks_lent"] > 0 and s, timeout_s=60)
-        burst_out = _generate_all(srv, burst, BURST)
+        relent = _wait_for(lambda: _burst_needs_lent_memory(s := _status(port), burst) and s, timeout_s=60)
+        burst_out = _generate_at_once(srv, burst)
         after = _status_since(port, time.time())
         samples, _ = _metrics(port)
         # An operator's pause, on rank 0's endpoint, gives the memory back on both ranks.
