@@ -55,8 +55,16 @@ same matrix work; the trainer's extra cost is its per-unit machinery.
 
 GPU (`--device cuda --model llama3-8b`): a Llama-3-8B-shaped model, random bf16 weights
 built in host memory, LoRA r=16 on all linear layers, synthetic batches; W = all eager,
-W = all compiled and W = 2 eager, one learner after the other (each needs the model's
-16 GB), each with the micro-batch the trainer sizes for it (`details`). Reports tokens/s,
+W = all compiled (twice: the compiled layers' two runtimes, below), and W = 2 eager, one
+learner after the other (each needs the model's 16 GB), each with the micro-batch the
+trainer sizes for it (`details`). The two runtimes of the same compiled layers:
+``torch.compile``'s ("module": dynamo's guards, AOT autograd's runtime) and the explicit
+compiled pair ("pair", harvest.train.compiled_pair); `compiled_runtime` names the one
+``trainer.compile: on`` uses on the device (CUDA: module, CPU: pair), whose figures are
+the `_compiled` keys; `tokens_per_s_compiled_pair` / `_module`,
+`host_us_per_layer_unit_compiled_pair` / `_module`, `ops_per_layer_compiled_pair` /
+`_module`, `compiled_pair_vs_module` (tokens/s) and `compiled_pair_grad_max_abs_diff` (vs
+eager) compare them; `compile_other` is the other learner's compile status. Reports tokens/s,
 the median unit device time (CUDA events), the copy/compute overlap (1 - exposed / copy,
 exposed = step device time - sum of unit compute times), and the keys above for eager vs
 compiled (the gradient difference in bf16: its 1e-5 target is not applied, `targets`
@@ -484,15 +492,20 @@ def bench_synthetic(args, shape_name: str) -> dict:
     timed_from = 1 + args.warmup  # step 1 (gradients, compilation) and the warm-up are untimed
     steps = timed_from + args.rounds + 1  # the last: operators of the middle layer's units
     # One learner after the other: each holds the model's weights (16 GB for the 8B shape).
-    learners = {"all": ("all", "off"), "compiled": ("all", "on"), 2: (2, "off")}
+    # "compiled" is what trainer.compile: on runs on the device; "compiled_other" the other
+    # runtime of the same compiled layers (compiled pairs on CUDA, torch.compile's on a CPU).
+    default_pairs = device.type == "cpu"
+    learners = {"all": ("all", "off", None), "compiled": ("all", "on", None),
+                "compiled_other": ("all", "on", not default_pairs), 2: (2, "off", None)}
+    compiled_keys = ("all", "compiled", "compiled_other")
     results, grads, ops, layer_unit_ms = {}, {}, {}, {}
-    compile_status, compiles_in_timed = None, 0
+    compile_status, compiles_in_timed = {}, 0
     results["peft"] = _bench_plain_peft(shape, device, dtype, batch, seq_len, timed_from, args.rounds)
-    for key, (window, compile_layers) in learners.items():
-        trainer = _synthetic_trainer(shape, window, device, dtype, batch, seq_len, steps, compile_layers)
+    for key, (window, compile_layers, pairs) in learners.items():
+        trainer = _synthetic_trainer(shape, window, device, dtype, batch, seq_len, steps, compile_layers, pairs)
         trainer.window.record_copy_timing = True
         _run_until_optimizer(trainer)
-        if key in ("all", "compiled"):
+        if key in compiled_keys:
             grads[key] = {n: p.grad.detach().float().cpu() for n, p in _lora(trainer.split.peft_model)}
         trainer.run_one_unit()
         step_records = []
@@ -511,28 +524,40 @@ def bench_synthetic(args, shape_name: str) -> dict:
         results[key] = _summarize(step_records, batch * seq_len, device)
         results[key]["micro_batch_size"] = trainer.micro_batch_size
         results[key]["window_bytes"] = trainer.stats().window_bytes
-        if key in ("all", "compiled"):
+        if key in compiled_keys:
             layer_unit_ms[key] = [r.host_ms for records, _ in step_records for r in records
                                   if r.stage_name.startswith("layer.")]
             ops[key] = _layer_unit_ops(trainer, shape["num_hidden_layers"] // 2)
-        if key == "compiled":
-            compile_status = trainer.stats().compile
+        if key != "all" and key in compiled_keys:
+            compile_status[key] = trainer.stats().compile
         trainer.close()
         del trainer
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
     compiled_diff = _max_abs_diff(grads["compiled"], grads["all"])
-    keys = _compiled_keys(ops, layer_unit_ms, compiled_diff, compiles_in_timed, compile_status,
+    keys = _compiled_keys(ops, layer_unit_ms, compiled_diff, compiles_in_timed, compile_status["compiled"],
                           apply_grad_target=dtype == torch.float32)
     compiled_vs_peft = results["compiled"]["tokens_per_s"] / results["peft"]["tokens_per_s"]
     keys["targets"]["compiled_ge_1.0x_peft"] = compiled_vs_peft >= 1.0
+    runtime = {True: "pair", False: "module"}
+    # Both runtimes of the compiled layers by name, whichever is the device's default.
+    by_runtime = {runtime[default_pairs]: "compiled", runtime[not default_pairs]: "compiled_other"}
     return dict(
         tokens_per_s_peft=results["peft"]["tokens_per_s"],
         tokens_per_s_eager=results["all"]["tokens_per_s"],
         tokens_per_s_compiled=results["compiled"]["tokens_per_s"],
         compiled_vs_peft=compiled_vs_peft,
         **keys,
+        compiled_runtime=runtime[default_pairs],
+        **{f"tokens_per_s_compiled_{name}": results[key]["tokens_per_s"] for name, key in by_runtime.items()},
+        **{f"host_us_per_layer_unit_compiled_{name}": round(statistics.median(layer_unit_ms[key]) * 1e3, 1)
+           for name, key in by_runtime.items()},
+        **{f"ops_per_layer_compiled_{name}": ops[key]["forward"] + ops[key]["backward"]
+           for name, key in by_runtime.items()},
+        compiled_pair_vs_module=results[by_runtime["pair"]]["tokens_per_s"] / results[by_runtime["module"]]["tokens_per_s"],
+        compiled_pair_grad_max_abs_diff=_max_abs_diff(grads[by_runtime["pair"]], grads["all"]),
+        compile_other=compile_status["compiled_other"],
         compiled_grad_max_rel_diff=_max_rel_diff(grads["compiled"], grads["all"]),
         lora_grad_max_abs=max(float(g.abs().max()) for g in grads["all"].values()),
         tokens_per_s_w_all=results["all"]["tokens_per_s"], tokens_per_s_w2=results[2]["tokens_per_s"],
@@ -626,7 +651,7 @@ def _bench_plain_peft(shape, device, dtype, batch, seq_len, warmup_steps, rounds
     return dict(tokens_per_s=batch * seq_len / step_s, step_ms_median=step_s * 1e3, micro_batch_size=micro_batch)
 
 
-def _synthetic_trainer(shape, window, device, dtype, batch, seq_len, steps, compile_layers):
+def _synthetic_trainer(shape, window, device, dtype, batch, seq_len, steps, compile_layers, compile_pairs=None):
     import torch
 
     from harvest.train.build import TrainerSettings, assemble_trainer
@@ -646,7 +671,8 @@ def _synthetic_trainer(shape, window, device, dtype, batch, seq_len, steps, comp
     options = HarvestOptions(window_stages=None if window == "all" else window)
     # The micro-batch sizing runs units here: a compiled learner compiles its layers here.
     return assemble_trainer(peft_model, dataset, collate, settings, options, device=device,
-                            record_device_events=device.type == "cuda", compile_layers=compile_layers)
+                            record_device_events=device.type == "cuda", compile_layers=compile_layers,
+                            compile_pairs=compile_pairs)
 
 
 def _fill_normal(model, device, std: float, seed: int) -> None:

@@ -169,8 +169,10 @@ def main(argv=None) -> int:
                              "of --target-tpot-ms on the trainer's smallest partition (default 2)")
     parser.add_argument("--unit-step-fraction",  # --trainer-micro-batch auto's target, as a server's
                         **argument(TrainerConfig, "unit_step_fraction", yaml_path="trainer.unit_step_fraction"))
-    parser.add_argument("--trainer-compile", choices=["auto", "on", "off"], default="auto",
-                        help="the trainer's decoder layers compiled (harvest.yaml trainer.compile); auto: on with CUDA")
+    parser.add_argument("--trainer-compile", choices=["auto", "on", "off", "pairs"], default="auto",
+                        help="the trainer's decoder layers compiled (harvest.yaml trainer.compile); auto: on with CUDA; "
+                             "pairs: on, training units as explicit compiled pairs (harvest.train.compiled_pair) "
+                             "on any device")
     parser.add_argument("--graphs", choices=["auto", "on", "off"], default="auto",
                         help="serving modes: on = the slot batch, its step a per-(level, bucket) CUDA graph replayed "
                              "on the chosen level (eager where none: without CUDA); off = the ragged eager batch; "

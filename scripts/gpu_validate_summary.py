@@ -318,7 +318,12 @@ def claims(out: Path, run: dict, steps: dict, summary: dict) -> dict:
             "tokens_per_s_compiled", "tokens_per_s_w2", "tokens_per_s_peft", "compiled_vs_peft", "peft_skipped",
             "host_us_per_layer_unit_eager", "host_us_per_layer_unit_compiled", "ops_per_layer_eager",
             "ops_per_layer_compiled", "unit_ms_median_w_all", "unit_ms_median_compiled", "unit_ms_median_w2",
-            "copy_compute_overlap_w2", "compile_s", "compiles_in_timed_steps", "compiled_grad_max_rel_diff", "compile")}
+            "copy_compute_overlap_w2", "compile_s", "compiles_in_timed_steps", "compiled_grad_max_rel_diff", "compile",
+            # The compiled layers' two runtimes (torch.compile's "module", the explicit "pair"), side by side.
+            "compiled_runtime", "tokens_per_s_compiled_pair", "tokens_per_s_compiled_module", "compiled_pair_vs_module",
+            "host_us_per_layer_unit_compiled_pair", "host_us_per_layer_unit_compiled_module",
+            "ops_per_layer_compiled_pair", "ops_per_layer_compiled_module", "compiled_pair_grad_max_abs_diff",
+            "compile_other")}
         trainer_figures["micro_batch_size"] = {k: v.get("micro_batch_size") for k, v in (trainer.get("details") or {}).items()}
         if trainer.get("tokens_per_s_eager") and trainer.get("tokens_per_s_compiled"):
             trainer_figures["compiled_over_eager"] = round(trainer["tokens_per_s_compiled"] / trainer["tokens_per_s_eager"], 3)

@@ -228,7 +228,7 @@ def assemble_trainer(peft_model, dataset: Sequence[dict[str, Any]], collate: Cal
                      make_log: Callable[[int, int], Any] | None = None,
                      eval_sets: dict[str, Sequence[dict[str, Any]]] | None = None, tp=None,
                      fleet_job_id: str | None = None, compile_layers: str = "auto",
-                     unit_sizing: UnitSizing | None = None) -> LayerSplitTrainer:
+                     unit_sizing: UnitSizing | None = None, compile_pairs: bool | None = None) -> LayerSplitTrainer:
     """The trainer over a PEFT model. ``make_optimizer(peft_model)`` builds the optimizer
     (default: AdamW from ``settings``, as the Hugging Face Trainer builds it);
     ``make_log(total_steps, steps_per_epoch)`` its TrainLog (default: none); ``eval_sets``
@@ -245,7 +245,7 @@ def assemble_trainer(peft_model, dataset: Sequence[dict[str, Any]], collate: Cal
     # sizing, below) compile on this thread, while the job builds.
     if settings.autocast_dtype is not None:
         keep_lora_inputs_in_compute_dtype(split.peft_model)
-    split.compile_layers(compile_layers, device, tensor_parallel=sharded is not None)
+    split.compile_layers(compile_layers, device, tensor_parallel=sharded is not None, pairs=compile_pairs)
     layouts = split.layouts()
     if weight_source is None:
         host = {name: tensor for s in range(split.num_stages) for name, _, _, tensor in split.frozen_tensors(s)}

@@ -31,11 +31,14 @@ Invariants:
   building a pair draws none (tracing is on fake tensors) and leaves the process's
   generator alone (other threads draw from it while a pair builds).
 
-CUDA graphs would sit on this pair: its inputs (parameters, hidden states, mask, position
-ids and embeddings) and outputs (the output and saved tensors; the gradients) are explicit
-tensors, so one capture per signature replays with the inputs copied into static buffers,
-each micro-batch in flight owning its saved tensors' buffers (not built: CUDA
-layers use ``torch.compile`` as measured; no GPU was lent to measure a replay).
+The pair is device-agnostic: inductor with the backend's decompositions and configuration
+(harvest.train.eager_numerics' on a CPU, plain ``"inductor"`` on CUDA). Where it is used by
+default is measured per device (harvest.train.compiled_units, ``pairs``).
+
+Why a unit is not also a CUDA graph (docs/design.md, 'Compiled decoder layers'): a graph's
+kernels run in the green context they were captured in, and the trainer changes partition
+from one unit to the next, so each layer would need a capture per partition, each holding
+its own saved activations.
 """
 
 from __future__ import annotations
@@ -65,12 +68,27 @@ class _Pair:
 
 
 class PairCompiler:
-    """Builds pairs for a job's layers; layers whose traced graphs are equal share a pair."""
+    """Builds pairs for a job's layers; layers whose traced graphs are equal share a pair.
+    ``backend``: ``"inductor"``, or ``functools.partial(compile_fx, decompositions=...,
+    config_patches=...)`` (harvest.train.eager_numerics'): the graphs are compiled as that
+    backend compiles them under ``torch.compile``."""
 
     def __init__(self, backend: Any):
-        self.decompositions = backend.keywords["decompositions"]
-        self.config_patches = backend.keywords["config_patches"]
+        from torch._inductor import compile_fx as inductor
+        from torch._inductor.decomposition import select_decomp_table
+
+        if backend == "inductor":
+            # As compile_fx passes its default: a function its FX graph cache pickles by name.
+            self.get_decomp_fn, self.config_patches = select_decomp_table, {}
+        elif isinstance(backend, functools.partial) and backend.func is inductor.compile_fx:
+            # A table its cache can pickle into the key (eager_numerics' pickles as a call).
+            self.get_decomp_fn = inductor._ConstantDecompTable(backend.keywords["decompositions"])
+            self.config_patches = backend.keywords.get("config_patches") or {}
+        else:
+            raise ValueError(f"explicit compiled pairs need inductor as the backend, not {backend!r}")
+        self.decompositions = self.get_decomp_fn()
         self._by_graph: dict[tuple, _Pair] = {}
+        self.gave_up = False  # a pair failed to build: every layer's units go through its module call
 
     def build(self, layer: nn.Module, names: list[str], call: Callable, tensors: list[torch.Tensor]) -> _Pair:
         from torch._dynamo.utils import dynamo_timed
@@ -103,14 +121,12 @@ class PairCompiler:
             keep_inference_input_mutations=False, dynamic_shapes=False, aot_autograd_arg_pos_to_source=None,
             is_export=False, no_tangents=False, force_non_lazy_backward_lowering=True)
         compiled: dict[str, Any] = {}
-        # As compile_fx passes it: a table its FX graph cache can pickle into the key.
-        inner = functools.partial(inductor.compile_fx_inner,
-                                  get_decomp_fn=inductor._ConstantDecompTable(self.decompositions))
+        inner = functools.partial(inductor.compile_fx_inner, get_decomp_fn=self.get_decomp_fn)
 
         def forward_compiler(graph, example_inputs):
             compiled["metadata"] = torch._guards.TracingContext.get().fw_metadata
             compiled["inputs"] = len(example_inputs)
-            compiled["extra"] = inductor.create_compiler_config_extra(graph)
+            compiled["extra"] = _compiler_config_extra(graph)
             compiled["forward"] = inductor.compile_fx_forward(
                 graph, example_inputs, num_orig_model_outputs=1, num_example_inputs=len(tensors),
                 compiler_config_extra=compiled["extra"], inner_compile=inner)
@@ -159,6 +175,19 @@ class PairCompiler:
         return graph_module.code, tuple(_meta(t) for t in tensors)
 
 
+def _compiler_config_extra(graph):
+    """Inductor's per-graph settings (CUDA graphs off unless configured, the device index):
+    computed from the graph, or, in older torch (its parameter named ``config``, before 2.13),
+    from inductor's configuration."""
+    import inspect
+
+    from torch._inductor import compile_fx as inductor
+    from torch._inductor import config as inductor_config
+
+    create = inductor.create_compiler_config_extra
+    return create(inductor_config if "config" in inspect.signature(create).parameters else graph)
+
+
 def _check_plain(metadata, compiled: dict, num_inputs: int) -> None:
     """Refuse (ValueError: the layer then runs eager, saying why) a graph whose runtime
     calling convention is not the plain one this module calls it by."""
@@ -192,8 +221,9 @@ def _meta(tensor: torch.Tensor) -> tuple:
 class PairedLayer:
     """One decoder layer's training forward through its pairs (one per signature).
     ``on_failure(error)``: a pair could not be built; True: build it again (once), False:
-    the layer runs eager from then on (its module call too: harvest.train.compiled_units
-    says so in the status, and sets ``_compiled_call_impl`` to None, which this follows)."""
+    the job's layers' units go through their module calls from then on (its ``torch.compile`` call,
+    which runs eager if that cannot compile either; harvest.train.compiled_units says why in
+    the status, and sets ``_compiled_call_impl`` to None for an eager layer, which this follows)."""
 
     def __init__(self, layer: nn.Module, compiler: PairCompiler, on_failure: Callable[[BaseException], bool]):
         self.layer = layer
@@ -211,8 +241,9 @@ class PairedLayer:
     def forward(self, hidden: torch.Tensor, attention_mask, position_ids, position_embeddings):
         """(output, `SavedForBackward`), or None: the caller runs the layer itself (it
         failed to compile, or has met more signatures than `MAX_SIGNATURES`)."""
-        if self.layer._compiled_call_impl is None or not isinstance(position_embeddings, tuple):
-            return None  # eager; or not a (cos, sin) rotary layer
+        if self.compiler.gave_up or self.layer._compiled_call_impl is None \
+                or not isinstance(position_embeddings, tuple):
+            return None  # no pair for it, or eager; or not a (cos, sin) rotary layer
         cos, sin = position_embeddings
         inputs = [hidden, attention_mask, position_ids, cos, sin]
         if not all(t is None or type(t) is torch.Tensor for t in inputs):
@@ -230,6 +261,9 @@ class PairedLayer:
                     break
                 except Exception as failure:  # any error of the build (nothing of the call has run)
                     if not self.on_failure(failure) or attempt:
+                        # A decoder's layers are alike: what fails for one fails for every
+                        # one (one failed trace per job, not one per layer).
+                        self.compiler.gave_up = True
                         return None
         # As AOT autograd calls it: under no_grad (the graph records nothing, so no input
         # needs detaching) and without autocast (the traced graph has its casts).

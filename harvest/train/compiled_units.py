@@ -6,10 +6,11 @@ PEFT wrappers and window swaps unchanged; the unit boundary stays outside the gr
 compilation runs on the trainer's thread while the job builds, never on the decode thread;
 ``auto`` compiles on CUDA and not on a CPU; a layer whose compilation fails (its forward
 or its backward: both compile at its first forward call) runs eager from then on with its
-``reason`` kept; tensor-parallel layers stay eager. On a CPU with the default backend a
-layer's training units run as an explicit compiled pair (harvest.train.compiled_pair: no
-dynamo or autograd runtime per call); its module call is compiled as well (evaluation's
-no-grad calls, signatures no pair covers). A cache is never trusted over a
+``reason`` kept; tensor-parallel layers stay eager. Where ``pairs`` says so (by default on
+a CPU, where it was measured faster) a layer's training units run as an explicit compiled
+pair (harvest.train.compiled_pair: no dynamo or autograd runtime per call); its module call
+is compiled as well (evaluation's no-grad calls, signatures no pair covers, a layer whose
+pair cannot be built). A cache is never trusted over a
 compilation: artifacts that fail to load are set aside and compiled again, and each torch
 version has a cache directory of its own.
 
@@ -128,9 +129,12 @@ def _warn_of_other_versions(directory: Path) -> None:
 
 
 def compile_layers(layers: list[nn.Module], requested: str, device: torch.device, *, tensor_parallel: bool = False,
-                   backend: Any = None) -> CompiledLayers:
+                   backend: Any = None, pairs: bool | None = None) -> CompiledLayers:
     """Compile each of ``layers`` in place when ``requested`` (and the device) says so.
-    ``backend`` None: `default_backend(device)`."""
+    ``backend`` None: `default_backend(device)`. ``pairs``: training units through explicit
+    compiled pairs (an inductor backend); None: where measured faster, a CPU with the
+    default backend (CUDA keeps ``torch.compile``'s runtime until a GPU measures pairs:
+    ``scripts/bench_trainer.py --device cuda``, ``tokens_per_s_compiled_pair``)."""
     state = CompiledLayers(requested)
     if not wants_compile(requested, device):
         return state
@@ -151,20 +155,22 @@ def compile_layers(layers: list[nn.Module], requested: str, device: torch.device
     import torch._functorch.config
 
     torch._functorch.config.force_non_lazy_backward_lowering = True
-    pairs = None
+    if pairs is None:
+        pairs = backend is None and device.type == "cpu"  # measured there (docs/measurements.md)
     if backend is None:
         backend = default_backend(device)
-        if device.type == "cpu":  # measured there (docs/measurements.md); CUDA keeps torch.compile's runtime
-            from harvest.train import compiled_pair
+    compiler = None
+    if pairs:
+        from harvest.train import compiled_pair
 
-            pairs = compiled_pair.PairCompiler(backend)
+        compiler = compiled_pair.PairCompiler(backend)
     for layer in layers:
         # Compiled as a module too: evaluation's no-grad calls, and signatures no pair covers.
         layer.compile(backend=backend, dynamic=None)
         _guard_first_call(layer, state)
         state.layers += 1
-        if pairs is not None:
-            state.paired.append(compiled_pair.PairedLayer(layer, pairs, functools.partial(_pair_failed, layer, state)))
+        if compiler is not None:
+            state.paired.append(compiled_pair.PairedLayer(layer, compiler, functools.partial(_pair_failed, state)))
     return state
 
 
@@ -227,12 +233,15 @@ def _run_eager(layer: nn.Module, state: CompiledLayers, failure: BaseException) 
     logger.warning("trainer.compile: %s", state.reason)
 
 
-def _pair_failed(layer: nn.Module, state: CompiledLayers, failure: BaseException) -> bool:
+def _pair_failed(state: CompiledLayers, failure: BaseException) -> bool:
     """A layer's pair could not be built: True to build it again (the failure was a cache
-    artifact's, now set aside), else the layer runs eager."""
+    artifact's, now set aside), else its units go through its ``torch.compile`` call (which
+    runs eager, saying so, if that cannot compile either)."""
     if _set_aside_cache_named_in(failure):
         return True
-    _run_eager(layer, state, failure)
+    state.reason = f"a decoder layer's compiled pair could not be built; its units run through torch.compile: " \
+                   f"{_describe(failure)}"
+    logger.warning("trainer.compile: %s", state.reason)
     return False
 
 

@@ -80,11 +80,12 @@ class SplitCausalLM:
         self.compiled = CompiledLayers("off")  # harvest.train.compiled_units: set by compile_layers
 
     def compile_layers(self, requested: str, device: torch.device, *, tensor_parallel: bool = False,
-                       backend: Any = None) -> CompiledLayers:
+                       backend: Any = None, pairs: bool | None = None) -> CompiledLayers:
         """``trainer.compile``: the decoder layers' units compiled in place (the embedding
-        and head stages stay eager: one unit each per micro-batch)."""
+        and head stages stay eager: one unit each per micro-batch); ``pairs``: see
+        harvest.train.compiled_units.compile_layers."""
         self.compiled = compile_layers(list(self.decoder.layers), requested, device,
-                                       tensor_parallel=tensor_parallel, backend=backend)
+                                       tensor_parallel=tensor_parallel, backend=backend, pairs=pairs)
         return self.compiled
 
     # -- structure -----------------------------------------------------------------------

@@ -69,7 +69,7 @@ class TrainerStats:
     # The step of the newest checkpoint this trainer wrote or resumed from, shown only once it is
     # on disk (global_step counts a step before its due checkpoint is written); None: none yet.
     checkpoint_step: int | None = None
-    # trainer.compile: {"requested", "layers_compiled", "reason"}, with compiled pairs (a CPU)
+    # trainer.compile: {"requested", "layers_compiled", "reason"}, with compiled pairs
     # also "signatures" (the most one layer traced), "compiled_pairs" (distinct, shared by
     # layers with equal graphs), "units_past_signature_limit" (harvest.train.compiled_units)
     compile: dict | None = None

@@ -3,8 +3,9 @@
 - A step through the pairs equals the eager step bit for bit (gradients accumulated over
   two micro-batches, LoRA dropout's masks, a one-stage window whose saved frozen weights
   are stage handles); the gradients are accumulated as autograd's AccumulateGrad does.
-- A layer whose pair cannot be built trains eager, with the reason in the status; a
-  signature past the pairs' limit runs through the layer's torch.compile call.
+- A layer whose pair cannot be built trains through its torch.compile call, with the reason
+  in the status; so does a signature past the pairs' limit. The pair built as on CUDA
+  (plain inductor) equals the torch.compile call.
 - A saved input changed in place between the forward and backward units is refused, as
   autograd refuses it.
 """
@@ -57,6 +58,38 @@ def test_a_step_through_the_pairs_equals_the_eager_step(window_stages, lora_drop
     assert len(shapes) <= status["compiled_pairs"] <= 2 * len(shapes)
 
 
+@pytest.mark.slow
+def test_pairs_compiled_as_on_cuda_equal_the_torch_compile_call(tiny_llama_path, tmp_path, monkeypatch):
+    """The pair under CUDA's configuration (plain "inductor": its default decompositions and
+    settings), here on a CPU: every layer unit runs through a pair, and the step equals the
+    same layers through torch.compile's runtime, and eager's to fp32 rounding."""
+    from harvest.train import compiled_units, split_model
+    from torch._inductor.decomposition import select_decomp_table
+
+    def as_on_cuda(pairs: bool) -> None:
+        def compile_layers(layers, requested, device, **kwargs):
+            return compiled_units.compile_layers(layers, requested, device, **{**kwargs, "backend": "inductor",
+                                                                                "pairs": pairs})
+        monkeypatch.setattr(split_model, "compile_layers", compile_layers)
+
+    expected = _step_grads(build(tiny_llama_path, tmp_path / "eager", compile_layers="off"))
+    as_on_cuda(pairs=True)
+    paired = build(tiny_llama_path, tmp_path / "paired", compile_layers="on")
+    got = _step_grads(paired)
+    as_on_cuda(pairs=False)
+    module = build(tiny_llama_path, tmp_path / "module", compile_layers="on")
+    through_module = _step_grads(module)
+
+    assert _pair_calls(paired) == [len(paired._step.micro_batches)] * paired.split.num_layers
+    assert paired.stats().compile["reason"] is None and paired.stats().compile["units_past_signature_limit"] == 0
+    # Inductor's default table by name, as compile_fx passes it: its FX graph cache can key on it.
+    assert paired.split.compiled.paired[0].compiler.get_decomp_fn is select_decomp_table
+    assert module.split.compiled.paired == [] and module.stats().compile["layers_compiled"] == module.split.num_layers
+    assert max_abs_diff(got, through_module) <= 1e-6
+    assert max_abs_diff(got, expected) <= 1e-5
+    assert max(float(g.abs().max()) for g in expected.values()) > 1e-3  # not vacuous
+
+
 def test_saved_frozen_weights_are_stage_handles_where_the_window_needs_them(tiny_llama_path, tmp_path):
     from harvest.train.window import _WeightHandle
 
@@ -91,8 +124,12 @@ def test_gradients_accumulate_as_autograds_accumulate_grad():
     assert fresh.grad.stride() == fresh.stride() and torch.equal(fresh.grad, second)
 
 
-def test_a_layer_whose_pair_cannot_be_built_trains_eager_and_says_why(tiny_llama_path, tmp_path, monkeypatch):
+def test_a_layer_whose_pair_cannot_be_built_trains_through_torch_compile_and_says_why(tiny_llama_path, tmp_path,
+                                                                                       monkeypatch):
+    builds = []
+
     def fails(self, *args):
+        builds.append(1)
         raise RuntimeError("this pair builds nothing")
 
     monkeypatch.setattr(compiled_pair.PairCompiler, "_build", fails)
@@ -100,12 +137,27 @@ def test_a_layer_whose_pair_cannot_be_built_trains_eager_and_says_why(tiny_llama
     trainer = build(tiny_llama_path, tmp_path / "fails", compile_layers="on")
     expected = _step_grads(eager)
     assert max_abs_diff(_step_grads(trainer), expected) == 0.0
+    _step_grads(trainer)
+    assert len(builds) == 1  # the layers are alike: one failure, and no layer tries again
 
     status = trainer.stats().compile
-    assert status["layers_compiled"] == 0
-    assert "could not compile and runs eager" in status["reason"] and "this pair builds nothing" in status["reason"]
-    assert all(layer._compiled_call_impl is None for layer in trainer.split.decoder.layers)
+    assert status["layers_compiled"] == trainer.split.num_layers  # still compiled: torch.compile's runtime
+    assert "compiled pair could not be built; its units run through torch.compile" in status["reason"]
+    assert "this pair builds nothing" in status["reason"]
+    assert all(layer._compiled_call_impl is not None for layer in trainer.split.decoder.layers)
     assert _pair_calls(trainer) == [0, 0]
+
+
+def test_inductors_per_graph_settings_come_from_the_graph_or_from_older_torchs_configuration(monkeypatch):
+    from torch._inductor import compile_fx as inductor
+    from torch._inductor import config as inductor_config
+
+    seen = []
+    monkeypatch.setattr(inductor, "create_compiler_config_extra", lambda gm: seen.append(gm))
+    compiled_pair._compiler_config_extra("graph")
+    monkeypatch.setattr(inductor, "create_compiler_config_extra", lambda config: seen.append(config))
+    compiled_pair._compiler_config_extra("graph")
+    assert seen == ["graph", inductor_config]
 
 
 def test_signatures_past_the_limit_run_through_the_layers_compiled_call(tiny_llama_path, tmp_path, monkeypatch):

@@ -220,6 +220,15 @@ def warm_up(batch, trainer, partitioner, on_cuda) -> None:
             torch.cuda.synchronize()
 
 
+def trainer_compile_options(choice: str) -> dict:
+    """``--trainer-compile``: harvest.yaml's ``trainer.compile`` (auto | on | off), or
+    ``pairs``: compiled, with the training units as explicit compiled pairs on any device
+    (harvest.train.compiled_units.compile_layers' ``pairs``)."""
+    if choice == "pairs":
+        return dict(compile_layers="on", compile_pairs=True)
+    return dict(compile_layers=choice, compile_pairs=None)
+
+
 def set_up_engine(args, ctx, modes) -> None:
     """The decode engine of a run of ``modes``, into ``ctx`` (which holds the device and
     the partitioner): the trace's requests, the model, the decode batch (``--kv paged``:
@@ -258,7 +267,7 @@ def set_up_engine(args, ctx, modes) -> None:
         ctx["trainer"] = build_shared_trainer(model, device, lora_rank=args.lora_rank, seq_len=args.trainer_seq_len,
                                               samples_per_step=args.trainer_batch,
                                               micro_batch=args.trainer_micro_batch, seed=args.seed,
-                                              compile_layers=args.trainer_compile, unit_sizing=sizing)
+                                              **trainer_compile_options(args.trainer_compile), unit_sizing=sizing)
     if any(m != "level-graphs" for m in modes):
         warm_up(ctx["batch"], ctx["trainer"], partitioner, device_type == "cuda")
     if graphs_on and serving:

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 
 def build_shared_trainer(decode_model, device, *, lora_rank=16, seq_len=512, samples_per_step=4, micro_batch=2, seed=0,
-                         compile_layers="auto", unit_sizing=None):
+                         compile_layers="auto", unit_sizing=None, compile_pairs=None):
     """harvest's LayerSplitTrainer for LoRA on ``decode_model``'s own frozen weights (no
     copy), built without LlamaFactory; synthetic batches of ``seq_len`` random tokens.
     ``micro_batch`` None: measured so a unit takes ``unit_sizing``'s target
-    (harvest.train.microbatch; None: the stand-alone default)."""
+    (harvest.train.microbatch; None: the stand-alone default). ``compile_pairs``:
+    harvest.train.compiled_units.compile_layers' ``pairs``."""
     import torch
     from peft import LoraConfig, get_peft_model
 
@@ -45,4 +46,4 @@ def build_shared_trainer(decode_model, device, *, lora_rank=16, seq_len=512, sam
     shared = SharedTensorWeightSource(dict(decode_model.state_dict()))
     return assemble_trainer(peft_model, dataset, collate, settings, HarvestOptions(micro_batch_size=micro_batch),
                             device=torch.device(device), weight_source=shared,
-                            compile_layers=compile_layers, unit_sizing=unit_sizing)
+                            compile_layers=compile_layers, unit_sizing=unit_sizing, compile_pairs=compile_pairs)
