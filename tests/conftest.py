@@ -37,7 +37,8 @@ def gpu_unavailable_reason() -> str | None:
 # `make test` runs the suite on two pytest-xdist workers (--dist loadgroup). Every test that
 # starts SGLang servers (marked sglang) goes to one lane, one such test at a time: two
 # servers starting at once on a 2-core machine each take twice as long, and their trainers
-# and decode steps fight for the same cores. The other worker runs everything else.
+# and decode steps fight for the same cores. The other worker runs everything else, with
+# the sglang tests marked no_server (SGLang's launcher refuses before any process starts).
 SGLANG_LANE = "sglang-servers"
 
 
@@ -62,7 +63,7 @@ def _join_lane(item, lane: str, loadgroup: bool) -> None:
 def pytest_collection_modifyitems(config, items):
     loadgroup = bool(getattr(config.option, "loadgroup", False))  # set on xdist's workers only
     for item in items:
-        if "sglang" in item.keywords:
+        if "sglang" in item.keywords and "no_server" not in item.keywords:
             _join_lane(item, SGLANG_LANE, loadgroup)
     reason = gpu_unavailable_reason() if any("gpu" in item.keywords for item in items) else None
     if reason is None:

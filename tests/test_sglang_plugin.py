@@ -20,6 +20,8 @@ import pytest
 from harvest.sglang import launch
 from harvest.sglang.server import cpu_server_env
 
+# no_server: the launcher refuses before any SGLang process starts (tests/conftest.py runs
+# these beside the server lane).
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(300)]
 
 
@@ -44,6 +46,7 @@ def _launch_server(argv: list[str], *, fake_sglang_version: str | None = None, c
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env=cpu_server_env())
 
 
+@pytest.mark.no_server
 def test_bad_config_refuses_to_start_naming_the_field(tiny_llama_path, tmp_path):
     bad = tmp_path / "harvest.yaml"
     bad.write_text("qos:\n  target_tpot_ms: -5\n")
@@ -52,7 +55,8 @@ def test_bad_config_refuses_to_start_naming_the_field(tiny_llama_path, tmp_path)
     assert "qos.target_tpot_ms=-5: expected a finite number > 0.0; " in out.stderr
 
 
-@pytest.mark.parametrize("cuda_driver", [False, True], ids=["no CUDA driver", "a CUDA driver"])
+@pytest.mark.parametrize("cuda_driver", [pytest.param(False, marks=pytest.mark.no_server), True],
+                         ids=["no CUDA driver", "a CUDA driver"])
 def test_a_bad_job_file_stops_start_up_before_serving_naming_the_key(cuda_driver, tiny_llama_path, tmp_path):
     # Without a driver the launcher checks the job before SGLang starts anything. With one
     # the job check runs in a child while the schedulers start; the launcher awaits it
@@ -76,6 +80,7 @@ def test_a_bad_job_file_stops_start_up_before_serving_naming_the_key(cuda_driver
         assert "Load weight begin" not in out.stderr  # refused before SGLang started anything
 
 
+@pytest.mark.no_server
 def test_config_without_enable_flag_is_refused(tiny_llama_path, tmp_path):
     good = tmp_path / "harvest.yaml"
     good.write_text("qos: {target_tpot_ms: 30}\n")
@@ -84,6 +89,7 @@ def test_config_without_enable_flag_is_refused(tiny_llama_path, tmp_path):
     assert "--harvest-config given without --enable-harvest" in out.stderr
 
 
+@pytest.mark.no_server
 def test_unsupported_sglang_version_refuses_when_enabled(tiny_llama_path):
     out = _launch_server(["--model-path", str(tiny_llama_path), "--device", "cpu", "--enable-harvest"], fake_sglang_version="0.6.0")
     assert out.returncode != 0
@@ -91,6 +97,7 @@ def test_unsupported_sglang_version_refuses_when_enabled(tiny_llama_path):
     assert "HarvestStartupError" in out.stderr
 
 
+@pytest.mark.no_server
 def test_unsupported_version_without_harvest_is_only_logged(tiny_llama_path):
     # The launcher gets past argument parsing (our refusal point) and fails later for an
     # unrelated reason we provoke on purpose: a model path that does not exist.
@@ -110,6 +117,7 @@ def test_refused_server_configuration_stops_start_up_naming_the_flag(tiny_llama_
     assert "run with --page-size 1" in out.stderr
 
 
+@pytest.mark.no_server
 def test_launch_builds_the_sglang_command():
     command = launch.build_command("h.yaml", ["--model-path", "m"])
     assert command[1:] == ["-m", "sglang.launch_server", "--model-path", "m", "--enable-harvest", "--harvest-config", "h.yaml"]
@@ -118,6 +126,7 @@ def test_launch_builds_the_sglang_command():
         launch.build_command("a.yaml", ["--harvest-config", "b.yaml"])
 
 
+@pytest.mark.no_server
 def test_harvest_launch_validates_before_exec(tmp_path):
     bad = tmp_path / "harvest.yaml"
     bad.write_text("memory: {max_lend_fraction: 3}\n")

@@ -36,6 +36,11 @@ def test_server(i):
 def test_other(i):
     time.sleep(0.05)
     _record(f"other-{i}")
+
+@pytest.mark.sglang
+@pytest.mark.no_server
+def test_launcher_refusal(request):
+    Path(os.environ["LANES_OUT"], "launcher-nodeid").write_text(request.node.nodeid)
 '''
 
 
@@ -47,11 +52,14 @@ def test_sglang_tests_share_one_worker_and_the_rest_run_beside_them(tmp_path):
     (suite / "conftest.py").write_text(textwrap.dedent("""
         from tests.conftest import pytest_collection_modifyitems  # noqa: F401
     """))
-    (suite / "pytest.ini").write_text("[pytest]\nmarkers =\n    sglang: starts SGLang\n")
+    (suite / "pytest.ini").write_text("[pytest]\nmarkers =\n    sglang: starts SGLang\n    no_server: none starts\n")
     env = {**os.environ, "LANES_OUT": str(out), "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2", "--dist", "loadgroup", str(suite)],
                             cwd=suite, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    # An sglang test that starts no server is not in the lane (it may run on either worker).
+    assert "@" not in (out / "launcher-nodeid").read_text()
+    (out / "launcher-nodeid").unlink()
     workers = {path.name: path.read_text() for path in out.iterdir()}
     servers = {workers[f"server-{i}"] for i in range(4)}
     others = {workers[f"other-{i}"] for i in range(6)}
