@@ -74,7 +74,12 @@ AdamW (`details.peft`; halved into accumulated micro-batches only if the device 
 of memory, `details.peft.micro_batch_size` says so), its weights freed before the
 trainers'; `compiled_vs_peft` and `targets.compiled_ge_1.0x_peft` compare the compiled
 trainer with it. `--model small-synthetic`: the same path with a small shape (also on
-CPU, where copies are synchronous: overlap 0).
+CPU, where copies are synchronous: overlap 0). `--dtype` sets a synthetic model's weights
+and autocast (bf16 on CUDA, fp32 on a CPU by default); with `--fp32-reference` a bf16
+run also takes step 1 eager in fp32 on the same (bf16-valued) weights and reports each
+learner's LoRA gradients' relative error against it (`grad_fp32_rel_error_eager`,
+`_compiled_pair`, `_compiled_module`): whether compiling moves the gradients further from
+the arithmetic bf16 rounds than eager's own rounding does.
 """
 
 from __future__ import annotations
@@ -137,9 +142,17 @@ def main(argv=None) -> int:
                         help="samples per step (default 4 cpu-bench, 2 cpu-deep and small-synthetic, 8 cuda)")
     parser.add_argument("--seq-len", type=int, default=None,
                         help="tokens per sample (default 256 cpu-bench, 64 cpu-deep, 128 small-synthetic, 1024 cuda)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                        help="synthetic models: weights and autocast (auto: bfloat16 on CUDA, float32 on a CPU)")
+    parser.add_argument("--fp32-reference", action="store_true",
+                        help="synthetic models in bfloat16: also step 1 in fp32 on the same (bf16-valued) weights, "
+                             "and each learner's LoRA gradients' relative error against it (grad_fp32_rel_error_*)")
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.warmup < 0 or (args.layers is not None and args.layers < 1):
         parser.error("--rounds and --layers must be >= 1, --warmup >= 0")
+    if (args.model in CPU_SHAPES or (args.model is None and args.device == "cpu")) \
+            and (args.dtype != "auto" or args.fp32_reference):
+        parser.error("--dtype and --fp32-reference apply to the synthetic models (llama3-8b, small-synthetic)")
 
     import torch
 
@@ -485,7 +498,10 @@ def bench_synthetic(args, shape_name: str) -> dict:
     cuda = device.type == "cuda"
     batch = args.batch or (8 if cuda else 2)
     seq_len = args.seq_len or (1024 if cuda else 128)
-    dtype = torch.bfloat16 if cuda else torch.float32
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(args.dtype,
+                                                                       torch.bfloat16 if cuda else torch.float32)
+    if args.fp32_reference and dtype == torch.float32:
+        raise SystemExit("bench_trainer: --fp32-reference compares a bfloat16 run with fp32 (--dtype bfloat16)")
     shape = dict(SYNTHETIC_SHAPES[shape_name])
     if args.layers is not None:
         shape["num_hidden_layers"] = args.layers
@@ -535,6 +551,21 @@ def bench_synthetic(args, shape_name: str) -> dict:
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
+    fp32_errors = {}
+    if args.fp32_reference:
+        # Step 1 once more, eager in fp32 on the learners' weights (their bf16 values):
+        # how far each learner's bf16 gradients are from the arithmetic they round.
+        # The same `steps` as the learners: the data order (a shuffle over the dataset) with it.
+        trainer = _synthetic_trainer(shape, "all", device, dtype, batch, seq_len, steps, "off", upcast=True)
+        _run_until_optimizer(trainer)
+        reference = {n: p.grad.detach().float().cpu() for n, p in _lora(trainer.split.peft_model)}
+        trainer.close()
+        del trainer
+        gc.collect()
+        names = {"eager": "all", f"compiled_{'pair' if default_pairs else 'module'}": "compiled",
+                 f"compiled_{'module' if default_pairs else 'pair'}": "compiled_other"}
+        fp32_errors = {f"grad_fp32_rel_error_{name}": _max_rel_diff(grads[key], reference)
+                       for name, key in names.items()}
     compiled_diff = _max_abs_diff(grads["compiled"], grads["all"])
     keys = _compiled_keys(ops, layer_unit_ms, compiled_diff, compiles_in_timed, compile_status["compiled"],
                           apply_grad_target=dtype == torch.float32)
@@ -558,6 +589,7 @@ def bench_synthetic(args, shape_name: str) -> dict:
         compiled_pair_vs_module=results[by_runtime["pair"]]["tokens_per_s"] / results[by_runtime["module"]]["tokens_per_s"],
         compiled_pair_grad_max_abs_diff=_max_abs_diff(grads[by_runtime["pair"]], grads["all"]),
         compile_other=compile_status["compiled_other"],
+        **fp32_errors,
         compiled_grad_max_rel_diff=_max_rel_diff(grads["compiled"], grads["all"]),
         lora_grad_max_abs=max(float(g.abs().max()) for g in grads["all"].values()),
         tokens_per_s_w_all=results["all"]["tokens_per_s"], tokens_per_s_w2=results[2]["tokens_per_s"],
@@ -651,13 +683,18 @@ def _bench_plain_peft(shape, device, dtype, batch, seq_len, warmup_steps, rounds
     return dict(tokens_per_s=batch * seq_len / step_s, step_ms_median=step_s * 1e3, micro_batch_size=micro_batch)
 
 
-def _synthetic_trainer(shape, window, device, dtype, batch, seq_len, steps, compile_layers, compile_pairs=None):
+def _synthetic_trainer(shape, window, device, dtype, batch, seq_len, steps, compile_layers, compile_pairs=None,
+                       upcast=False):
+    """``upcast``: the weights drawn at ``dtype`` (the same values as the other learners'),
+    then trained in fp32 without autocast: the reference of --fp32-reference."""
     import torch
 
     from harvest.train.build import TrainerSettings, assemble_trainer
     from harvest.train.job import HarvestOptions
 
     peft_model = _synthetic_peft_model(shape, seq_len, dtype, device, home="cpu")
+    if upcast:
+        peft_model, dtype = peft_model.float(), torch.float32
     token_generator = torch.Generator().manual_seed(1)
     dataset = [{"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
                for ids in torch.randint(0, shape["vocab_size"], (batch * steps, seq_len), generator=token_generator)]
