@@ -119,8 +119,10 @@ _decide(R, "distributed and offloading engines: harvest runs the job inside one 
 _decide(R, "no hub access from a serving process; push the finished adapter separately",
         "push_to_hub hub_token hub_private_repo hub_model_id hub_strategy hub_always_push hub_revision")
 _decide(R, "the layer-split trainer computes plain token cross-entropy and runs the model's own modules",
-        "label_smoothing_factor neftune_noise_alpha torch_compile torch_compile_backend torch_compile_mode "
+        "label_smoothing_factor neftune_noise_alpha "
         "use_liger_kernel liger_kernel_config gradient_checkpointing gradient_checkpointing_kwargs")
+_decide(R, "harvest compiles the decoder layers itself, per server, not per job: trainer.compile in harvest.yaml "
+        "(harvest train --compile)", "torch_compile torch_compile_backend torch_compile_mode")
 _decide(R, "a process-wide switch: inside a decode server it would change the served model's numerics too",
         "tf32")
 _decide(R, "FP8 training is not supported by the layer-split trainer", "fp8 fp8_backend fp8_enable_fsdp_float8_all_gather")
