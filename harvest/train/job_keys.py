@@ -55,7 +55,8 @@ _decide(R, "continuing or merging existing adapters is not supported yet (it cha
         "shares with the served model); resume from a harvest checkpoint instead",
         "adapter_name_or_path adapter_folder create_new_adapter")
 _decide(R, "it patches the model's attention or layers, which the layer-split trainer runs stage by stage itself",
-        "shift_attn mixture_of_depths use_unsloth use_unsloth_gc enable_liger_kernel use_kt kt_weight_path "
+        "shift_attn mixture_of_depths use_unsloth use_unsloth_gc enable_liger_kernel use_liger_kernel liger_kernel_config "
+        "use_kt kt_weight_path "
         "kt_expert_checkpoint_path kt_use_lora_experts kt_lora_expert_num kt_lora_expert_intermediate_size")
 _decide(R, "MoE auxiliary losses are not computed by the layer-split trainer (it supports dense "
         "Llama/Qwen2/Mistral-style decoders)", "moe_aux_loss_coef")
@@ -118,9 +119,12 @@ _decide(R, "distributed and offloading engines: harvest runs the job inside one 
         "fsdp fsdp_config deepspeed parallelism_config")
 _decide(R, "no hub access from a serving process; push the finished adapter separately",
         "push_to_hub hub_token hub_private_repo hub_model_id hub_strategy hub_always_push hub_revision")
-_decide(R, "the layer-split trainer computes plain token cross-entropy and runs the model's own modules",
-        "label_smoothing_factor neftune_noise_alpha "
-        "use_liger_kernel liger_kernel_config gradient_checkpointing gradient_checkpointing_kwargs")
+_decide(R, "the layer-split trainer computes plain token cross-entropy, as llamafactory-cli train's default loss",
+        "label_smoothing_factor")
+_decide(R, "NEFTune's noise comes from the Hugging Face Trainer's hook on the embedding, which the layer-split "
+        "trainer does not install", "neftune_noise_alpha")
+_decide(R, "the layer-split trainer keeps one micro-batch pass of activations instead of recomputing them "
+        "(as disable_gradient_checkpointing: true does)", "gradient_checkpointing gradient_checkpointing_kwargs")
 _decide(R, "harvest compiles the decoder layers itself, per server, not per job: trainer.compile in harvest.yaml "
         "(harvest train --compile)", "torch_compile torch_compile_backend torch_compile_mode")
 _decide(R, "a process-wide switch: inside a decode server it would change the served model's numerics too",
