@@ -210,7 +210,8 @@ command_for() {
     tp-trainer) CMD=("$PYTHON" -m tests.train.tp_parity --tp 2 --device "$DEVICE" --builder peft --json) ;;
     tp-fault) CMD=("$PYTHON" -m tests.train.tp_parity --tp 2 --device "$DEVICE" --builder peft --fault-rank 1 --json) ;;
     # Round two (issue 39). Item 1: the layer-split trainer on the 8B shape, W = all eager,
-    # W = all compiled and W = 2, 8 x 512 tokens a step (the units the co-location below
+    # W = all compiled (torch.compile's runtime, then the explicit pairs: round three) and
+    # W = 2, 8 x 512 tokens a step (the units the co-location below
     # trains), after plain PEFT on the device (compiled_vs_peft, since 2026-11-27). The
     # rehearsal: the small synthetic shape, 2 layers, one timed step.
     bench-trainer)
