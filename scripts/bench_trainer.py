@@ -153,6 +153,8 @@ def main(argv=None) -> int:
     if (args.model in CPU_SHAPES or (args.model is None and args.device == "cpu")) \
             and (args.dtype != "auto" or args.fp32_reference):
         parser.error("--dtype and --fp32-reference apply to the synthetic models (llama3-8b, small-synthetic)")
+    if args.fp32_reference and (args.dtype == "float32" or (args.dtype == "auto" and args.device == "cpu")):
+        parser.error("--fp32-reference compares a bfloat16 run with fp32: --dtype bfloat16 (the default on cuda)")
 
     import torch
 
@@ -500,8 +502,6 @@ def bench_synthetic(args, shape_name: str) -> dict:
     seq_len = args.seq_len or (1024 if cuda else 128)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(args.dtype,
                                                                        torch.bfloat16 if cuda else torch.float32)
-    if args.fp32_reference and dtype == torch.float32:
-        raise SystemExit("bench_trainer: --fp32-reference compares a bfloat16 run with fp32 (--dtype bfloat16)")
     shape = dict(SYNTHETIC_SHAPES[shape_name])
     if args.layers is not None:
         shape["num_hidden_layers"] = args.layers
@@ -511,6 +511,9 @@ def bench_synthetic(args, shape_name: str) -> dict:
     # "compiled" is what trainer.compile: on runs on the device; "compiled_other" the other
     # runtime of the same compiled layers (compiled pairs on CUDA, torch.compile's on a CPU).
     default_pairs = device.type == "cpu"
+    runtime = {True: "pair", False: "module"}
+    # Both runtimes of the compiled layers by name, whichever is the device's default.
+    by_runtime = {runtime[default_pairs]: "compiled", runtime[not default_pairs]: "compiled_other"}
     learners = {"all": ("all", "off", None), "compiled": ("all", "on", None),
                 "compiled_other": ("all", "on", not default_pairs), 2: (2, "off", None)}
     compiled_keys = ("all", "compiled", "compiled_other")
@@ -562,8 +565,7 @@ def bench_synthetic(args, shape_name: str) -> dict:
         trainer.close()
         del trainer
         gc.collect()
-        names = {"eager": "all", f"compiled_{'pair' if default_pairs else 'module'}": "compiled",
-                 f"compiled_{'module' if default_pairs else 'pair'}": "compiled_other"}
+        names = {"eager": "all", **{f"compiled_{name}": key for name, key in by_runtime.items()}}
         fp32_errors = {f"grad_fp32_rel_error_{name}": _max_rel_diff(grads[key], reference)
                        for name, key in names.items()}
     compiled_diff = _max_abs_diff(grads["compiled"], grads["all"])
@@ -571,9 +573,6 @@ def bench_synthetic(args, shape_name: str) -> dict:
                           apply_grad_target=dtype == torch.float32)
     compiled_vs_peft = results["compiled"]["tokens_per_s"] / results["peft"]["tokens_per_s"]
     keys["targets"]["compiled_ge_1.0x_peft"] = compiled_vs_peft >= 1.0
-    runtime = {True: "pair", False: "module"}
-    # Both runtimes of the compiled layers by name, whichever is the device's default.
-    by_runtime = {runtime[default_pairs]: "compiled", runtime[not default_pairs]: "compiled_other"}
     return dict(
         tokens_per_s_peft=results["peft"]["tokens_per_s"],
         tokens_per_s_eager=results["all"]["tokens_per_s"],

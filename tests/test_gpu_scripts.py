@@ -469,7 +469,11 @@ def test_bench_trainer_compares_both_compiled_runtimes_and_bf16_with_fp32():
     assert all(0 < error < 0.05 for error in errors), errors
 
 
-def test_bench_trainer_refuses_a_dtype_for_the_checkpoint_models():
-    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_trainer.py"), "--model", "cpu-deep",
-                             "--dtype", "bfloat16"], capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert result.returncode == 2 and "--dtype and --fp32-reference apply to the synthetic models" in result.stderr
+@pytest.mark.parametrize("argv, refusal", [
+    (["--model", "cpu-deep", "--dtype", "bfloat16"], "--dtype and --fp32-reference apply to the synthetic models"),
+    (["--model", "small-synthetic", "--fp32-reference"], "--fp32-reference compares a bfloat16 run with fp32"),
+], ids=["dtype of a checkpoint model", "fp32 reference of an fp32 run"])
+def test_bench_trainer_refuses_what_it_cannot_compare(argv, refusal):
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_trainer.py"), *argv],
+                            capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert result.returncode == 2 and refusal in result.stderr and "Traceback" not in result.stderr

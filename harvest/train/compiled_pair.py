@@ -177,8 +177,8 @@ class PairCompiler:
 
 def _compiler_config_extra(graph):
     """Inductor's per-graph settings (CUDA graphs off unless configured, the device index):
-    computed from the graph, or, in older torch (its parameter named ``config``, before 2.13),
-    from inductor's configuration."""
+    computed from the graph, or, in an older torch whose function takes ``config``, from
+    inductor's configuration."""
     import inspect
 
     from torch._inductor import compile_fx as inductor
@@ -189,8 +189,8 @@ def _compiler_config_extra(graph):
 
 
 def _check_plain(metadata, compiled: dict, num_inputs: int) -> None:
-    """Refuse (ValueError: the layer then runs eager, saying why) a graph whose runtime
-    calling convention is not the plain one this module calls it by."""
+    """Refuse (ValueError: the layers then run through their torch.compile call, saying
+    why) a graph whose runtime calling convention is not the plain one this module calls it by."""
     problems = []
     if compiled.get("backward") is None:
         problems.append("no backward graph")
@@ -221,9 +221,10 @@ def _meta(tensor: torch.Tensor) -> tuple:
 class PairedLayer:
     """One decoder layer's training forward through its pairs (one per signature).
     ``on_failure(error)``: a pair could not be built; True: build it again (once), False:
-    the job's layers' units go through their module calls from then on (its ``torch.compile`` call,
-    which runs eager if that cannot compile either; harvest.train.compiled_units says why in
-    the status, and sets ``_compiled_call_impl`` to None for an eager layer, which this follows)."""
+    the job's layers' units go through their module calls from then on (their
+    ``torch.compile`` call, eager where that cannot compile either; harvest.train.compiled_units
+    says why in the status, and sets ``_compiled_call_impl`` to None for an eager layer,
+    which this follows)."""
 
     def __init__(self, layer: nn.Module, compiler: PairCompiler, on_failure: Callable[[BaseException], bool]):
         self.layer = layer
@@ -239,8 +240,9 @@ class PairedLayer:
         self.past_limit = 0  # forward units of a new signature past MAX_SIGNATURES (run by the module call)
 
     def forward(self, hidden: torch.Tensor, attention_mask, position_ids, position_embeddings):
-        """(output, `SavedForBackward`), or None: the caller runs the layer itself (it
-        failed to compile, or has met more signatures than `MAX_SIGNATURES`)."""
+        """(output, `SavedForBackward`), or None: the caller runs the layer itself (no pair
+        could be built, it failed to compile, or it has met more signatures than
+        `MAX_SIGNATURES`)."""
         if self.compiler.gave_up or self.layer._compiled_call_impl is None \
                 or not isinstance(position_embeddings, tuple):
             return None  # no pair for it, or eager; or not a (cos, sin) rotary layer
