@@ -286,6 +286,16 @@ def test_each_part_rehearses_on_cpu_within_its_plan(part, tmp_path, primed_build
         trainer = json.loads((out / "bench-trainer.json").read_text())
         assert trainer["tokens_per_s_eager"] > 0 and trainer["tokens_per_s_compiled"] > 0, trainer
         assert trainer["compile"]["layers_compiled"] == 2 and trainer["host_us_per_layer_unit_compiled"] > 0
+        # Both runtimes of the compiled layers (the pair, the CPU's default, and torch.compile's call)...
+        assert trainer["dtype"] == "torch.bfloat16" and trainer["compiled_runtime"] == "pair"
+        assert trainer["tokens_per_s_compiled_pair"] == trainer["tokens_per_s_compiled"]
+        assert trainer["tokens_per_s_compiled_module"] > 0 and trainer["compiled_pair_vs_module"] > 0
+        assert trainer["ops_per_layer_compiled_pair"] > 0 and trainer["ops_per_layer_compiled_module"] > 0
+        assert trainer["compile"]["units_past_signature_limit"] == 0 and trainer["compile"]["compiled_pairs"] >= 1
+        assert "compiled_pairs" not in trainer["compile_other"] and trainer["compile_other"]["layers_compiled"] == 2
+        # ... and each learner's bf16 gradients near fp32's on the same weights, none exactly on them.
+        errors = [trainer[f"grad_fp32_rel_error_{name}"] for name in ("eager", "compiled_pair", "compiled_module")]
+        assert all(0 < error < 0.05 for error in errors), errors
         colocate = json.loads((out / "colocate-compiled.json").read_text())
         assert colocate["complete"] and not any("error" in mode for mode in colocate["modes"].values())
         assert colocate["harvest_trainer_vs_static"] > 0 and "trainer_tokens_per_s" in colocate["modes"]["trainer-alone"]
