@@ -7,11 +7,12 @@ from __future__ import annotations
 import pytest
 
 from harvest.engines.transformers.shared_trainer import build_shared_trainer
-from tests.engines.helpers import DEVICES, model_on
+from tests.engines.helpers import model_on
 
 
-@pytest.mark.parametrize("compile_choice", ["auto", pytest.param("pairs", marks=pytest.mark.slow)])
-@pytest.mark.parametrize("device", DEVICES)
+# "pairs" on CUDA only: a CPU's compiled trainer runs its pairs by default (tests/train cover it).
+@pytest.mark.parametrize("device, compile_choice", [("cpu", "auto"), *[
+    pytest.param("cuda", choice, marks=pytest.mark.gpu, id=f"cuda-{choice}") for choice in ("auto", "pairs")]])
 def test_shared_weight_trainer_matches_plain_peft(tiny_llama_path, device, compile_choice, one_thread):
     """One optimizer step (two micro-batches) gives plain PEFT's LoRA gradients and loss,
     with the decode model's tensors as frozen weights (none copied, none changed); "auto"

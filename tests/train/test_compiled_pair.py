@@ -5,7 +5,7 @@
   are stage handles); the gradients are accumulated as autograd's AccumulateGrad does.
 - A layer whose pair cannot be built trains through its torch.compile call, with the reason
   in the status; so does a signature past the pairs' limit. The pair built as on CUDA
-  (plain inductor) equals the torch.compile call.
+  (plain inductor) equals the eager step to fp32 rounding.
 - A saved input changed in place between the forward and backward units is refused, as
   autograd refuses it.
 """
@@ -59,33 +59,27 @@ def test_a_step_through_the_pairs_equals_the_eager_step(window_stages, lora_drop
 
 
 @pytest.mark.slow
-def test_pairs_compiled_as_on_cuda_equal_the_torch_compile_call(tiny_llama_path, tmp_path, monkeypatch):
+def test_pairs_compiled_as_on_cuda_equal_the_eager_step(tiny_llama_path, tmp_path, monkeypatch):
     """The pair under CUDA's configuration (plain "inductor": its default decompositions and
-    settings), here on a CPU: every layer unit runs through a pair, and the step equals the
-    same layers through torch.compile's runtime, and eager's to fp32 rounding."""
-    from harvest.train import compiled_units, split_model
+    settings), here on a CPU: every layer unit runs through a pair, and the step equals
+    eager's to fp32 rounding (inductor's own kernels, not eager_numerics')."""
     from torch._inductor.decomposition import select_decomp_table
 
-    def as_on_cuda(pairs: bool) -> None:
-        def compile_layers(layers, requested, device, **kwargs):
-            return compiled_units.compile_layers(layers, requested, device, **{**kwargs, "backend": "inductor",
-                                                                                "pairs": pairs})
-        monkeypatch.setattr(split_model, "compile_layers", compile_layers)
+    from harvest.train import compiled_units, split_model
+
+    def compile_layers(layers, requested, device, **kwargs):
+        return compiled_units.compile_layers(layers, requested, device, **{**kwargs, "backend": "inductor",
+                                                                            "pairs": True})
 
     expected = _step_grads(build(tiny_llama_path, tmp_path / "eager", compile_layers="off"))
-    as_on_cuda(pairs=True)
+    monkeypatch.setattr(split_model, "compile_layers", compile_layers)
     paired = build(tiny_llama_path, tmp_path / "paired", compile_layers="on")
     got = _step_grads(paired)
-    as_on_cuda(pairs=False)
-    module = build(tiny_llama_path, tmp_path / "module", compile_layers="on")
-    through_module = _step_grads(module)
 
     assert _pair_calls(paired) == [len(paired._step.micro_batches)] * paired.split.num_layers
     assert paired.stats().compile["reason"] is None and paired.stats().compile["units_past_signature_limit"] == 0
     # Inductor's default table by name, as compile_fx passes it: its FX graph cache can key on it.
     assert paired.split.compiled.paired[0].compiler.get_decomp_fn is select_decomp_table
-    assert module.split.compiled.paired == [] and module.stats().compile["layers_compiled"] == module.split.num_layers
-    assert max_abs_diff(got, through_module) <= 1e-6
     assert max_abs_diff(got, expected) <= 1e-5
     assert max(float(g.abs().max()) for g in expected.values()) > 1e-3  # not vacuous
 
