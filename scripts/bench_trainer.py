@@ -153,7 +153,9 @@ def main(argv=None) -> int:
     if (args.model in CPU_SHAPES or (args.model is None and args.device == "cpu")) \
             and (args.dtype != "auto" or args.fp32_reference):
         parser.error("--dtype and --fp32-reference apply to the synthetic models (llama3-8b, small-synthetic)")
-    if args.fp32_reference and (args.dtype == "float32" or (args.dtype == "auto" and args.device == "cpu")):
+    if args.dtype == "auto":
+        args.dtype = "bfloat16" if args.device == "cuda" else "float32"
+    if args.fp32_reference and args.dtype == "float32":
         parser.error("--fp32-reference compares a bfloat16 run with fp32: --dtype bfloat16 (the default on cuda)")
 
     import torch
@@ -500,8 +502,7 @@ def bench_synthetic(args, shape_name: str) -> dict:
     cuda = device.type == "cuda"
     batch = args.batch or (8 if cuda else 2)
     seq_len = args.seq_len or (1024 if cuda else 128)
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(args.dtype,
-                                                                       torch.bfloat16 if cuda else torch.float32)
+    dtype = getattr(torch, args.dtype)
     shape = dict(SYNTHETIC_SHAPES[shape_name])
     if args.layers is not None:
         shape["num_hidden_layers"] = args.layers
@@ -510,13 +511,15 @@ def bench_synthetic(args, shape_name: str) -> dict:
     # One learner after the other: each holds the model's weights (16 GB for the 8B shape).
     # "compiled" is what trainer.compile: on runs on the device; "compiled_other" the other
     # runtime of the same compiled layers (compiled pairs on CUDA, torch.compile's on a CPU).
-    default_pairs = device.type == "cpu"
+    from harvest.train.compiled_units import pairs_by_default
+
+    default_pairs = pairs_by_default(device)
     runtime = {True: "pair", False: "module"}
     # Both runtimes of the compiled layers by name, whichever is the device's default.
     by_runtime = {runtime[default_pairs]: "compiled", runtime[not default_pairs]: "compiled_other"}
     learners = {"all": ("all", "off", None), "compiled": ("all", "on", None),
                 "compiled_other": ("all", "on", not default_pairs), 2: (2, "off", None)}
-    compiled_keys = ("all", "compiled", "compiled_other")
+    compared = ("all", "compiled", "compiled_other")  # their gradients, unit times and operators
     results, grads, ops, layer_unit_ms = {}, {}, {}, {}
     compile_status, compiles_in_timed = {}, 0
     results["peft"] = _bench_plain_peft(shape, device, dtype, batch, seq_len, timed_from, args.rounds)
@@ -524,7 +527,7 @@ def bench_synthetic(args, shape_name: str) -> dict:
         trainer = _synthetic_trainer(shape, window, device, dtype, batch, seq_len, steps, compile_layers, pairs)
         trainer.window.record_copy_timing = True
         _run_until_optimizer(trainer)
-        if key in compiled_keys:
+        if key in compared:
             grads[key] = {n: p.grad.detach().float().cpu() for n, p in _lora(trainer.split.peft_model)}
         trainer.run_one_unit()
         step_records = []
@@ -543,11 +546,11 @@ def bench_synthetic(args, shape_name: str) -> dict:
         results[key] = _summarize(step_records, batch * seq_len, device)
         results[key]["micro_batch_size"] = trainer.micro_batch_size
         results[key]["window_bytes"] = trainer.stats().window_bytes
-        if key in compiled_keys:
+        if key in compared:
             layer_unit_ms[key] = [r.host_ms for records, _ in step_records for r in records
                                   if r.stage_name.startswith("layer.")]
             ops[key] = _layer_unit_ops(trainer, shape["num_hidden_layers"] // 2)
-        if key != "all" and key in compiled_keys:
+        if key in ("compiled", "compiled_other"):
             compile_status[key] = trainer.stats().compile
         trainer.close()
         del trainer

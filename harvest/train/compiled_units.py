@@ -156,7 +156,7 @@ def compile_layers(layers: list[nn.Module], requested: str, device: torch.device
 
     torch._functorch.config.force_non_lazy_backward_lowering = True
     if pairs is None:
-        pairs = backend is None and device.type == "cpu"  # measured there (docs/measurements.md)
+        pairs = backend is None and pairs_by_default(device)
     if backend is None:
         backend = default_backend(device)
     compiler = None
@@ -172,6 +172,13 @@ def compile_layers(layers: list[nn.Module], requested: str, device: torch.device
         if compiler is not None:
             state.paired.append(compiled_pair.PairedLayer(layer, compiler, functools.partial(_pair_failed, state)))
     return state
+
+
+def pairs_by_default(device: torch.device) -> bool:
+    """Whether a layer's training units run as explicit compiled pairs with the default
+    backend: where they were measured faster, a CPU (docs/measurements.md); CUDA keeps
+    ``torch.compile``'s runtime until a GPU measures pairs."""
+    return device.type == "cpu"
 
 
 def default_backend(device: torch.device) -> Any:
