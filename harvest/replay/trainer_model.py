@@ -62,8 +62,16 @@ def build(profile: ReplayProfile, tokens_per_gpu_s: float | None = None) -> Trai
     rate on a whole GPU (from the command line), None if unknown."""
     if tokens_per_gpu_s is not None and not (math.isfinite(tokens_per_gpu_s) and tokens_per_gpu_s > 0):
         raise ValueError(f"--trainer-tokens-per-s={tokens_per_gpu_s!r}: must be a finite number > 0")
+    fallback = ""
     if profile.trainer_alone is not None:
-        return _measured(profile, tokens_per_gpu_s)
+        section = profile.trainer_alone
+        whole = alternating_rate([r.units_per_s for r in section.records(section.whole_device_level)])
+        if whole > 0:
+            return _measured(profile, whole, tokens_per_gpu_s)
+        # Every share is a rate over this one; profiles written before the alone window
+        # was made to hold a unit may have counted none on a loaded host.
+        fallback = (f"the profile's trainer section counted no unit alone on {_whole_device(section)} in some phase, "
+                    "so its shares cannot be formed: the SM-share model instead; ")
     ladder = profile.ladder
     total = ladder.total_sms
     colo, idle = [], []
@@ -83,7 +91,11 @@ def build(profile: ReplayProfile, tokens_per_gpu_s: float | None = None) -> Trai
         source = "none given (--trainer-tokens-per-s): finetune throughput is in whole-GPU trainer equivalents"
     else:
         source = f"--trainer-tokens-per-s {tokens_per_gpu_s:g} (the job alone on a whole GPU, from the command line)"
-    return TrainerModel(tuple(colo), tuple(idle), tokens_per_gpu_s, source, _profile_note(profile))
+    return TrainerModel(tuple(colo), tuple(idle), tokens_per_gpu_s, source, fallback + _profile_note(profile))
+
+
+def _whole_device(section) -> str:
+    return "the whole device" if section.whole_device_level is None else f"level {section.whole_device_level} (every SM)"
 
 
 def alternating_rate(rates: list[float]) -> float:
@@ -93,9 +105,9 @@ def alternating_rate(rates: list[float]) -> float:
     return len(rates) / sum(1.0 / r for r in rates)
 
 
-def _measured(profile: ReplayProfile, tokens_override: float | None) -> TrainerModel:
+def _measured(profile: ReplayProfile, whole: float, tokens_override: float | None) -> TrainerModel:
+    """``whole``: the workload's units/s alone on every SM, > 0."""
     section, levels = profile.trainer_alone, profile.ladder.levels
-    whole = alternating_rate([r.units_per_s for r in section.records(section.whole_device_level)])
     corun = {r.level: alternating_rate([p.units_per_s for p in r.phases]) for r in profile.trainer_records}
     colo, idle, capped = [], [], []
     for index, level in enumerate(levels):
@@ -118,7 +130,7 @@ def _measured(profile: ReplayProfile, tokens_override: float | None) -> TrainerM
         colo.append(beside)
         idle.append(alone)
     measured_tokens = whole * section.tokens_per_unit
-    where = "the whole device" if section.whole_device_level is None else f"level {section.whole_device_level} (every SM)"
+    where = _whole_device(section)
     if tokens_override is None:
         tokens, source = measured_tokens, (
             f"measured: {whole:.4g} units/s alone on {where} x {section.tokens_per_unit:.4g} tokens/unit "

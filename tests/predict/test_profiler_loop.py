@@ -19,7 +19,7 @@ from harvest.predict.profiler.engines import BaseDecodeEngine
 from harvest.predict.profiler.measure import MeasureConfig, MeasurementError, kept_indices, trimmed_mean
 from harvest.predict.profiler.partial import PartialRun, PartialRunError, partial_path
 from harvest.predict.profiler.runner import plan_points, run_grid
-from harvest.predict.profiler.trainer_alone import measure_section
+from harvest.predict.profiler.trainer_alone import measure_alone, measure_section
 from harvest.predict.schema import Grid
 from tests.predict.synthetic import provenance
 
@@ -84,10 +84,8 @@ class ScriptedTimer:
 
 
 class ScriptedWorkload(UnitLoopWorkload):
-    """Units of 1 ms, always one in flight: ``stop`` returns after a unit that ends once
-    it was called (so a trainer-alone window holds at least one), and an engine step can
-    wait for a unit (``wait_for_unit_after``). The thread keeps its priority: the test's
-    counts do not depend on how a loaded machine schedules it."""
+    """Units of 1 ms, always one in flight; an engine step waits for one
+    (``wait_for_unit_after``). The thread keeps its priority."""
 
     name = "scripted"
     description = "scripted units"
@@ -100,7 +98,6 @@ class ScriptedWorkload(UnitLoopWorkload):
         self.running_phase = None
         self.fail_after = fail_after
         self.started: list[str] = []
-        self.failed = threading.Event()
 
     def start(self, phase, stream=None):
         self.started.append(phase)
@@ -108,15 +105,8 @@ class ScriptedWorkload(UnitLoopWorkload):
         self.running_phase = phase
 
     def stop(self):
-        if self.running_phase is not None:
-            self.wait_for_unit_after(self.units_done)
         self.running_phase = None
         super().stop()
-
-    def wait_for_unit_after(self, units: int) -> None:
-        """Until more than ``units`` units are done (or the workload failed)."""
-        while self.units_done <= units and not self.failed.is_set():
-            time.sleep(0.0002)
 
     @property
     def tokens_per_unit(self) -> float:
@@ -124,7 +114,6 @@ class ScriptedWorkload(UnitLoopWorkload):
 
     def run_unit(self, phase):
         if self.fail_after is not None and self.units_done >= self.fail_after:
-            self.failed.set()
             raise RuntimeError("trainer exploded")
         time.sleep(0.001)
 
@@ -208,6 +197,36 @@ def test_trainer_alone_stage_uses_the_level_that_gives_the_trainer_every_sm():
     assert section.whole_device_level == 0 and [r.level for r in section.alone] == [0, 0]
     with pytest.raises(ValueError, match="--trainer-alone-s=0"):
         measure_section(ScriptedWorkload(), shared, 0)
+
+
+class _HeldAfterWarmup(threading.Event):
+    """The loop's stop flag, whose second check (the one after the warm-up unit) takes
+    0.2 s: a thread the host did not run between two units."""
+
+    def __init__(self):
+        super().__init__()
+        self.checks = 0
+
+    def is_set(self):
+        self.checks += 1
+        if self.checks == 2:
+            time.sleep(0.2)
+        return super().is_set()
+
+
+def test_a_trainer_alone_window_ends_with_a_unit_even_if_the_thread_did_not_run_in_it():
+    workload = ScriptedWorkload()
+    workload._stop_event = _HeldAfterWarmup()
+    record = measure_alone(workload, None, None, "forward", 0.02)
+    # Time was up while the thread sat between units; the window waited for the next one.
+    # Counting none would give the replay a whole-device rate of zero to divide by.
+    assert record.units >= 1 and record.seconds >= 0.02
+
+
+def test_a_unit_that_fails_after_the_trainer_alone_window_fails_the_stage():
+    shared = Ladder(1, (Level(1, 1),), "whole-device")
+    with pytest.raises(CoRunError, match="trainer exploded"):
+        measure_section(ScriptedWorkload(fail_after=1), shared, 0.02)
 
 
 def _grid():

@@ -54,6 +54,19 @@ def test_measured_shares_and_tokens_by_hand():
     assert override.colo_share == model.colo_share  # the override changes the unit, not the shares
 
 
+def test_a_profile_that_counted_no_unit_alone_on_the_whole_device_falls_back_to_the_sm_share_model():
+    """Every measured share is a rate over the whole device's; a profile written before
+    the alone window was made to hold a unit may have counted none there."""
+    none_alone = dataclasses.replace(ALONE, alone=ALONE.alone[:4] + (TrainerAloneRecord(None, "forward", 0, 2.0),
+                                                                     ALONE.alone[5]))
+    profile = dataclasses.replace(measured_profile(), trainer_alone=none_alone)
+    model = trainer_model.build(profile)
+    assert model.model == trainer_model.SM_SHARE_MODEL
+    assert model.colo_share == trainer_model.build(dataclasses.replace(profile, trainer_alone=None)).colo_share
+    assert model.profile_note.startswith("the profile's trainer section counted no unit alone on the whole device")
+    comparison.run(STEADY, profile, model, settings(), 0)  # the replay runs on it
+
+
 def test_replay_uses_the_measured_rates():
     result = comparison.run(STEADY, measured_profile(), trainer_model.build(measured_profile()), settings(), 0)
     static, separate = result.results["static"], result.results["separate"]

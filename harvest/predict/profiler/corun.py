@@ -41,6 +41,9 @@ class BaseCoRunWorkload(abc.ABC):
     - ``micro_batch_tokens``: mean non-padding tokens per micro-batch, the size of the
       units decode was measured beside (the profile records it; a server compares its
       jobs' with it); None before any micro-batch ran.
+    - ``wait_for_unit_after(units)`` returns once more than ``units`` units are done
+      (True), or when the workload stopped running or ``timeout_s`` passed first (False):
+      what ends a measurement window at the end of a unit.
     - ``stop()`` returns after the unit in flight ends; it re-raises the background
       thread's failure as CoRunError. ``close()`` frees the model.
     - ``cpu_threads`` and ``nice``: torch CPU threads and nice increment of the workload's
@@ -72,6 +75,9 @@ class BaseCoRunWorkload(abc.ABC):
     def start(self, phase: str, stream: Any = None) -> None: ...
 
     @abc.abstractmethod
+    def wait_for_unit_after(self, units: int, timeout_s: float | None = None) -> bool: ...
+
+    @abc.abstractmethod
     def stop(self) -> None: ...
 
     def close(self) -> None:  # noqa: B027 - optional
@@ -81,13 +87,14 @@ class BaseCoRunWorkload(abc.ABC):
 class UnitLoopWorkload(BaseCoRunWorkload):
     """A workload defined by ``run_unit(phase)``; this class runs it in a thread."""
 
-    START_TIMEOUT_S = 600.0
+    UNIT_TIMEOUT_S = 600.0  # the longest a unit may take, the first one (warm-up) included
 
     def __init__(self) -> None:
         self._units = 0
         self._thread: threading.Thread | None = None
+        self._looping = False  # the thread runs units (False once it stopped or failed)
+        self._progress = threading.Condition()  # notified on each unit and when the loop ends
         self._stop_event = threading.Event()
-        self._first_unit = threading.Event()
         self._error: BaseException | None = None
 
     @abc.abstractmethod
@@ -98,22 +105,28 @@ class UnitLoopWorkload(BaseCoRunWorkload):
     def units_done(self) -> int:
         return self._units
 
+    def wait_for_unit_after(self, units: int, timeout_s: float | None = None) -> bool:
+        with self._progress:
+            self._progress.wait_for(lambda: self._units > units or not self._looping,
+                                    self.UNIT_TIMEOUT_S if timeout_s is None else timeout_s)
+            return self._units > units
+
     def start(self, phase: str, stream: Any = None) -> None:
         if phase not in self.phases:
             raise CoRunError(f"{self.name}: phase {phase!r} is not one of {self.phases}")
         if self._thread is not None:
             raise CoRunError(f"{self.name}: already running")
         self._stop_event.clear()
-        self._first_unit.clear()
         self._error = None
         serving_threads = trainer_cpu.process_default()
+        units, self._looping = self._units, True
         self._thread = threading.Thread(target=self._loop, args=(phase, stream), name=f"harvest-corun-{self.name}", daemon=True)
         self._thread.start()
-        started = self._first_unit.wait(self.START_TIMEOUT_S)
+        started = self.wait_for_unit_after(units)
         trainer_cpu.restore_process_default(serving_threads)  # the loop limited its own thread first
-        if not started:
+        if not started and self._error is None:
             self.stop()
-            raise CoRunError(f"{self.name}: no unit finished within {self.START_TIMEOUT_S:.0f} s")
+            raise CoRunError(f"{self.name}: no unit finished within {self.UNIT_TIMEOUT_S:.0f} s")
         if self._error is not None:
             self.stop()
 
@@ -124,11 +137,15 @@ class UnitLoopWorkload(BaseCoRunWorkload):
             with context:
                 while not self._stop_event.is_set():
                     self.run_unit(phase)
-                    self._units += 1
-                    self._first_unit.set()
+                    with self._progress:
+                        self._units += 1
+                        self._progress.notify_all()
         except BaseException as exc:  # noqa: BLE001 - handed to the profiling thread in stop()
             self._error = exc
-            self._first_unit.set()
+        finally:
+            with self._progress:
+                self._looping = False
+                self._progress.notify_all()
 
     def stop(self) -> None:
         thread, self._thread = self._thread, None

@@ -5,16 +5,19 @@ fraction of the finetune job's rate on a whole device, which needs that rate and
 level's alone rate as a reference. For each level whose trainer has SMs, and for the
 whole device (the level giving the trainer every SM if there is one, else the device
 outside the ladder), the workload runs held in each of its phases on that trainer
-stream for ``seconds_per_phase``. The window runs from the end of the first unit
-(``start`` returns then) to the end of the unit in flight when time is up (``stop``
-waits for it), so it holds whole units only. Not resumable: a resumed run measures this
-stage again (seconds per level and phase).
+stream for ``seconds_per_phase``. The window runs from when ``start`` returns (the first
+unit, the warm-up, has ended) to the end of the unit in flight when time is up, so it
+holds at least one unit however a loaded host schedules the workload's thread: a
+whole-device rate of zero would leave the replay nothing to divide by. Not resumable: a
+resumed run measures this stage again (seconds per level and phase).
 """
 
 from __future__ import annotations
 
 import time
+
 from harvest.ladder import Ladder
+from harvest.predict.profiler.corun import CoRunError
 from harvest.predict.schema import TrainerAloneRecord, TrainerSection
 
 
@@ -23,10 +26,17 @@ def measure_alone(workload, level: int | None, stream, phase: str, seconds: floa
     try:
         units_before, start = workload.units_done, time.perf_counter()
         time.sleep(seconds)
+        # Counted where a unit ends: the one in flight now, or, if the thread was between
+        # units, the next (a loaded host may not have run the thread at all since start).
+        ended = workload.wait_for_unit_after(workload.units_done)
+        units, elapsed = workload.units_done - units_before, time.perf_counter() - start
     finally:
-        workload.stop()
-    elapsed = time.perf_counter() - start
-    return TrainerAloneRecord(level=level, phase=phase, units=workload.units_done - units_before, seconds=elapsed)
+        workload.stop()  # re-raises the workload's failure, if that is what ended the wait
+    if not ended:
+        where = "the whole device" if level is None else f"level {level}"
+        raise CoRunError(f"{workload.name}: the unit in flight when its {seconds:g} s alone on {where} ({phase}) was up "
+                         "did not end within the workload's time limit for a unit")
+    return TrainerAloneRecord(level=level, phase=phase, units=units, seconds=elapsed)
 
 
 def measure_section(workload, ladder: Ladder, seconds_per_phase: float, on_record=None) -> TrainerSection:
