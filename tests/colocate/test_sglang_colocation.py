@@ -259,7 +259,7 @@ def test_metrics_also_in_sglang_multiprocess_metrics(tiny_llama_path, tmp_path):
             srv.post("/generate", {"input_ids": [5 + i, 6, 7, 8], "sampling_params": {"max_new_tokens": 8, "temperature": 0}})
         sglang_text = _wait_for(lambda: (t := srv.get("/metrics")[1]) and "harvest_decode_step_seconds_count" in t and t, timeout_s=30)
         # harvest's endpoint serves a snapshot at most metrics.publish_interval_s old.
-        own = _wait_for(lambda: (m := _metrics(port)[0])['harvest_decode_step_seconds_count{}'] >= 4 and m, timeout_s=10)
+        own = _wait_for(lambda: (m := _metrics(port)[0])['harvest_decode_step_seconds_count{}'] >= 4 and m, timeout_s=60)
     assert sglang_text, "harvest_* metrics missing from SGLang's /metrics"
     assert "harvest_qos_target_seconds" in sglang_text
     assert own and own['harvest_decode_step_seconds_count{}'] >= 4

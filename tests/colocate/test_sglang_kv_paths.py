@@ -78,6 +78,16 @@ class LentServer:
         with urllib.request.urlopen(request, timeout=30) as response:
             return response.status
 
+    def abort_all(self, replies) -> list[int]:
+        """/abort_request {abort_all} until every reply is in: a request the server had not
+        yet received at one call (its client thread or the tokenizer ran late on a loaded
+        machine) is aborted by the next, instead of running to its length. The statuses."""
+        statuses, deadline = [], time.monotonic() + 120
+        while not all(reply.done() for reply in replies) and time.monotonic() < deadline:
+            statuses.append(self.post_for_status("/abort_request", {"abort_all": True}))
+            concurrent.futures.wait(replies, timeout=0.5)
+        return statuses
+
     def pool_clears(self) -> int:
         return self.log().count(CLEARED)
 
@@ -169,12 +179,12 @@ def test_decode_instance_retraction_backup_and_aborts(tiny_llama_path, tmp_path)
         with concurrent.futures.ThreadPoolExecutor(6) as pool:
             replies = [pool.submit(generate, 100 + i, LONG_NEW_TOKENS, f"long-{i}") for i in range(6)]
             time.sleep(1.5)
-            every = lent.post_for_status("/abort_request", {"abort_all": True})
+            every = lent.abort_all(replies)
             aborted = [reply.result() for reply in replies]
         lent.assert_chunks_still_lent_after(checks)
         log = lent.log()
     assert [(meta["finish_reason"]["type"], meta["completion_tokens"]) for meta in completed] == [("length", 24)] * 16
-    assert every == 200 and [meta["finish_reason"]["type"] for meta in aborted] == ["abort"] * 6
+    assert every and set(every) == {200} and [meta["finish_reason"]["type"] for meta in aborted] == ["abort"] * 6
     assert "Testing retraction" in log and "'disaggregation_decode_retraction_backup': 'cpu_tensor'" in log
 
 
@@ -197,9 +207,9 @@ def test_aborts_of_running_and_queued_requests(lent_server, expected):
         lent_server.wait_decoding(steps)
         one = lent_server.post_for_status("/abort_request", {"rid": rids[0]})
         time.sleep(0.3)
-        every = lent_server.post_for_status("/abort_request", {"abort_all": True})
+        every = lent_server.abort_all(replies)
         outcomes = [reply.result()["meta_info"] for reply in replies]
-    assert (one, every) == (200, 200)
+    assert one == 200 and every and set(every) == {200}
     assert [meta["finish_reason"]["type"] for meta in outcomes] == ["abort"] * len(rids), outcomes
     assert any(meta["completion_tokens"] > 0 for meta in outcomes)  # some were running
     assert _generate_all(lent_server.srv, PROMPTS, 8) == expected

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 
 import pytest
 
@@ -39,9 +40,18 @@ def test_a_lend_waiting_for_its_fences_is_finished_as_the_lending_controller_doe
     try:
         alloc.set_fence_streams([7])
         alloc.hold_fences(True)  # decode's queued work has not passed yet
-        threading.Timer(0.05, lambda: alloc.hold_fences(False)).start()
+
+        def pass_fences_50_ms_into_the_lend():  # counted from when the lend waits, however late this thread runs
+            while 2 not in alloc.lending_chunks():
+                time.sleep(0.001)
+            time.sleep(0.05)
+            alloc.hold_fences(False)
+
+        releaser = threading.Thread(target=pass_fences_50_ms_into_the_lend, daemon=True)
+        releaser.start()
         lend_ms, reclaim_ms, loaded = _rounds(alloc, [2], 1, lambda: True)
-        assert lend_ms[0] >= 45 and reclaim_ms[0] < lend_ms[0] and loaded == [True]
+        releaser.join()
+        assert lend_ms[0] >= 50 and loaded == [True]
         assert 2 in alloc.lendable_chunks()  # back with decode
         alloc.check_integrity()
     finally:

@@ -106,7 +106,7 @@ def request(port, method, path, token=None, body=None):
         return exc.code, exc.read(), exc.headers
 
 
-def wait_for(predicate, timeout_s=10.0):
+def wait_for(predicate, timeout_s=60.0):  # generous: it waits on another process, on a loaded machine too
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if predicate():

@@ -53,9 +53,16 @@ def test_the_endpoint_listens_where_the_instance_says_and_serves_strict_json(tin
     with server.launch(args, log_path=tmp_path / "sglang.log") as srv:
         for i in range(6):  # prefills (no prediction: NaN inside) and decode steps
             srv.post("/generate", {"input_ids": [5 + i, 6, 7, 8], "sampling_params": {"max_new_tokens": 6, "temperature": 0}})
-        time.sleep(1.5)  # a snapshot is at most metrics.publish_interval_s old
+        # The endpoint serves the newest snapshot the scheduler published: poll until one
+        # holds those steps (one a publish interval old on an idle machine, later on a loaded one).
+        deadline = time.monotonic() + 60
+        while True:
+            steps = strict_loads(_get("127.0.0.1", instance_port, "/harvest/steps"))
+            kinds = {row["is_decode"] for row in steps["steps"]}
+            if kinds == {True, False} or time.monotonic() > deadline:
+                break
+            time.sleep(0.25)
         listening = _listening(instance_port)
-        steps = strict_loads(_get("127.0.0.1", instance_port, "/harvest/steps"))
         status = strict_loads(_get("127.0.0.1", instance_port, "/harvest/status"))
         metrics = _get("127.0.0.1", instance_port, "/metrics").decode()
         endpoints = srv.processes("harvest.sglang.endpoint_server")  # this server's only, not another test suite's
@@ -74,7 +81,7 @@ def test_the_endpoint_listens_where_the_instance_says_and_serves_strict_json(tin
     # folder when this one is killed with its endpoint (control_endpoint.remove_stale_run_dirs).
     (run_dir, engine_pid), = run_dirs.values()
     assert run_dir.name.startswith(f"harvest-control-{engine_pid}-"), run_dir
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60
     while srv.processes("harvest.sglang.endpoint_server") and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not srv.processes("harvest.sglang.endpoint_server")  # ... gone with the server

@@ -92,13 +92,16 @@ class Prometheus:
                 ["prometheus", f"--config.file={config}", f"--storage.tsdb.path={directory / 'data'}",
                  f"--web.listen-address=127.0.0.1:{self.port}"], stdout=log, stderr=subprocess.STDOUT)
         self.url = f"http://127.0.0.1:{self.port}"
+        self.evaluated_at: float | None = None  # where queries are evaluated (None: now)
         if not _wait_for(lambda: urllib.request.urlopen(self.url + "/-/ready", timeout=2).status == 200, 60, 0.5):
             self.stop()
             raise RuntimeError(f"prometheus not ready after 60 s:\n{self.log_tail()}")
 
-    def query(self, expr: str) -> dict:
-        """The API's whole answer (status, data or error) of an instant query now."""
-        url = f"{self.url}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+    def query(self, expr: str, at: float | None = None) -> dict:
+        """The API's whole answer (status, data or error) of an instant query at Unix time
+        ``at``, else at ``evaluated_at``, else now."""
+        at = self.evaluated_at if at is None else at
+        url = f"{self.url}/api/v1/query?" + urllib.parse.urlencode({"query": expr, **({"time": at} if at else {})})
         try:
             return _get_json(url)
         except urllib.error.HTTPError as exc:  # 400/422: the error is in the body
@@ -171,6 +174,9 @@ def fleet(tiny_llama_path, tmp_path_factory):
         assert up, f"prometheus does not scrape both servers:\n{prometheus.log_tail()}"
         scraped = _wait_for(lambda: _scraped_busy(prometheus, len(targets)), SCRAPED_WITHIN_S, 0.5)
         assert scraped, f"no {SCRAPES_IN_WINDOW} scrapes of both busy servers in {SCRAPED_WITHIN_S} s:\n{prometheus.log_tail()}"
+        # Every test queries at that moment: a rate window that held decode and training
+        # then may not later, when a loaded machine left the niced trainer no time in it.
+        prometheus.evaluated_at = scraped
         statuses = {target: _get_json(f"http://{target}/harvest/status") for target in targets}
         yield prometheus, statuses
     finally:
@@ -183,17 +189,19 @@ def fleet(tiny_llama_path, tmp_path_factory):
             list(pool.map(lambda srv: srv.stop(), servers))  # both at once
 
 
-def _scraped_busy(prometheus: Prometheus, num_servers: int) -> bool:
-    """The rate window holds SCRAPES_IN_WINDOW scrapes of every server, over which each
-    decoded and trained: what the dashboard's rates need to have a value (two samples) and
-    the fleet row's latency and tokens/s to be above 0."""
-    window = RATE_INTERVAL
+def _scraped_busy(prometheus: Prometheus, num_servers: int) -> float | None:
+    """The Unix time at which the rate window held SCRAPES_IN_WINDOW scrapes of every
+    server, over which each decoded and trained (what the dashboard's rates need to have a
+    value, two samples, and the fleet row's latency and tokens/s to be above 0): now, or
+    None if it did not."""
+    window, now = RATE_INTERVAL, time.time()
     conditions = (
         f'count_over_time(up{{job="harvest"}}[{window}]) >= {SCRAPES_IN_WINDOW}',
         f'sum by (instance) (increase(harvest_decode_step_seconds_count{{job="harvest"}}[{window}])) > 0',
         f'sum by (instance) (rate(harvest_trainer_tokens_total{{job="harvest"}}[{window}])) > 0',
     )
-    return all(len(prometheus.query(expr)["data"]["result"]) == num_servers for expr in conditions)
+    busy = all(len(prometheus.query(expr, at=now)["data"]["result"]) == num_servers for expr in conditions)
+    return now if busy else None
 
 
 def _dashboard_queries() -> list[tuple[str, str, str, str]]:
