@@ -49,7 +49,7 @@ def test_a_lend_waiting_for_its_fences_is_finished_as_the_lending_controller_doe
 
         releaser = threading.Thread(target=pass_fences_50_ms_into_the_lend, daemon=True)
         releaser.start()
-        lend_ms, reclaim_ms, loaded = _rounds(alloc, [2], 1, lambda: True)
+        lend_ms, _, loaded = _rounds(alloc, [2], 1, lambda: True)
         releaser.join()
         assert lend_ms[0] >= 50 and loaded == [True]
         assert 2 in alloc.lendable_chunks()  # back with decode
