@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from harvest.sglang import server
+from tests.colocate.test_sglang_colocation import _wait_for
 
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(600)]
 
@@ -55,13 +56,9 @@ def test_the_endpoint_listens_where_the_instance_says_and_serves_strict_json(tin
             srv.post("/generate", {"input_ids": [5 + i, 6, 7, 8], "sampling_params": {"max_new_tokens": 6, "temperature": 0}})
         # The endpoint serves the newest snapshot the scheduler published: poll until one
         # holds those steps (one a publish interval old on an idle machine, later on a loaded one).
-        deadline = time.monotonic() + 60
-        while True:
-            steps = strict_loads(_get("127.0.0.1", instance_port, "/harvest/steps"))
-            kinds = {row["is_decode"] for row in steps["steps"]}
-            if kinds == {True, False} or time.monotonic() > deadline:
-                break
-            time.sleep(0.25)
+        steps = _wait_for(lambda: (s := strict_loads(_get("127.0.0.1", instance_port, "/harvest/steps")))
+                          and {row["is_decode"] for row in s["steps"]} == {True, False} and s, timeout_s=60)
+        assert steps, "no snapshot with both prefill and decode steps in 60 s"
         listening = _listening(instance_port)
         status = strict_loads(_get("127.0.0.1", instance_port, "/harvest/status"))
         metrics = _get("127.0.0.1", instance_port, "/metrics").decode()
@@ -81,10 +78,7 @@ def test_the_endpoint_listens_where_the_instance_says_and_serves_strict_json(tin
     # folder when this one is killed with its endpoint (control_endpoint.remove_stale_run_dirs).
     (run_dir, engine_pid), = run_dirs.values()
     assert run_dir.name.startswith(f"harvest-control-{engine_pid}-"), run_dir
-    deadline = time.monotonic() + 60
-    while srv.processes("harvest.sglang.endpoint_server") and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not srv.processes("harvest.sglang.endpoint_server")  # ... gone with the server
+    assert _wait_for(lambda: not srv.processes("harvest.sglang.endpoint_server"), timeout_s=60)  # ... gone with the server
 
 
 def test_a_busy_metrics_port_stops_the_server_before_the_model_loads(tiny_llama_path, tmp_path):
